@@ -1,0 +1,325 @@
+"""The StarSD wire protocol: every message type, field, error code and the version live here.
+
+A message is a list of frames::
+
+    [type][msgpack header][tensor frame 0][tensor frame 1]...
+
+(the draft daemon's ROUTER socket sees the peer identity in front). The header is a
+msgpack map; it always carries ``v`` (the protocol version) and, when tensors
+follow, ``tensors``: ``{name: {"dtype": str, "shape": [...], "frame": i}}``.
+
+Conversation between a target (DEALER) and the draft daemon (ROUTER)::
+
+    HELLO   -> WELCOME | ERROR      handshake: version, vocabulary size, tokenizer fingerprint
+    OPEN    -> (nothing) | ERROR    new session: prompt ids and sampling parameters
+    DRAFT   -> DRAFTED | ERROR      "n of your last drafts survived, then these tokens were
+                                     verified; the verified sequence is now `pos` long;
+                                     draft `depth` more"
+    CLOSE   -> (nothing)
+    STATS   -> STATS_REPLY          counters of the draft daemon
+
+A target daemon also takes generation jobs on a local control socket:
+
+    GENERATE -> RESULT | ERROR
+
+Any change to this module's messages or meanings bumps PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from common.tensors import TensorCodecError, decode_tensor, encode_tensor
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(bytes, enum.Enum):
+    HELLO = b"HELLO"
+    WELCOME = b"WELCOME"
+    OPEN = b"OPEN"
+    DRAFT = b"DRAFT"
+    DRAFTED = b"DRAFTED"
+    CLOSE = b"CLOSE"
+    ERROR = b"ERROR"
+    STATS = b"STATS"
+    STATS_REPLY = b"STATS_REPLY"
+    GENERATE = b"GENERATE"
+    RESULT = b"RESULT"
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1  # not valid frames / msgpack / tensor data
+    UNKNOWN_TYPE = 2
+    VERSION_MISMATCH = 3
+    INCOMPATIBLE_MODEL = 4  # vocabulary or tokenizer differ
+    NO_HANDSHAKE = 5  # a request before HELLO
+    UNKNOWN_SESSION = 6
+    BAD_REQUEST = 7  # well-formed but violates the schema or the session's state
+    TOO_LARGE = 8
+    BUSY = 9  # a session or queue limit was reached
+    DESYNC = 10  # the verified length the target states differs from the session's
+    INTERNAL = 11
+    GENERATION_FAILED = 12
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied to untrusted bytes before anything else looks at them."""
+
+    max_frames: int = 8
+    max_message_bytes: int = 64 << 20
+    max_header_bytes: int = 4 << 20
+    max_array_len: int = 1 << 18  # longest token list (prompt) accepted
+    max_map_len: int = 64
+    max_str_len: int = 1 << 20
+    max_depth: int = 64
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class Message:
+    type: MsgType
+    header: dict = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ProtocolError(Exception):
+    """Input that violates the protocol; carries what an ERROR reply needs."""
+
+    def __init__(self, code: ErrorCode, message: str, session: int | None = None, seq: int | None = None):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.session = session
+        self.seq = seq
+
+
+class RemoteError(Exception):
+    """An ERROR message received from the other side."""
+
+    def __init__(self, code: int, message: str, session: int | None = None, seq: int | None = None):
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = f"code {code}"
+        super().__init__(f"{name}: {message}")
+        self.name = name
+        self.code = code
+        self.message = message
+        self.session = session
+        self.seq = seq
+
+
+# ---------------------------------------------------------------- schema
+# Field kinds: "int" (not bool), "uint", "float" (int accepted), "str", "bool",
+# "ids" (list of uints < 2**31), "strs", "map", "opt_int", "opt_uint", "any".
+_U31 = (1 << 31) - 1
+
+SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
+    # name: (kind, required)
+    MsgType.HELLO: {"vocab_size": ("uint", True), "tokenizer": ("str", True), "name": ("str", False)},
+    MsgType.WELCOME: {
+        "vocab_size": ("uint", True),
+        "tokenizer": ("str", True),
+        "backend": ("str", True),
+        "max_depth": ("uint", True),
+        "q_topk": ("uint", True),
+        "server": ("str", False),
+    },
+    MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
+    MsgType.DRAFT: {
+        "session": ("uint", True),
+        "seq": ("uint", True),
+        "accepted": ("uint", True),
+        "new": ("ids", True),
+        "pos": ("uint", True),
+        "depth": ("uint", True),
+    },
+    MsgType.DRAFTED: {"session": ("uint", True), "seq": ("uint", True), "tokens": ("ids", True)},
+    MsgType.CLOSE: {"session": ("uint", True)},
+    MsgType.ERROR: {
+        "code": ("uint", True),
+        "message": ("str", True),
+        "session": ("opt_uint", False),
+        "seq": ("opt_uint", False),
+    },
+    MsgType.STATS: {},
+    MsgType.STATS_REPLY: {"stats": ("map", True)},
+    MsgType.GENERATE: {
+        "id": ("uint", True),
+        "prompt": ("str", False),
+        "prompt_ids": ("ids", False),
+        "max_tokens": ("uint", True),
+        "temperature": ("float", False),
+        "top_p": ("float", False),
+        "top_k": ("uint", False),
+        "seed": ("opt_uint", False),
+        "stop": ("strs", False),
+        "no_draft": ("bool", False),
+    },
+    MsgType.RESULT: {"id": ("uint", True), "text": ("str", True), "token_ids": ("ids", True), "stats": ("map", True)},
+}
+
+SAMPLING_SCHEMA: dict[str, tuple[str, bool]] = {
+    "temperature": ("float", True),
+    "top_k": ("uint", False),
+    "top_p": ("float", False),
+    "seed": ("opt_uint", False),
+}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_kind(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return _is_int(value)
+    if kind == "uint":
+        return _is_int(value) and 0 <= value <= (1 << 63) - 1
+    if kind == "opt_uint":
+        return value is None or (_is_int(value) and 0 <= value <= (1 << 63) - 1)
+    if kind == "float":
+        return (isinstance(value, float) or _is_int(value)) and value == value  # rejects NaN
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "ids":
+        return isinstance(value, list) and all(_is_int(v) and 0 <= v <= _U31 for v in value)
+    if kind == "strs":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if kind == "map":
+        return isinstance(value, dict)
+    return True
+
+
+def validate_fields(schema: dict[str, tuple[str, bool]], header: dict, what: str,
+                    session: int | None = None, seq: int | None = None) -> None:
+    for name, (kind, required) in schema.items():
+        if name not in header:
+            if required:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what}: missing field {name!r}", session, seq)
+            continue
+        if not _check_kind(kind, header[name]):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"{what}: field {name!r} must be {kind}, got {header[name]!r:.80}", session, seq
+            )
+
+
+# ---------------------------------------------------------------- encode / decode
+def encode(msg: Message) -> list:
+    """Frames for ``msg`` (tensors as zero-copy buffers). Unknown types fail here, loudly."""
+    if not isinstance(msg.type, MsgType):
+        raise TypeError(f"not a protocol message type: {msg.type!r}")
+    header = dict(msg.header)
+    header["v"] = PROTOCOL_VERSION
+    frames: list = [msg.type.value, None]
+    if msg.tensors:
+        specs = {}
+        for i, (name, t) in enumerate(msg.tensors.items()):
+            spec, buf = encode_tensor(t)
+            spec["frame"] = i
+            specs[name] = spec
+            frames.append(buf)
+        header["tensors"] = specs
+    frames[1] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def _frame_bytes(frame) -> memoryview:
+    # zmq.Frame exposes .buffer; bytes and memoryviews are taken as they are.
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf)
+
+
+def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse frames from an untrusted peer; every failure is a ProtocolError."""
+    if len(frames) < 2:
+        raise ProtocolError(ErrorCode.MALFORMED, f"a message needs at least 2 frames, got {len(frames)}")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
+    views = [_frame_bytes(f) for f in frames]
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {total} bytes exceeds {limits.max_message_bytes}")
+    raw_type = views[0].tobytes()
+    try:
+        mtype = MsgType(raw_type)
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {raw_type[:32]!r}") from None
+    if views[1].nbytes > limits.max_header_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {views[1].nbytes} bytes exceeds {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            views[1],
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
+    session = header.get("session") if _is_int(header.get("session")) else None
+    seq = header.get("seq") if _is_int(header.get("seq")) else None
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol version {version!r} is not supported; this side speaks version {PROTOCOL_VERSION}",
+            session,
+            seq,
+        )
+    validate_fields(SCHEMA[mtype], header, mtype.name, session, seq)
+    tensors = _decode_tensors(header.pop("tensors", None), views[2:], session, seq)
+    return Message(mtype, header, tensors)
+
+
+def _decode_tensors(specs: Any, buffers: list[memoryview], session, seq) -> dict[str, torch.Tensor]:
+    if specs is None:
+        if buffers:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{len(buffers)} tensor frames but no tensor specs", session, seq)
+        return {}
+    if not isinstance(specs, dict) or len(specs) != len(buffers):
+        raise ProtocolError(ErrorCode.MALFORMED, "tensor specs do not match the trailing frames", session, seq)
+    out: dict[str, torch.Tensor] = {}
+    used: set[int] = set()
+    for name, spec in specs.items():
+        idx = spec.get("frame") if isinstance(spec, dict) else None
+        if not _is_int(idx) or not 0 <= idx < len(buffers) or idx in used:
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r} has a bad frame index", session, seq)
+        used.add(idx)
+        try:
+            out[name] = decode_tensor(spec, buffers[idx])
+        except TensorCodecError as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r}: {exc}", session, seq) from None
+    return out
+
+
+# ---------------------------------------------------------------- constructors
+def error(code: ErrorCode, message: str, session: int | None = None, seq: int | None = None) -> Message:
+    return Message(MsgType.ERROR, {"code": int(code), "message": message, "session": session, "seq": seq})
+
+
+def error_from(exc: ProtocolError) -> Message:
+    return error(exc.code, exc.message, exc.session, exc.seq)
+
+
+def raise_if_error(msg: Message) -> Message:
+    if msg.type is MsgType.ERROR:
+        h = msg.header
+        raise RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
+    return msg

@@ -1,0 +1,115 @@
+"""Wire protocol: tensor codec round trips and typed errors for every kind of bad input."""
+
+import msgpack
+import pytest
+import torch
+
+from common import protocol as P
+from common.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError
+from common.tensors import decode_tensor, encode_tensor
+
+
+def roundtrip(msg: Message) -> Message:
+    frames = P.encode(msg)
+    return P.decode([bytes(f) for f in frames])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_tensor_roundtrip_dtypes(dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    out = roundtrip(Message(MsgType.DRAFTED, {"session": 1, "seq": 2, "tokens": [1, 2, 3]}, {"x": t}))
+    assert out.tensors["x"].dtype == dtype
+    assert torch.equal(out.tensors["x"], t)
+
+
+def test_bfloat16_bits_survive():
+    t = torch.tensor([1.5, -2.25, 3.0e30, float("inf")], dtype=torch.bfloat16)
+    spec, buf = encode_tensor(t)
+    assert spec["dtype"] == "bfloat16"
+    assert torch.equal(decode_tensor(spec, bytes(buf)), t)
+
+
+def test_empty_and_noncontiguous_tensors():
+    empty = torch.empty(0, 4, dtype=torch.float16)
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    strided = base.t()[::2]  # non-contiguous view
+    assert not strided.is_contiguous()
+    out = roundtrip(Message(MsgType.DRAFTED, {"session": 0, "seq": 0, "tokens": []}, {"e": empty, "s": strided}))
+    assert out.tensors["e"].shape == (0, 4) and out.tensors["e"].dtype == torch.float16
+    assert torch.equal(out.tensors["s"], strided)
+
+
+def test_contiguous_cpu_tensor_is_not_copied():
+    t = torch.arange(16, dtype=torch.float32)
+    _, buf = encode_tensor(t)
+    t[0] = 42.0
+    assert torch.frombuffer(bytearray(buf), dtype=torch.float32)[0] == 42.0
+
+
+def test_header_fields_roundtrip():
+    msg = Message(MsgType.DRAFT, {"session": 7, "seq": 3, "accepted": 2, "new": [5, 6], "pos": 40, "depth": 4})
+    assert roundtrip(msg).header == {**msg.header, "v": P.PROTOCOL_VERSION}
+
+
+def test_unknown_type_fails_at_encode():
+    with pytest.raises(TypeError):
+        P.encode(Message(b"NOPE", {}))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        P.encode(Message(MsgType.DRAFTED, {}, {"x": torch.zeros(2, dtype=torch.complex64)}))
+
+
+def hdr(**kw) -> bytes:
+    return msgpack.packb({"v": P.PROTOCOL_VERSION, **kw})
+
+
+GOOD_DRAFT = dict(session=1, seq=1, accepted=0, new=[1], pos=5, depth=3)
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([b"DRAFT"], ErrorCode.MALFORMED),
+    ([b"WHAT", hdr()], ErrorCode.UNKNOWN_TYPE),
+    ([b"DRAFT", b"\xc1\xc1garbage"], ErrorCode.MALFORMED),
+    ([b"DRAFT", msgpack.packb([1, 2, 3])], ErrorCode.MALFORMED),
+    ([b"DRAFT", msgpack.packb({"v": 999, **GOOD_DRAFT})], ErrorCode.VERSION_MISMATCH),
+    ([b"DRAFT", msgpack.packb(GOOD_DRAFT)], ErrorCode.VERSION_MISMATCH),
+    ([b"DRAFT", hdr(**{**GOOD_DRAFT, "seq": "one"})], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**{**GOOD_DRAFT, "new": [1, -2]})], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**{**GOOD_DRAFT, "depth": True})], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(session=1)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT), b"extra"], ErrorCode.MALFORMED),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": {"dtype": "float32", "shape": [4], "frame": 0}}), b"abc"],
+     ErrorCode.MALFORMED),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": {"dtype": "pickle", "shape": [1], "frame": 0}}), b"abcd"],
+     ErrorCode.MALFORMED),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": {"dtype": "uint8", "shape": [1], "frame": 5}}), b"a"],
+     ErrorCode.MALFORMED),
+    ([b"DRAFT", hdr(**GOOD_DRAFT)] + [b""] * 20, ErrorCode.TOO_LARGE),
+])
+def test_decode_errors_are_typed(frames, code):
+    with pytest.raises(ProtocolError) as info:
+        P.decode(frames)
+    assert info.value.code == code
+
+
+def test_size_limits():
+    small = Limits(max_message_bytes=100, max_array_len=10)
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"DRAFT", hdr(**GOOD_DRAFT), b"x" * 200], small)
+    assert info.value.code == ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"OPEN", hdr(session=1, prompt=list(range(50)), sampling={})], small)
+    assert info.value.code == ErrorCode.MALFORMED  # msgpack's own array bound refuses it
+
+
+def test_errors_keep_session_and_seq():
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"DRAFT", hdr(**{**GOOD_DRAFT, "session": 9, "seq": 4, "depth": "x"})])
+    assert (info.value.session, info.value.seq) == (9, 4)
+
+
+def test_remote_error_names_code():
+    msg = roundtrip(P.error(ErrorCode.BUSY, "full", 3, 4))
+    with pytest.raises(P.RemoteError) as info:
+        P.raise_if_error(msg)
+    assert info.value.name == "BUSY" and info.value.session == 3 and "full" in str(info.value)
