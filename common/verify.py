@@ -1,0 +1,133 @@
+"""Speculative verification as pure functions over tensors.
+
+Notation (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"):
+
+* ``x``  -- the k draft tokens x_1..x_k proposed by the draft model Mq;
+* ``p``  -- target distributions, shape [k+1, V]: row i is Mp's distribution of the token
+  that follows the prefix and x_1..x_i (row k gives the bonus token);
+* ``q``  -- draft distributions, shape [k, V]: row i is the distribution x_{i+1} was sampled from;
+* ``r``  -- uniform draws deciding acceptance.
+
+Both functions return ``(n, token)``: the first n draft tokens are kept, followed by
+``token`` drawn from Mp (the correction on rejection, the bonus when all k are kept).
+The kept sequence is distributed exactly as sampling from p token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_wire(self) -> dict:
+        return {"temperature": float(self.temperature), "top_k": int(self.top_k),
+                "top_p": float(self.top_p), "seed": self.seed}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SamplingParams":
+        return cls(float(d["temperature"]), int(d.get("top_k", 0)), float(d.get("top_p", 1.0)), d.get("seed"))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A private generator per request: seeded when a seed is given, fresh entropy otherwise."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, then top-p to logits [..., V]; return probabilities in float32.
+
+    Top-p keeps the smallest set of highest-probability tokens whose mass reaches top_p
+    (the token that crosses the threshold is kept)."""
+    if params.greedy:
+        raise ValueError("logits_to_probs is for sampling; greedy decoding uses argmax")
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def verify_greedy(target_logits: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    """Keep x_i while it equals argmax p_{i-1}; then Mp's own argmax token."""
+    k = int(x.shape[0])
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
+    best = torch.argmax(target_logits, dim=-1)
+    n = 0
+    while n < k and int(x[n]) == int(best[n]):
+        n += 1
+    return n, int(best[n])
+
+
+def verify_sampling(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling: keep x_i with probability min(1, p(x_i) / q(x_i)); on the first
+    rejection draw from norm(max(0, p - q)); if all k survive draw the bonus from p_k.
+
+    Guards: a draft token with q(x) = 0 cannot have been drawn from q and is rejected;
+    an all-zero residual (p <= q everywhere, only possible through rounding) falls back to p.
+    """
+    k = int(x.shape[0])
+    if p.shape[0] != k + 1 or q.shape[0] != k:
+        raise ValueError(f"shapes: p {tuple(p.shape)} and q {tuple(q.shape)} do not fit {k} drafts")
+    p = p.float()
+    q = q.float()
+    for i in range(k):
+        xi = int(x[i])
+        p_x = float(p[i, xi])
+        q_x = float(q[i, xi])
+        r = float(torch.rand((), generator=generator, device=generator.device))
+        if q_x > 0.0 and r < min(1.0, p_x / q_x):
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0.0 else p[i]
+        return i, sample(dist, generator)
+    return k, sample(p[k], generator)
+
+
+def dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Scatter sparse top-k proposals ([k, K] ids and probabilities) into dense rows [k, vocab]."""
+    q = torch.zeros(q_ids.shape[0], vocab, dtype=torch.float32)
+    if q_ids.numel():
+        q.scatter_(1, q_ids.long(), q_probs.float())
+    return q

@@ -1,0 +1,177 @@
+"""Verification math: forced branches with +/-inf logits, then a statistical test of exactness."""
+
+import math
+
+import pytest
+import torch
+
+from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy,
+                           verify_sampling)
+
+NEG = float("-inf")
+
+
+def onehot_logits(rows: list[int], vocab: int = 6) -> torch.Tensor:
+    t = torch.full((len(rows), vocab), NEG)
+    for i, r in enumerate(rows):
+        t[i, r] = 0.0
+    return t
+
+
+def test_greedy_all_accepted_gives_bonus():
+    n, tok = verify_greedy(onehot_logits([3, 1, 4, 5]), torch.tensor([3, 1, 4]))
+    assert (n, tok) == (3, 5)
+
+
+def test_greedy_first_mismatch_gives_target_token():
+    n, tok = verify_greedy(onehot_logits([3, 1, 4, 5]), torch.tensor([3, 2, 4]))
+    assert (n, tok) == (1, 1)
+    n, tok = verify_greedy(onehot_logits([0, 1]), torch.tensor([5]))
+    assert (n, tok) == (0, 0)
+
+
+def test_greedy_without_drafts_is_plain_argmax():
+    assert verify_greedy(onehot_logits([2]), torch.tensor([], dtype=torch.long)) == (0, 2)
+
+
+def test_greedy_rejects_wrong_shapes():
+    with pytest.raises(ValueError):
+        verify_greedy(onehot_logits([1, 2]), torch.tensor([1, 2]))
+
+
+def probs(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_sampling_accepts_when_p_dominates_q():
+    # p puts all mass on the drafted tokens: min(1, p/q) = 1, every draft survives, bonus from p_k.
+    p = probs([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    q = probs([[0.5, 0.5, 0, 0], [0, 0.5, 0.5, 0]])
+    for seed in range(20):
+        assert verify_sampling(p, q, torch.tensor([1, 2]), make_generator(seed)) == (2, 3)
+
+
+def test_sampling_rejects_token_target_never_produces():
+    # p(x_1) = 0: always rejected; the residual max(0, p - q) has all its mass on token 0.
+    p = probs([[1, 0, 0, 0], [0, 1, 0, 0]])
+    q = probs([[0, 1, 0, 0]])
+    for seed in range(20):
+        assert verify_sampling(p, q, torch.tensor([1]), make_generator(seed)) == (0, 0)
+
+
+def test_sampling_rejection_at_second_position():
+    p = probs([[0, 1, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]])
+    q = probs([[0, 1, 0, 0], [0, 0, 1, 0]])
+    assert verify_sampling(p, q, torch.tensor([1, 2]), make_generator(0)) == (1, 3)
+
+
+def test_sampling_guards_zero_q_and_zero_residual():
+    # x was "drafted" with q(x) = 0: it cannot have come from q, so it is rejected (no division by
+    # zero); p == q makes the residual all zero, so the correction is drawn from p itself.
+    p = probs([[0.5, 0.5, 0, 0], [0.25, 0.25, 0.25, 0.25]])
+    q = probs([[0.5, 0.5, 0, 0]])
+    seen = set()
+    for seed in range(40):
+        n, tok = verify_sampling(p, q, torch.tensor([2]), make_generator(seed))
+        assert n == 0
+        seen.add(tok)
+    assert seen == {0, 1}
+
+
+def test_sampling_is_deterministic_for_a_seed():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(4, 8), -1)
+    q = torch.softmax(torch.randn(3, 8), -1)
+    x = torch.tensor([1, 5, 2])
+    a = [verify_sampling(p, q, x, make_generator(7)) for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+
+
+def test_logits_to_probs_filters():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    pk = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert pk[0, 2] == 0 and pk[0, 3] == 0 and pk[0, :2].sum() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)[0]
+    # top_p just above p(0) keeps tokens 0 and 1: the token that crosses the threshold stays.
+    pp = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-3))
+    assert (pp[0, :2] > 0).all() and (pp[0, 2:] == 0).all()
+    # a low temperature sharpens, a high one flattens
+    cold = logits_to_probs(logits, SamplingParams(temperature=0.1))
+    hot = logits_to_probs(logits, SamplingParams(temperature=10.0))
+    assert cold[0, 0] > full[0] > hot[0, 0]
+
+
+def test_sampling_params_validation():
+    for bad in ({"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_dense_q_scatters_sparse_rows():
+    q = dense_q(torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([[0.75, 0.25]]), 4)
+    assert q.tolist() == [[0.25, 0.0, 0.75, 0.0]]
+
+
+# --------------------------------------------------------------------------- statistics
+V = 4
+
+
+def _tables(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # p and q depend on the previous token, so the test checks joint, not just marginal, exactness
+    p_tab = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)  # row V: start of sequence
+    q_tab = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)
+    return p_tab, q_tab
+
+
+def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator) -> tuple[int, ...]:
+    out: list[int] = []
+    while len(out) < length:
+        prev = out[-1] if out else V
+        x, q_rows, ctx = [], [], prev
+        for _ in range(depth):
+            row = q_tab[ctx]
+            t = int(torch.multinomial(row, 1, generator=gen))
+            x.append(t)
+            q_rows.append(row)
+            ctx = t
+        ctxs = [prev, *x]
+        p = torch.stack([p_tab[c] for c in ctxs])
+        n, tok = verify_sampling(p, torch.stack(q_rows), torch.tensor(x), gen)
+        out.extend([*x[:n], tok])
+    return tuple(out[:length])
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_speculative_sampling_follows_target_distribution(depth):
+    p_tab, q_tab = _tables(depth)
+    gen = make_generator(1234 + depth)
+    samples = 40000
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(samples):
+        key = _speculate(p_tab, q_tab, depth, 3, gen)
+        counts[key] = counts.get(key, 0) + 1
+    chi2 = 0.0
+    for a in range(V):
+        for b in range(V):
+            for c in range(V):
+                expected = samples * float(p_tab[V, a] * p_tab[a, b] * p_tab[b, c])
+                chi2 += (counts.get((a, b, c), 0) - expected) ** 2 / expected
+    df = V**3 - 1
+    # Critical value of chi-square at alpha = 1e-3 (Wilson-Hilferty approximation).
+    z = 3.0902
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < critical, f"chi2={chi2:.1f} >= {critical:.1f}"
+
+
+def test_statistical_test_detects_a_wrong_sampler():
+    # The same statistic must reject a sampler that ignores p (accepts every draft): the test can fail.
+    p_tab, q_tab = _tables(2)
+    gen = make_generator(99)
+    samples = 20000
+    counts: dict[int, int] = {}
+    for _ in range(samples):
+        t = int(torch.multinomial(q_tab[V], 1, generator=gen))
+        counts[t] = counts.get(t, 0) + 1
+    chi2 = sum((counts.get(a, 0) - samples * float(p_tab[V, a])) ** 2 / (samples * float(p_tab[V, a])) for a in range(V))
+    assert chi2 > 16.27  # alpha = 1e-3, df = 3
