@@ -1,0 +1,49 @@
+"""Shared pieces of the two command lines: options that also read the environment."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+
+def env_options(prefix: str):
+    """A click.option that can also be set from ``{prefix}_{NAME}`` and shows its default and
+    variable in --help: ``--draft-timeout`` reads ``STARSD_TARGET_DRAFT_TIMEOUT``."""
+
+    def option(*decls: str, **kwargs):
+        long = max((d for d in decls if d.startswith("--")), key=len)
+        kwargs.setdefault("envvar", f"{prefix}_{long[2:].upper().replace('-', '_')}")
+        kwargs.setdefault("show_envvar", True)
+        if "default" in kwargs and not kwargs.get("is_flag"):
+            kwargs.setdefault("show_default", True)
+        return click.option(*decls, **kwargs)
+
+    return option
+
+
+def logging_options(option):
+    def decorate(f):
+        f = option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                   help="Logging threshold.")(f)
+        f = option("--log-format", type=click.Choice(["text", "json"]), default="text",
+                   help="Log lines as text or as one JSON object per line.")(f)
+        return f
+
+    return decorate
+
+
+def fail_cleanly(*errors: type[BaseException]):
+    """Turn the named exceptions into a one-line error message and exit status 1."""
+
+    def wrap(f):
+        @functools.wraps(f)
+        def inner(*a, **kw):
+            try:
+                return f(*a, **kw)
+            except errors as exc:
+                raise click.ClickException(str(exc)) from exc
+
+        return inner
+
+    return wrap

@@ -1,0 +1,155 @@
+"""Loading causal LMs from local directories (never from a hub) and the small helpers around them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("starsd.models")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory that cannot be used, with a message saying why."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # tokens the tokenizer knows (the ids both sides may exchange)
+    logits_size: int  # width of the model's output layer (may be padded beyond vocab_size)
+    fingerprint: str
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}") from None
+
+
+def tokenizer_fingerprint(tokenizer, fallback_vocab: int) -> str:
+    """A short hash of the token-to-id mapping and special tokens: equal fingerprints mean
+    token ids mean the same text on both sides."""
+    if tokenizer is None:
+        return f"vocab-only-{fallback_vocab}"
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for src in (getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", progress: bool = True) -> LoadedModel:
+    """Load a Hugging Face causal LM (and its tokenizer, when the directory has one) from a
+    local directory, or one of the built-in demo names ``demo`` / ``demo-draft``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.demo_models import resolve_model_path
+
+    path = resolve_model_path(name_or_path, progress=progress)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a model directory (no config.json); pass a local Hugging Face checkpoint "
+            "directory, or 'demo' / 'demo-draft' for the built-in pair"
+        )
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    log.info("loading model %s on %s as %s", path, dev, str(torch_dtype).replace("torch.", ""))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    model.to(dev).eval()
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    else:
+        log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
+    logits_size = int(model.get_output_embeddings().weight.shape[0])
+    vocab = len(tokenizer) if tokenizer is not None else logits_size
+    vocab = min(vocab, logits_size)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        device=dev,
+        dtype=torch_dtype,
+        vocab_size=vocab,
+        logits_size=logits_size,
+        fingerprint=tokenizer_fingerprint(tokenizer, vocab),
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Roll a DynamicCache back so that it holds exactly ``length`` positions."""
+    have = cache.get_seq_length()
+    if length < 0 or length > have:
+        raise ValueError(f"cannot crop a cache of {have} positions to {length}")
+    if have > length:
+        cache.crop(length - have)  # a negative count removes that many positions
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] == b[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def set_torch_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)

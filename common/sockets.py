@@ -1,0 +1,64 @@
+"""The one place ZeroMQ sockets are built, so every socket gets the same bounded options."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket as _socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+
+from common.protocol import DEFAULT_LIMITS
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    linger_ms: int = 0
+    sndhwm: int = 1000
+    rcvhwm: int = 1000
+    max_msg_bytes: int = DEFAULT_LIMITS.max_message_bytes
+    heartbeat_ivl_ms: int = 2000
+    heartbeat_timeout_ms: int = 6000
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5000
+
+
+def make_socket(ctx: zmq.Context, kind: int, opts: SocketOptions = SocketOptions()) -> zmq.Socket:
+    """A socket with finite high-water marks, LINGER, a message-size cap and ZMTP heartbeats."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, opts.linger_ms)
+    sock.setsockopt(zmq.SNDHWM, opts.sndhwm)
+    sock.setsockopt(zmq.RCVHWM, opts.rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, opts.max_msg_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, opts.heartbeat_ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.heartbeat_timeout_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL, opts.reconnect_ivl_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, opts.reconnect_ivl_max_ms)
+    if kind == zmq.ROUTER:
+        # Unroutable replies raise instead of vanishing silently, so they are counted.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// endpoints on a loopback address."""
+    parts = urlsplit(endpoint)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if parts.scheme != "tcp":
+        return False
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """An endpoint on a port that is free right now (for tests and the demo)."""
+    with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"

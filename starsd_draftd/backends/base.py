@@ -1,0 +1,42 @@
+"""The interface every draft backend implements; the server loop knows nothing else about drafting."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from common.verify import SamplingParams
+
+
+@dataclass
+class Draft:
+    """k proposed tokens; in sampling mode also the sparse proposal distribution each was drawn
+    from: ``q_ids`` [k, K] int32 and ``q_probs`` [k, K] float32 (rows sum to 1)."""
+
+    tokens: list[int]
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
+
+
+class DraftBackend(abc.ABC):
+    """Per-session state is opaque to the server; the backend creates, uses and frees it."""
+
+    name: str = "base"
+    vocab_size: int
+    fingerprint: str
+
+    @abc.abstractmethod
+    def new_state(self, params: SamplingParams) -> object:
+        """Fresh state for one session (caches, a seeded generator...)."""
+
+    @abc.abstractmethod
+    def draft(self, state: object, verified: list[int], depth: int) -> Draft:
+        """Propose ``depth`` tokens following ``verified`` (the whole verified sequence).
+
+        The backend reuses whatever of its cached work still matches ``verified`` and
+        rolls back the rest."""
+
+    def release(self, state: object) -> None:
+        """Free a session's state (default: let garbage collection do it)."""

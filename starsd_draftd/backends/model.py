@@ -1,0 +1,75 @@
+"""Draft backend "model": any Hugging Face causal LM drafts a chain of tokens with a KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
+from common.verify import SamplingParams, logits_to_probs, make_generator
+from starsd_draftd.backends.base import Draft, DraftBackend
+
+
+@dataclass
+class ModelSession:
+    params: SamplingParams
+    generator: torch.Generator
+    cache: object
+    cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds
+
+
+class ModelBackend(DraftBackend):
+    name = "model"
+
+    def __init__(self, loaded: LoadedModel, q_topk: int = 32):
+        if q_topk < 1:
+            raise ValueError("q_topk must be >= 1")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.vocab_size = loaded.vocab_size
+        self.fingerprint = loaded.fingerprint
+        self.q_topk = min(q_topk, loaded.vocab_size)
+
+    def new_state(self, params: SamplingParams) -> ModelSession:
+        return ModelSession(params, make_generator(params.seed), new_cache(self.model))
+
+    @torch.inference_mode()
+    def _forward(self, st: ModelSession, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens after the cached ones; return the last position's logits over the vocabulary."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=st.cache, use_cache=True, logits_to_keep=1)
+        st.cached.extend(tokens)
+        return out.logits[0, -1, : self.vocab_size].float()
+
+    def draft(self, state: object, verified: list[int], depth: int) -> Draft:
+        st: ModelSession = state  # type: ignore[assignment]
+        if not verified:
+            raise ValueError("cannot draft after an empty sequence")
+        # Keep the cached prefix that still matches; always re-feed at least one token so the
+        # forward yields the logits of the next position.
+        keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
+        crop_cache(st.cache, keep)
+        del st.cached[keep:]
+        logits = self._forward(st, verified[keep:])
+        tokens: list[int] = []
+        q_ids, q_probs = [], []
+        for j in range(depth):
+            if st.params.greedy:
+                tok = int(torch.argmax(logits))
+            else:
+                probs = logits_to_probs(logits, st.params)
+                top = torch.topk(probs, self.q_topk)
+                mass = top.values / top.values.sum()
+                ids = top.indices
+                pick = int(torch.multinomial(mass.cpu(), 1, generator=st.generator))
+                tok = int(ids[pick])
+                q_ids.append(ids.to(torch.int32).cpu())
+                q_probs.append(mass.cpu())
+            tokens.append(tok)
+            if j + 1 < depth:
+                logits = self._forward(st, [tok])
+        if st.params.greedy or not tokens:
+            return Draft(tokens)
+        return Draft(tokens, torch.stack(q_ids), torch.stack(q_probs))

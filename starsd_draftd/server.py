@@ -1,0 +1,276 @@
+"""The draft daemon's work-conserving loop: one ROUTER socket, one request queue, one backend.
+
+I/O is drained into Q_in without blocking; each pass serves the oldest waiting DRAFT request
+(FIFO across all targets) and queues its reply on Q_out. The loop blocks only when no work
+is waiting, so the draft model is busy whenever any target is waiting for drafts.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from common import protocol as P
+from common.protocol import ErrorCode, Message, MsgType, ProtocolError
+from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
+from common.verify import SamplingParams
+from starsd_draftd.backends.base import DraftBackend
+from starsd_draftd.sessions import SessionTable
+
+log = logging.getLogger("starsd.draftd")
+
+
+@dataclass
+class ServerConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    max_depth: int = 5
+    max_sessions: int = 1024
+    max_sessions_per_peer: int = 64
+    max_queue: int = 4096
+    session_ttl_s: float = 600.0
+    insecure: bool = False
+    name: str = "starsd-draftd"
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.busy_s = 0.0
+        self.requests = 0
+        self.drafted_tokens = 0
+        self.sessions_opened = 0
+        self.sessions_expired = 0
+        self.unroutable = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
+        return {
+            "uptime_s": time.monotonic() - self.started,
+            "busy_s": self.busy_s,
+            "requests": self.requests,
+            "drafted_tokens": self.drafted_tokens,
+            "sessions_opened": self.sessions_opened,
+            "sessions_expired": self.sessions_expired,
+            "live_sessions": live_sessions,
+            "queue_depth": queue_depth,
+            "peers": peers,
+            "unroutable": self.unroutable,
+            "errors": dict(self.errors),
+        }
+
+
+class DraftServer:
+    def __init__(self, backend: DraftBackend, config: ServerConfig, ctx: zmq.Context | None = None):
+        if not config.insecure and not is_loopback_endpoint(config.bind):
+            raise ValueError(
+                f"refusing to bind {config.bind} without encryption: only loopback endpoints are allowed "
+                "unless --insecure is given"
+            )
+        self.backend = backend
+        self.config = config
+        self.ctx = ctx or zmq.Context.instance()
+        self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s)
+        self.q_in: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self.q_out: collections.deque[list] = collections.deque()
+        self.stats = Stats()
+        self._stop = threading.Event()
+        self.sock: zmq.Socket | None = None
+        self.endpoint = config.bind
+
+    # ------------------------------------------------------------ life cycle
+    def stop(self) -> None:
+        """Safe from signal handlers and other threads: only sets a flag."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def bind(self) -> str:
+        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
+        self.sock.bind(self.config.bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("draft daemon listening on %s (backend %s, max depth %d)",
+                 self.endpoint, self.backend.name, self.config.max_depth)
+        return self.endpoint
+
+    def serve_forever(self, ready: threading.Event | None = None) -> None:
+        if self.sock is None:
+            self.bind()
+        if ready is not None:
+            ready.set()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        try:
+            while not self._stop.is_set():
+                timeout = 0 if (self.q_in or self.q_out) else 100
+                if poller.poll(timeout):
+                    self._drain_socket()
+                if self.q_in:
+                    self._serve_one()
+                self._flush_out()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._expire(now)
+                    next_sweep = now + 1.0
+        finally:
+            self.sock.close(linger=0)
+            self.sock = None
+            log.info("draft daemon stopped")
+
+    # ------------------------------------------------------------ I/O
+    def _drain_socket(self, budget: int = 1024) -> None:
+        for _ in range(budget):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self.q_out.append([identity, *P.encode(msg)])
+
+    def _flush_out(self) -> None:
+        while self.q_out:
+            frames = self.q_out[0]
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # the peer's pipe is full; retry on the next pass
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.stats.unroutable += 1  # the peer disconnected; its reply has nowhere to go
+            self.q_out.popleft()
+
+    def _error(self, identity: bytes | None, exc: ProtocolError) -> None:
+        self.stats.errors[exc.code.name] += 1
+        log.debug("protocol error from %r: %s", identity, exc)
+        if identity is not None:
+            self._send(identity, P.error_from(exc))
+
+    # ------------------------------------------------------------ message handling
+    def _on_frames(self, frames: list) -> None:
+        identity = frames[0].bytes if frames else None
+        try:
+            msg = P.decode(frames[1:])
+            self._on_message(identity, msg)
+        except ProtocolError as exc:
+            self._error(identity, exc)
+        except Exception:  # a bug must cost one request, never the daemon
+            log.exception("internal error while handling a message from %r", identity)
+            self._error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
+
+    def _on_message(self, identity: bytes, msg: Message) -> None:
+        peer = self.sessions.peer(identity)
+        h = msg.header
+        if msg.type is MsgType.HELLO:
+            self._hello(identity, peer, h)
+            return
+        if msg.type is MsgType.STATS:
+            self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
+            return
+        if not peer.welcomed:
+            raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
+        if msg.type is MsgType.OPEN:
+            self._open(identity, h)
+        elif msg.type is MsgType.DRAFT:
+            self.sessions.get(identity, h["session"], h["seq"])  # fail fast on unknown sessions
+            if len(self.q_in) >= self.config.max_queue:
+                raise ProtocolError(ErrorCode.BUSY, f"request queue is full ({self.config.max_queue})",
+                                    h["session"], h["seq"])
+            self.q_in.append((identity, msg))
+        elif msg.type is MsgType.CLOSE:
+            s = self.sessions.close(identity, h["session"])
+            if s is not None:
+                self.backend.release(s.state)
+        else:
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a request")
+
+    def _hello(self, identity: bytes, peer, h: dict) -> None:
+        mine = (self.backend.vocab_size, self.backend.fingerprint)
+        theirs = (h["vocab_size"], h["tokenizer"])
+        if mine != theirs:
+            log.warning("refusing target %r: its vocabulary %d (tokenizer %s) differs from the draft's %d "
+                        "(tokenizer %s)", h.get("name", ""), theirs[0], theirs[1], mine[0], mine[1])
+            raise ProtocolError(
+                ErrorCode.INCOMPATIBLE_MODEL,
+                f"draft model vocabulary {mine[0]} (tokenizer {mine[1]}) does not match the target's "
+                f"vocabulary {theirs[0]} (tokenizer {theirs[1]})")
+        peer.welcomed = True
+        peer.name = h.get("name", "")
+        log.info("target %s connected", peer.name or identity.hex())
+        self._send(identity, Message(MsgType.WELCOME, {
+            "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
+            "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
+            "server": self.config.name}))
+
+    def _open(self, identity: bytes, h: dict) -> None:
+        sid = h["session"]
+        P.validate_fields(P.SAMPLING_SCHEMA, h["sampling"], "OPEN.sampling", sid)
+        try:
+            params = SamplingParams.from_wire(h["sampling"])
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), sid) from None
+        prompt = h["prompt"]
+        if not prompt:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt must hold at least one token", sid)
+        self._check_ids(prompt, sid, None)
+        old = self.sessions.sessions.get((identity, sid))
+        if old is not None:
+            self.backend.release(old.state)
+        self.sessions.open(identity, sid, params, prompt, self.backend.new_state(params))
+        self.stats.sessions_opened += 1
+
+    def _check_ids(self, ids: list[int], sid, seq) -> None:
+        vocab = self.backend.vocab_size
+        if ids and max(ids) >= vocab:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {max(ids)} is outside the vocabulary ({vocab})",
+                                sid, seq)
+
+    def _serve_one(self) -> None:
+        identity, msg = self.q_in.popleft()
+        h = msg.header
+        sid, seq = h["session"], h["seq"]
+        try:
+            session = self.sessions.get(identity, sid, seq)
+            if not 1 <= h["depth"] <= self.config.max_depth:
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"depth {h['depth']} is outside 1..{self.config.max_depth}", sid, seq)
+            self._check_ids(h["new"], sid, seq)
+            session.advance(h["accepted"], h["new"], h["pos"], seq)
+            t0 = time.perf_counter()
+            try:
+                draft = self.backend.draft(session.state, session.verified, h["depth"])
+            finally:
+                self.stats.busy_s += time.perf_counter() - t0
+        except ProtocolError as exc:
+            self._error(identity, exc)
+            return
+        except Exception:  # a failing draft costs this round (the target verifies alone), not the daemon
+            log.exception("drafting failed for session %d", sid)
+            self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", sid, seq))
+            return
+        session.last_draft = list(draft.tokens)
+        self.stats.requests += 1
+        self.stats.drafted_tokens += len(draft.tokens)
+        tensors = {}
+        if draft.q_ids is not None:
+            tensors = {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
+        self._send(identity, Message(MsgType.DRAFTED, {"session": sid, "seq": seq, "tokens": draft.tokens}, tensors))
+
+    def _expire(self, now: float) -> None:
+        for s in self.sessions.expire(now):
+            self.backend.release(s.state)
+            self.stats.sessions_expired += 1
+            log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
+
+    def snapshot(self) -> dict:
+        return self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers))

@@ -1,0 +1,106 @@
+"""Per-peer, per-session state of the draft daemon, isolated by the peer's identity."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.protocol import ErrorCode, ProtocolError
+from common.verify import SamplingParams
+
+
+@dataclass
+class Session:
+    key: tuple[bytes, int]  # (peer identity, session id): one peer cannot name another's session
+    params: SamplingParams
+    state: object  # the backend's per-session state
+    verified: list[int]
+    last_draft: list[int] = field(default_factory=list)
+    last_seq: int = -1
+    touched: float = field(default_factory=time.monotonic)
+
+    def advance(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
+        """Apply a DRAFT request's report of what the target verified."""
+        if seq <= self.last_seq:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence number {seq} is not after {self.last_seq}",
+                                self.key[1], seq)
+        if accepted > len(self.last_draft):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"accepted={accepted} but only {len(self.last_draft)} tokens were drafted", self.key[1], seq)
+        have = len(self.verified) + accepted + len(new)
+        if have != pos:
+            raise ProtocolError(
+                ErrorCode.DESYNC,
+                f"the session holds {len(self.verified)} verified tokens; with {accepted} accepted and "
+                f"{len(new)} new that makes {have}, but the target says {pos}; re-open the session",
+                self.key[1], seq)
+        self.verified.extend(self.last_draft[:accepted])
+        self.verified.extend(new)
+        self.last_draft = []
+        self.last_seq = seq
+        self.touched = time.monotonic()
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    name: str = ""
+    welcomed: bool = False
+    sessions: set[int] = field(default_factory=set)
+    seen: float = field(default_factory=time.monotonic)
+
+
+class SessionTable:
+    """Bounded tables of peers and sessions with expiry of anything left silent too long."""
+
+    def __init__(self, max_sessions: int, max_sessions_per_peer: int, ttl_s: float):
+        self.max_sessions = max_sessions
+        self.max_per_peer = max_sessions_per_peer
+        self.ttl_s = ttl_s
+        self.peers: dict[bytes, Peer] = {}
+        self.sessions: dict[tuple[bytes, int], Session] = {}
+
+    def peer(self, identity: bytes) -> Peer:
+        p = self.peers.get(identity)
+        if p is None:
+            p = self.peers[identity] = Peer(identity)
+        p.seen = time.monotonic()
+        return p
+
+    def open(self, identity: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object) -> Session:
+        peer = self.peer(identity)
+        key = (identity, sid)
+        old = self.sessions.pop(key, None)  # re-opening replaces the session
+        if old is None:
+            if len(self.sessions) >= self.max_sessions:
+                raise ProtocolError(ErrorCode.BUSY, f"the draft daemon holds its maximum of {self.max_sessions} sessions", sid)
+            if len(peer.sessions) >= self.max_per_peer:
+                raise ProtocolError(ErrorCode.BUSY, f"this peer already holds {self.max_per_peer} sessions", sid)
+        s = Session(key, params, state, list(prompt))
+        self.sessions[key] = s
+        peer.sessions.add(sid)
+        return s
+
+    def get(self, identity: bytes, sid: int, seq: int | None = None) -> Session:
+        s = self.sessions.get((identity, sid))
+        if s is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {sid} for this peer; open it first", sid, seq)
+        return s
+
+    def close(self, identity: bytes, sid: int) -> Session | None:
+        s = self.sessions.pop((identity, sid), None)
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.sessions.discard(sid)
+        return s
+
+    def expire(self, now: float | None = None) -> list[Session]:
+        """Drop sessions untouched for the TTL and peers silent for the TTL; return dropped sessions."""
+        now = time.monotonic() if now is None else now
+        dropped = [s for s in self.sessions.values() if now - s.touched > self.ttl_s]
+        for s in dropped:
+            self.close(*s.key)
+        for ident in [i for i, p in self.peers.items() if not p.sessions and now - p.seen > self.ttl_s]:
+            del self.peers[ident]
+        return dropped

@@ -1,0 +1,83 @@
+"""Test doubles: a draft backend with no model, and a running in-process draft server."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import zmq
+
+from common import protocol as P
+from common.protocol import Message, MsgType
+from common.sockets import SocketOptions, make_socket
+from starsd_draftd.backends.base import Draft, DraftBackend
+from starsd_draftd.server import DraftServer, ServerConfig
+
+
+class CountingBackend(DraftBackend):
+    """Drafts last_token+1, +2, ...: the reply reveals which prefix the session held."""
+
+    name = "fake"
+
+    def __init__(self, vocab_size: int = 259, fingerprint: str = "fake-tok"):
+        self.vocab_size = vocab_size
+        self.fingerprint = fingerprint
+        self.released = 0
+
+    def new_state(self, params):
+        return {"calls": 0}
+
+    def draft(self, state, verified, depth):
+        state["calls"] += 1
+        return Draft([(verified[-1] + i + 1) % self.vocab_size for i in range(depth)])
+
+    def release(self, state):
+        self.released += 1
+
+
+@contextlib.contextmanager
+def running_server(backend: DraftBackend | None = None, **cfg):
+    backend = backend or CountingBackend()
+    ctx = zmq.Context()
+    server = DraftServer(backend, ServerConfig(bind="tcp://127.0.0.1:0", **cfg), ctx)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, ctx
+    finally:
+        server.stop()
+        thread.join(10)
+        assert not thread.is_alive(), "server loop did not stop"
+        ctx.destroy(linger=0)
+
+
+class RawPeer:
+    """A DEALER speaking raw frames, for protocol-level tests."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
+        self.sock.connect(endpoint)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send_multipart(P.encode(msg))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout_s: float = 5.0) -> Message | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return P.decode(self.sock.recv_multipart())
+
+    def hello(self, vocab: int = 259, tok: str = "fake-tok") -> Message:
+        self.send(Message(MsgType.HELLO, {"vocab_size": vocab, "tokenizer": tok, "name": "raw"}))
+        return self.recv()
+
+    def open(self, sid: int, prompt: list[int], temperature: float = 0.0) -> None:
+        self.send(Message(MsgType.OPEN, {"session": sid, "prompt": prompt, "sampling": {"temperature": temperature}}))
+
+    def draft(self, sid: int, seq: int, accepted: int, new: list[int], pos: int, depth: int = 3) -> Message:
+        self.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new,
+                                          "pos": pos, "depth": depth}))
+        return self.recv()

@@ -1,0 +1,190 @@
+"""The draft daemon's loop with a fake backend over real sockets: handshake, sessions, isolation,
+limits, and bad input answered with typed errors while the daemon keeps serving."""
+
+import time
+
+import msgpack
+import pytest
+
+from common import protocol as P
+from common.protocol import ErrorCode, Message, MsgType
+from fakes import CountingBackend, RawPeer, running_server
+from starsd_draftd.server import DraftServer, ServerConfig
+
+
+def code_of(msg: Message) -> str:
+    assert msg is not None, "no reply"
+    assert msg.type is MsgType.ERROR, f"expected ERROR, got {msg.type.name} {msg.header}"
+    return ErrorCode(msg.header["code"]).name
+
+
+def test_handshake_and_draft():
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        w = peer.hello()
+        assert w.type is MsgType.WELCOME and w.header["vocab_size"] == 259 and w.header["max_depth"] == 5
+        peer.open(1, [10, 11, 12])
+        r = peer.draft(1, 1, 0, [], 3, depth=3)
+        assert r.type is MsgType.DRAFTED and r.header["tokens"] == [13, 14, 15] and r.header["seq"] == 1
+        # two of [13, 14, 15] kept, then the target's own token 40: the prefix is now ..., 13, 14, 40
+        r = peer.draft(1, 2, 2, [40], 6, depth=2)
+        assert r.header["tokens"] == [41, 42]
+
+
+def test_mismatched_model_is_refused_with_both_values():
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        r = peer.hello(vocab=32000, tok="other-tok")
+        assert code_of(r) == "INCOMPATIBLE_MODEL"
+        assert "32000" in r.header["message"] and "259" in r.header["message"]
+        assert "other-tok" in r.header["message"] and "fake-tok" in r.header["message"]
+        peer.open(1, [1])
+        assert code_of(peer.draft(1, 1, 0, [], 1)) == "NO_HANDSHAKE"
+
+
+def test_wrong_version_hello_is_refused():
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.send_raw([b"HELLO", msgpack.packb({"v": 0, "vocab_size": 259, "tokenizer": "fake-tok"})])
+        r = peer.recv()
+        assert code_of(r) == "VERSION_MISMATCH" and str(P.PROTOCOL_VERSION) in r.header["message"]
+
+
+BAD_INPUTS = [
+    ([b"\x00\x01"], "MALFORMED"),
+    ([b"DRAFT", b"\xc1"], "MALFORMED"),
+    ([b"NOPE", msgpack.packb({"v": 1})], "UNKNOWN_TYPE"),
+    ([b"DRAFT", msgpack.packb({"v": 1, "session": 1})], "BAD_REQUEST"),
+    ([b"DRAFTED", msgpack.packb({"v": 1, "session": 1, "seq": 1, "tokens": []})], "UNKNOWN_TYPE"),
+    ([b"DRAFT", msgpack.packb({"v": 1, "session": 99, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 1})],
+     "UNKNOWN_SESSION"),
+    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [], "sampling": {"temperature": 0.0}})],
+     "BAD_REQUEST"),
+    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [1], "sampling": {"temperature": -1.0}})],
+     "BAD_REQUEST"),
+    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [100000], "sampling": {"temperature": 0.0}})],
+     "BAD_REQUEST"),
+    ([b"DRAFT", msgpack.packb({"v": 1})] + [b"x"] * 12, "TOO_LARGE"),
+]
+
+
+def test_bad_input_gets_typed_errors_and_counters_and_the_daemon_keeps_serving():
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        for frames, expected in BAD_INPUTS:
+            peer.send_raw(frames)
+            assert code_of(peer.recv()) == expected, frames
+        peer.open(1, [7])
+        assert code_of(peer.draft(1, 1, 0, [], 1, depth=99)) == "BAD_REQUEST"  # beyond max depth
+        assert code_of(peer.draft(1, 2, 5, [], 1)) == "BAD_REQUEST"  # more accepted than drafted
+        assert code_of(peer.draft(1, 3, 0, [8], 5)) == "DESYNC"  # 1 + 1 tokens, not 5
+        r = peer.draft(1, 4, 0, [8], 2, depth=2)
+        assert r.type is MsgType.DRAFTED and r.header["tokens"] == [9, 10]
+        assert code_of(peer.draft(1, 4, 0, [], 2)) == "BAD_REQUEST"  # sequence number reused
+        errors = server.snapshot()["errors"]
+        assert errors["MALFORMED"] == 2 and errors["UNKNOWN_TYPE"] == 2 and errors["DESYNC"] == 1
+        assert errors["TOO_LARGE"] == 1 and errors["UNKNOWN_SESSION"] == 1
+        assert sum(errors.values()) == len(BAD_INPUTS) + 4
+
+
+def test_oversized_message_is_dropped_by_the_socket_and_the_daemon_survives():
+    with running_server() as (server, ctx):
+        big = RawPeer(ctx, server.endpoint)
+        big.send_raw([b"DRAFT", b"\x00" * (P.DEFAULT_LIMITS.max_message_bytes + 1024)])
+        time.sleep(0.3)
+        peer = RawPeer(ctx, server.endpoint)
+        assert peer.hello().type is MsgType.WELCOME
+
+
+def test_session_isolation_same_session_id():
+    """Two targets use session id 1 with different prompts, interleaving requests: each gets drafts
+    for its own prefix, and neither can touch the other's session."""
+    with running_server() as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        a.hello(), b.hello()
+        a.open(1, [10])
+        b.open(1, [100])
+        # A keeps 1 of each 2-token draft and adds token seq; B keeps both and adds 200 + seq.
+        plan = {a: (10, 1, 0), b: (100, 2, 200)}
+        pos = {a: 1, b: 1}
+        for seq in range(1, 6):
+            for peer, (first, keep, offset) in plan.items():
+                accepted, new = (0, []) if seq == 1 else (keep, [offset + seq])
+                pos[peer] += accepted + len(new)
+                r = peer.draft(1, seq, accepted, new, pos[peer], depth=2)
+                last = first if seq == 1 else offset + seq
+                assert r.header["tokens"] == [last + 1, last + 2], (seq, r.header)
+        # b closing "session 1" closes only its own
+        b.send(Message(MsgType.CLOSE, {"session": 1}))
+        time.sleep(0.1)
+        assert server.snapshot()["live_sessions"] == 1
+        assert code_of(b.draft(1, 9, 0, [], 99)) == "UNKNOWN_SESSION"
+
+
+def test_session_limits_answer_busy():
+    with running_server(max_sessions_per_peer=2, max_sessions=3) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        a.hello(), b.hello()
+        a.open(1, [1]), a.open(2, [1]), a.open(3, [1])
+        r = a.recv()
+        assert code_of(r) == "BUSY" and r.header["session"] == 3
+        a.open(1, [5])  # re-opening an existing session is always allowed
+        b.open(1, [1]), b.open(2, [1])
+        assert code_of(b.recv()) == "BUSY"  # total limit of 3
+        assert server.snapshot()["live_sessions"] == 3
+
+
+def test_silent_sessions_expire_and_free_state():
+    backend = CountingBackend()
+    with running_server(backend, session_ttl_s=0.3) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, [3])
+        assert peer.draft(1, 1, 0, [], 1).type is MsgType.DRAFTED
+        deadline = time.monotonic() + 5
+        while server.snapshot()["live_sessions"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.snapshot()["live_sessions"] == 0
+        assert server.snapshot()["sessions_expired"] == 1 and backend.released == 1
+        # the silent peer was purged too: it must say HELLO again, then re-open its session
+        assert code_of(peer.draft(1, 2, 0, [], 2)) == "NO_HANDSHAKE"
+        assert peer.hello().type is MsgType.WELCOME
+        assert code_of(peer.draft(1, 3, 0, [], 2)) == "UNKNOWN_SESSION"
+
+
+def test_backend_failure_costs_one_request_not_the_daemon():
+    class Exploding(CountingBackend):
+        def draft(self, state, verified, depth):
+            if verified[-1] == 13:
+                raise RuntimeError("boom")
+            return super().draft(state, verified, depth)
+
+    with running_server(Exploding()) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, [13])
+        assert code_of(peer.draft(1, 1, 0, [], 1)) == "INTERNAL"
+        assert peer.draft(1, 2, 0, [20], 2, depth=1).header["tokens"] == [21]
+
+
+def test_fifo_across_targets_and_stats():
+    with running_server() as (server, ctx):
+        peers = [RawPeer(ctx, server.endpoint) for _ in range(3)]
+        for i, p in enumerate(peers):
+            p.hello()
+            p.open(1, [i])
+        for p in peers:
+            p.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+        for i, p in enumerate(peers):
+            assert p.recv().header["tokens"] == [i + 1, i + 2]
+        stats = peers[0]
+        stats.send(Message(MsgType.STATS))
+        s = stats.recv().header["stats"]
+        assert s["requests"] == 3 and s["drafted_tokens"] == 6 and s["live_sessions"] == 3 and s["busy_s"] > 0
+
+
+def test_refuses_public_bind_without_insecure():
+    with pytest.raises(ValueError, match="--insecure"):
+        DraftServer(CountingBackend(), ServerConfig(bind="tcp://0.0.0.0:5555"))
+    DraftServer(CountingBackend(), ServerConfig(bind="tcp://0.0.0.0:5555", insecure=True))  # allowed
