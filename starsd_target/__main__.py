@@ -1,0 +1,3 @@
+from starsd_target.cli import main
+
+main()

@@ -1,0 +1,110 @@
+"""starsd-target: run a target model that verifies drafts from a remote draft daemon."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from common.cliutil import env_options, fail_cleanly, logging_options
+from common.logs import setup_logging
+from common.models import ModelLoadError
+from common.verify import SamplingParams
+from starsd_target.client import HandshakeRefused
+from starsd_target.daemon import TargetConfig, TargetDaemon
+
+option = env_options("STARSD_TARGET")
+_d = TargetConfig()
+
+
+def model_options(f):
+    decorators = [
+        option("--model", default=_d.model, help="Target checkpoint directory, or 'demo' for the built-in target."),
+        option("--draft", default=_d.draft, help="Endpoint of the draft daemon."),
+        option("--device", default=_d.device, help="cpu, cuda or cuda:N."),
+        option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default=_d.dtype,
+               help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA)."),
+        option("--depth", type=click.IntRange(1, 64), default=_d.depth,
+               help="Draft tokens asked for per round (capped by the draft daemon's maximum)."),
+        option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
+               help="Seconds to wait for drafts before verifying a round with the target alone."),
+        option("--connect-timeout", type=click.FloatRange(0), default=_d.connect_timeout_s,
+               help="Seconds to wait for the draft daemon's handshake at start-up."),
+        option("--threads", type=click.IntRange(0), default=_d.threads,
+               help="Torch CPU threads (0: torch's default)."),
+        option("--name", default=_d.name, help="Name this target reports to the draft daemon."),
+        logging_options(option),
+    ]
+    for dec in reversed(decorators):
+        f = dec(f)
+    return f
+
+
+def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfig:
+    return TargetConfig(model=kw["model"], draft=draft, device=kw["device"], dtype=kw["dtype"], depth=kw["depth"],
+                        draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
+                        threads=kw["threads"], name=kw["name"], listen=listen)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """StarSD target daemon: generates with a target model, verifying drafts from a draft daemon.
+
+    Output is exactly what the target model alone would produce: greedy output equals the
+    model's own greedy decoding, sampled output follows its distribution."""
+
+
+@main.command()
+@model_options
+@option("--prompt", required=True, help="Text to continue.")
+@option("--max-tokens", type=click.IntRange(1), default=64, help="Most tokens to generate.")
+@option("--temperature", type=click.FloatRange(0), default=0.0, help="0 means greedy decoding.")
+@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, help="Nucleus sampling mass.")
+@option("--top-k", type=click.IntRange(0), default=0, help="Keep only the k most likely tokens (0: off).")
+@option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
+@option("--no-draft", is_flag=True, help="Generate with the target alone (the baseline).")
+@option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
+def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft, as_json, **kw) -> None:
+    """Generate one completion and print it."""
+    setup_logging(kw["log_level"], kw["log_format"])
+    daemon = TargetDaemon(_config(kw, None if no_draft else kw["draft"]))
+    if not no_draft:
+        daemon.connect()
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    result = daemon.generate(prompt, max_tokens, params, list(stop), no_draft)
+    if as_json:
+        stats = result.stats
+        click.echo(json.dumps({
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "stats": {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
+                      "mean_accepted_length": stats.mean_accepted_length, "tokens_per_s": stats.tokens_per_s,
+                      "fallback_rounds": stats.fallback_rounds},
+        }))
+    else:
+        click.echo(prompt + result.text)
+        s = result.stats
+        click.echo(f"[{s.generated} tokens in {s.wall_s:.2f}s, {s.tokens_per_s:.1f} tok/s, {s.rounds} rounds, "
+                   f"mean accepted length {s.mean_accepted_length:.2f}, {s.fallback_rounds} rounds without drafts]",
+                   err=True)
+
+
+@main.command()
+@model_options
+@option("--listen", default=_d.listen, help="Local ZeroMQ endpoint that takes generation jobs.")
+@fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
+def serve(listen, **kw) -> None:
+    """Keep the target model loaded and take generation jobs on a local endpoint."""
+    setup_logging(kw["log_level"], kw["log_format"])
+    daemon = TargetDaemon(_config(kw, kw["draft"], listen))
+    daemon.connect()
+    daemon.install_signal_handlers()
+    daemon.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

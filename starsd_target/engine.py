@@ -1,0 +1,196 @@
+"""The target's generation loop: prefill, then rounds of {get drafts, one forward, verify, crop}.
+
+The target's cache always holds every verified token but the last; a round feeds
+[last verified token, x_1..x_k] in one forward, which yields the k+1 distributions p_0..p_k
+that verification needs. Without drafts (k = 0) the same round is plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+
+from common.models import LoadedModel, crop_cache, new_cache
+from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
+
+log = logging.getLogger("starsd.target.engine")
+
+
+class Proposal(Protocol):
+    tokens: list[int]
+    q_ids: torch.Tensor | None
+    q_probs: torch.Tensor | None
+
+
+class DraftSource(Protocol):
+    """Where one generation's drafts come from (a remote session, or a fake in tests)."""
+
+    def propose(self, tokens: list[int], depth: int) -> Proposal | None:
+        """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None."""
+
+    def kept(self, n: int) -> None:
+        """How many tokens of the last proposal verification kept."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallback_rounds: int = 0  # rounds that wanted drafts but verified without them
+    invalid_drafts: int = 0
+    generated: int = 0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per target forward (kept drafts plus the target's own token)."""
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: GenerationStats
+
+
+class TargetEngine:
+    def __init__(self, loaded: LoadedModel, depth: int = 5):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.depth = depth
+
+    def encode(self, text: str) -> list[int]:
+        tok = self.loaded.tokenizer
+        if tok is None:
+            raise ValueError(f"the model in {self.loaded.path} has no tokenizer; send token ids instead of text")
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        tok = self.loaded.tokenizer
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def _forward(self, cache, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
+        return self.model(input_ids=x, cache=cache, use_cache=True).logits[0].float().cpu()
+
+    def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
+        k = len(prop.tokens)
+        if k > depth or any(not 0 <= t < self.loaded.logits_size for t in prop.tokens):
+            return False
+        if greedy or k == 0:
+            return True
+        qi, qp = prop.q_ids, prop.q_probs
+        if qi is None or qp is None or qi.dim() != 2 or qi.shape != qp.shape or qi.shape[0] != k:
+            return False
+        if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) >= self.loaded.logits_size):
+            return False
+        qp = qp.float()
+        return bool(torch.isfinite(qp).all() and (qp >= 0).all() and (qp.sum(-1) <= 1.0 + 1e-3).all())
+
+    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+                 drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = ()) -> GenerationResult:
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if max(prompt) >= self.loaded.logits_size or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}")
+        stats = GenerationStats(accepted_by_position=[0] * self.depth)
+        t_start = time.perf_counter()
+        gen = make_generator(params.seed)
+        tokens = list(prompt)
+        cache = new_cache(self.model)
+        if len(tokens) > 1:
+            self._forward(cache, tokens[:-1])
+        stats.prefill_s = time.perf_counter() - t_start
+        out: list[int] = []
+        finish = "length"
+        try:
+            while len(out) < max_tokens:
+                depth = min(self.depth, max_tokens - len(out) - 1)
+                prop = None
+                if drafts is not None and depth > 0:
+                    prop = drafts.propose(tokens, depth)
+                    if prop is not None and not self._valid(prop, depth, params.greedy):
+                        stats.invalid_drafts += 1
+                        prop = None
+                    if prop is None:
+                        stats.fallback_rounds += 1
+                x = list(prop.tokens) if prop is not None else []
+                base = len(tokens) - 1  # cached positions before this round
+                logits = self._forward(cache, [tokens[-1], *x])
+                if params.greedy:
+                    n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
+                else:
+                    p = logits_to_probs(logits, params)
+                    q = dense_q(prop.q_ids, prop.q_probs, p.shape[-1]) if x else torch.zeros(0, p.shape[-1])
+                    n, nxt = verify_sampling(p, q, torch.tensor(x, dtype=torch.long), gen)
+                if prop is not None:
+                    drafts.kept(n)
+                crop_cache(cache, base + 1 + n)
+                stats.rounds += 1
+                stats.drafted += len(x)
+                stats.accepted += n
+                for i in range(n):
+                    stats.accepted_by_position[i] += 1
+                new = [*x[:n], nxt]
+                tokens.extend(new)
+                done = False
+                for t in new:
+                    out.append(t)
+                    if t in self.loaded.eos_token_ids:
+                        finish, done = "stop", True
+                        break
+                    if len(out) >= max_tokens:
+                        break
+                if stop and not done:
+                    cut = self._stop_cut(out, stop)
+                    if cut is not None:
+                        out, finish, done = out[:cut], "stop", True
+                if done:
+                    break
+        finally:
+            if drafts is not None:
+                drafts.close()
+        text = self.decode(out)
+        if finish == "stop" and stop:
+            text = _cut_at_stop(text, stop)
+        stats.generated = len(out)
+        stats.wall_s = time.perf_counter() - t_start
+        return GenerationResult(out, text, finish, stats)
+
+    def _stop_cut(self, out: list[int], stop) -> int | None:
+        """The fewest generated tokens whose text contains a stop string, or None."""
+        if not any(s in self.decode(out) for s in stop):
+            return None
+        for i in range(1, len(out) + 1):
+            if any(s in self.decode(out[:i]) for s in stop):
+                return i
+        return len(out)
+
+
+def _cut_at_stop(text: str, stop) -> str:
+    idx = [text.find(s) for s in stop if s and s in text]
+    return text[: min(idx)] if idx else text
