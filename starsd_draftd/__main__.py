@@ -1,0 +1,3 @@
+from starsd_draftd.cli import main
+
+main()

@@ -1,0 +1,105 @@
+"""starsd-draftd: the draft daemon that serves many target daemons, and its demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import click
+
+from common.cliutil import env_options, fail_cleanly, logging_options
+from common.logs import setup_logging
+from common.models import ModelLoadError, load_causal_lm, set_torch_threads
+from starsd_draftd.demo import DemoConfig, format_table, run_demo
+from starsd_draftd.server import DraftServer, ServerConfig
+
+option = env_options("STARSD_DRAFTD")
+_s = ServerConfig()
+_demo = DemoConfig()
+
+
+@dataclass
+class ServeConfig:
+    server: ServerConfig
+    model: str = "demo-draft"
+    device: str = "cpu"
+    dtype: str = "auto"
+    q_topk: int = 32
+    threads: int = 1
+
+
+def run_serve(cfg: ServeConfig) -> None:
+    from starsd_draftd.backends.model import ModelBackend
+
+    set_torch_threads(cfg.threads)
+    backend = ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
+    server = DraftServer(backend, cfg.server)
+    server.install_signal_handlers()
+    server.serve_forever()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """StarSD draft daemon: one draft model serving many target daemons over ZeroMQ.
+
+    Start here: `starsd-draftd demo --targets 2` runs the whole star on this machine."""
+
+
+@main.command()
+@option("--model", default="demo-draft", help="Draft checkpoint directory, or 'demo-draft' for the built-in draft.")
+@option("--bind", default=_s.bind, help="ZeroMQ endpoint the ROUTER socket binds.")
+@option("--depth", type=click.IntRange(1, 64), default=_s.max_depth,
+        help="Most draft tokens served per request (targets ask for up to this many).")
+@option("--device", default="cpu", help="cpu, cuda or cuda:N.")
+@option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+        help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA).")
+@option("--q-topk", type=click.IntRange(1), default=32,
+        help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
+@option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
+@option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
+        help="Sessions one target may hold at once.")
+@option("--max-queue", type=click.IntRange(1), default=_s.max_queue, help="Draft requests waiting at once.")
+@option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
+        help="Seconds after which a silent session is dropped and its cache freed.")
+@option("--insecure", is_flag=True, help="Allow binding a non-loopback address without encryption.")
+@option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, ValueError)
+def serve(model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
+          insecure, threads, log_level, log_format) -> None:
+    """Load the draft model and serve draft requests until SIGTERM."""
+    setup_logging(log_level, log_format)
+    server = ServerConfig(bind=bind, max_depth=depth, max_sessions=max_sessions,
+                          max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
+                          session_ttl_s=session_ttl, insecure=insecure)
+    run_serve(ServeConfig(server, model, device, dtype, q_topk, threads))
+
+
+@main.command()
+@option("--targets", type=click.IntRange(1, 32), default=_demo.targets, help="Target daemons to start.")
+@option("--prompts", "prompts_per_target", type=click.IntRange(1), default=_demo.prompts_per_target,
+        help="Generations per target.")
+@option("--max-tokens", type=click.IntRange(1), default=_demo.max_tokens, help="Tokens per generation.")
+@option("--depth", type=click.IntRange(1, 64), default=_demo.depth, help="Draft tokens per round.")
+@option("--temperature", type=click.FloatRange(0), default=0.0, help="0 means greedy.")
+@option("--device", default="cpu", help="Device for every daemon.")
+@option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, device, as_json, log_level, log_format) -> None:
+    """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
+    setup_logging(log_level, log_format)
+    report = run_demo(DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens,
+                                 depth=depth, temperature=temperature, device=device))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
+                   f"{max_tokens} tokens each, depth {depth}, {device}")
+        click.echo(format_table(report))
+        click.echo(f"(daemon logs in {report['logs']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""`starsd-draftd demo`: one draft daemon and N target daemons as separate processes on loopback,
+a short workload run with speculation and again by the targets alone, and a table of both."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from common.control import ControlClient, ControlTimeout
+from common.protocol import Message, MsgType
+from common.sockets import free_tcp_endpoint
+
+log = logging.getLogger("starsd.demo")
+
+DEMO_PROMPTS = [
+    "def main(argv=None):\n",
+    "import os\nimport sys\n\n",
+    "class Config:\n    def __init__(self, ",
+    "    for i in range(len(",
+    "# Copyright",
+    "    def __repr__(self):\n        return ",
+    "if __name__ == '__main__':\n",
+    "    except ValueError:\n",
+]
+
+
+@dataclass
+class DemoConfig:
+    targets: int = 2
+    prompts_per_target: int = 2
+    max_tokens: int = 64
+    depth: int = 4
+    draft_model: str = "demo-draft"
+    target_model: str = "demo"
+    device: str = "cpu"
+    temperature: float = 0.0
+    startup_timeout_s: float = 300.0
+    job_timeout_s: float = 300.0
+    workdir: Path | None = None
+
+
+@dataclass
+class Phase:
+    wall_s: float = 0.0
+    per_target: list[dict] = field(default_factory=list)  # summed stats per target
+    draft_busy: float | None = None
+
+
+class Processes:
+    """Children that are always terminated, whatever happens to the parent."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        out = open(self.logdir / f"{name}.log", "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        out.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.logdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with status {proc.returncode}; its log ends:\n{tail}")
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(procs: Processes, endpoint: str, timeout_s: float, ctx: zmq.Context) -> None:
+    deadline = time.monotonic() + timeout_s
+    with ControlClient(endpoint, ctx) as cc:
+        while time.monotonic() < deadline:
+            procs.check_alive()
+            try:
+                cc.stats(timeout_s=1.0)
+                return
+            except ControlTimeout:
+                continue
+    raise TimeoutError(f"{endpoint} did not come up within {timeout_s:.0f}s")
+
+
+def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.Context,
+               draft_ep: str | None) -> Phase:
+    phase = Phase(per_target=[{} for _ in endpoints])
+    failures: list[BaseException] = []
+
+    def worker(i: int, ep: str) -> None:
+        acc = {"tokens": 0, "wall_s": 0.0, "rounds": 0, "drafted": 0, "accepted": 0, "fallback_rounds": 0,
+               "texts": []}
+        try:
+            with ControlClient(ep, ctx) as cc:
+                for j in range(cfg.prompts_per_target):
+                    prompt = DEMO_PROMPTS[(i * cfg.prompts_per_target + j) % len(DEMO_PROMPTS)]
+                    rid = j + 1
+                    msg = Message(MsgType.GENERATE, {"id": rid, "prompt": prompt, "max_tokens": cfg.max_tokens,
+                                                     "temperature": cfg.temperature, "seed": 1000 * i + j,
+                                                     "no_draft": no_draft})
+                    stats = cc.call(msg, cfg.job_timeout_s).header
+                    s = stats["stats"]
+                    acc["tokens"] += s["generated"]
+                    acc["wall_s"] += s["wall_s"]
+                    for k in ("rounds", "drafted", "accepted", "fallback_rounds"):
+                        acc[k] += s[k]
+                    acc["texts"].append(stats["text"])
+        except BaseException as exc:  # reported to the caller below
+            failures.append(exc)
+        phase.per_target[i] = acc
+
+    busy0 = None
+    if draft_ep is not None:
+        with ControlClient(draft_ep, ctx) as cc:
+            busy0 = cc.stats()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i, ep)) for i, ep in enumerate(endpoints)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    phase.wall_s = time.perf_counter() - t0
+    if failures:
+        raise RuntimeError(f"a demo job failed: {failures[0]}") from failures[0]
+    if busy0 is not None:
+        with ControlClient(draft_ep, ctx) as cc:
+            busy1 = cc.stats()
+        phase.draft_busy = (busy1["busy_s"] - busy0["busy_s"]) / max(1e-9, busy1["uptime_s"] - busy0["uptime_s"])
+    return phase
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Start the daemons, run the workload twice (speculative, then target alone), stop them."""
+    from common.demo_models import ensure_demo_pair
+
+    if "demo" in (cfg.target_model, cfg.draft_model):
+        ensure_demo_pair(progress=True)  # train once here, not in every child at the same time
+    ctx = zmq.Context()
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs = Processes(workdir)
+    try:
+        draft_ep = free_tcp_endpoint()
+        procs.start("draftd", ["starsd_draftd", "serve", "--model", cfg.draft_model, "--bind", draft_ep,
+                               "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1"])
+        target_eps = [free_tcp_endpoint() for _ in range(cfg.targets)]
+        for i, ep in enumerate(target_eps):
+            procs.start(f"target{i + 1}", ["starsd_target", "serve", "--model", cfg.target_model,
+                                           "--draft", draft_ep, "--listen", ep, "--depth", str(cfg.depth),
+                                           "--device", cfg.device, "--threads", "1", "--name", f"target{i + 1}",
+                                           "--connect-timeout", str(cfg.startup_timeout_s)])
+        _wait_ready(procs, draft_ep, cfg.startup_timeout_s, ctx)
+        for ep in target_eps:
+            _wait_ready(procs, ep, cfg.startup_timeout_s, ctx)
+        spec = _run_phase(target_eps, cfg, False, ctx, draft_ep)
+        alone = _run_phase(target_eps, cfg, True, ctx, None)
+    finally:
+        procs.stop_all()
+        ctx.destroy(linger=0)
+    return _report(cfg, spec, alone, workdir)
+
+
+def _report(cfg: DemoConfig, spec: Phase, alone: Phase, workdir: Path) -> dict:
+    rows = []
+    for i, (s, a) in enumerate(zip(spec.per_target, alone.per_target)):
+        tps_s = s["tokens"] / s["wall_s"] if s["wall_s"] else 0.0
+        tps_a = a["tokens"] / a["wall_s"] if a["wall_s"] else 0.0
+        rows.append({
+            "target": f"target{i + 1}",
+            "tokens_per_s": tps_s,
+            "alone_tokens_per_s": tps_a,
+            "speedup": tps_s / tps_a if tps_a else 0.0,
+            "mean_accepted_length": s["tokens"] / s["rounds"] if s["rounds"] else 0.0,
+            "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
+            "fallback_rounds": s["fallback_rounds"],
+            "same_text_as_alone": s["texts"] == a["texts"] if cfg.temperature == 0.0 else None,
+        })
+    tokens = sum(s["tokens"] for s in spec.per_target)
+    rounds = sum(s["rounds"] for s in spec.per_target)
+    system = {
+        "tokens_per_s": tokens / spec.wall_s,
+        "alone_tokens_per_s": sum(a["tokens"] for a in alone.per_target) / alone.wall_s,
+        "mean_accepted_length": tokens / rounds if rounds else 0.0,
+        "draft_busy_fraction": spec.draft_busy,
+    }
+    system["speedup"] = system["tokens_per_s"] / system["alone_tokens_per_s"] if system["alone_tokens_per_s"] else 0.0
+    return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
+                       "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
+                       "temperature": cfg.temperature},
+            "targets": rows, "system": system, "logs": str(workdir)}
+
+
+def format_table(report: dict) -> str:
+    head = f"{'':10} {'tok/s':>8} {'alone tok/s':>12} {'speedup':>8} {'mean acc len':>13} {'accept %':>9} {'no-draft rounds':>16}"
+    lines = [head, "-" * len(head)]
+    for r in report["targets"]:
+        lines.append(f"{r['target']:10} {r['tokens_per_s']:8.1f} {r['alone_tokens_per_s']:12.1f} {r['speedup']:7.2f}x "
+                     f"{r['mean_accepted_length']:13.2f} {100 * r['acceptance_rate']:8.1f}% {r['fallback_rounds']:16d}")
+    s = report["system"]
+    lines.append("-" * len(head))
+    lines.append(f"{'system':10} {s['tokens_per_s']:8.1f} {s['alone_tokens_per_s']:12.1f} {s['speedup']:7.2f}x "
+                 f"{s['mean_accepted_length']:13.2f}")
+    busy = s["draft_busy_fraction"]
+    lines.append(f"draft daemon busy {100 * busy:.1f}% of the speculative phase" if busy is not None else "")
+    same = [r["same_text_as_alone"] for r in report["targets"] if r["same_text_as_alone"] is not None]
+    if same:
+        lines.append("greedy outputs identical to the target alone: " + ("yes" if all(same) else "NO"))
+    return "\n".join(lines)

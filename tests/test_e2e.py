@@ -1,0 +1,129 @@
+"""End to end with real processes and sockets: one draft daemon, four target daemons at once.
+
+Every greedy output must equal the target model's own generate(); seeded sampled runs must
+repeat; the CLI's JSON carries the documented fields."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from common.control import ControlClient
+from common.protocol import Message, MsgType
+from common.sockets import free_tcp_endpoint
+from procs import Daemons
+from tiny_models import make_near_copy, reference_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n", "for i in range(10):"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_target, tmp_path_factory):
+    return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
+
+
+@pytest.fixture(scope="module")
+def star(tiny_target, near_draft, tmp_path_factory):
+    """1 draft daemon + 4 target daemons, each its own OS process."""
+    d = Daemons(tmp_path_factory.mktemp("logs"))
+    draft_ep = free_tcp_endpoint()
+    target_eps = [free_tcp_endpoint() for _ in PROMPTS]
+    try:
+        d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", draft_ep, "--depth", "4")
+        for i, ep in enumerate(target_eps):
+            d.start(f"t{i}", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep,
+                    "--listen", ep, "--depth", "4", "--name", f"t{i}", "--connect-timeout", "120",
+                    "--draft-timeout", "30")
+        d.wait_ready("draftd", draft_ep)
+        for i, ep in enumerate(target_eps):
+            d.wait_ready(f"t{i}", ep)
+        yield d, draft_ep, target_eps
+    finally:
+        d.close()
+
+
+def run_concurrently(target_eps, requests):
+    """Send requests[i] to target i, all at the same time; return the RESULT headers."""
+    results = [None] * len(target_eps)
+    errors = []
+
+    def one(i, ep):
+        try:
+            with ControlClient(ep) as cc:
+                results[i] = cc.call(Message(MsgType.GENERATE, requests[i]), timeout_s=300).header
+        except Exception as exc:  # collected and re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i, ep)) for i, ep in enumerate(target_eps)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(400)
+    assert not errors, errors
+    return results
+
+
+def test_four_targets_greedy_equal_generate(star, tiny_target):
+    d, draft_ep, target_eps = star
+    from common.models import load_causal_lm
+    from starsd_target.engine import TargetEngine
+
+    engine = TargetEngine(load_causal_lm(str(tiny_target)))
+    prompts_ids = [engine.encode(p) for p in PROMPTS]
+    refs = [reference_greedy(tiny_target, ids, MAX_TOKENS) for ids in prompts_ids]
+    assert len(set(map(tuple, refs))) == len(refs), "prompts should lead to different outputs"
+    results = run_concurrently(target_eps, [{"id": i + 1, "prompt": p, "max_tokens": MAX_TOKENS}
+                                            for i, p in enumerate(PROMPTS)])
+    for ref, res in zip(refs, results):
+        assert res["token_ids"] == ref
+        stats = res["stats"]
+        assert stats["fallback_rounds"] == 0
+        assert stats["accepted"] > 0 and stats["rounds"] < len(ref)  # speculation really happened
+    with ControlClient(draft_ep) as cc:
+        s = cc.stats()
+    assert s["peers"] >= 4 and s["requests"] >= sum(r["stats"]["rounds"] for r in results) - 4
+
+
+def test_sampled_runs_with_a_seed_repeat(star):
+    d, draft_ep, target_eps = star
+    reqs = [{"id": 10 + i, "prompt": PROMPTS[i], "max_tokens": 32, "temperature": 0.8, "top_k": 50,
+             "top_p": 0.95, "seed": 7} for i in range(len(target_eps))]
+    first = run_concurrently(target_eps, reqs)
+    second = run_concurrently(target_eps, reqs)
+    for a, b in zip(first, second):
+        assert a["token_ids"] == b["token_ids"]
+        assert a["stats"]["drafted"] > 0
+    other = run_concurrently(target_eps, [{**r, "seed": 8} for r in reqs])
+    assert [r["token_ids"] for r in other] != [r["token_ids"] for r in first]
+
+
+def test_cli_generate_json(star, tiny_target):
+    d, draft_ep, _ = star
+    cmd = [sys.executable, "-m", "starsd_target", "generate", "--model", str(tiny_target), "--draft", draft_ep,
+           "--prompt", PROMPTS[0], "--max-tokens", "20", "--json", "--log-level", "warning"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert set(obj) >= {"text", "token_ids", "stats"}
+    assert set(obj["stats"]) >= {"rounds", "drafted", "accepted", "mean_accepted_length", "tokens_per_s",
+                                 "fallback_rounds"}
+    from common.models import load_causal_lm
+    from starsd_target.engine import TargetEngine
+
+    engine = TargetEngine(load_causal_lm(str(tiny_target)))
+    assert obj["token_ids"] == reference_greedy(tiny_target, engine.encode(PROMPTS[0]), 20)
+    assert obj["text"] == engine.decode(obj["token_ids"])
+    assert obj["stats"]["accepted"] > 0
+    # the same through the environment instead of flags, and the baseline without drafts
+    env_cmd = [sys.executable, "-m", "starsd_target", "generate", "--prompt", PROMPTS[0], "--json", "--no-draft"]
+    env = {"STARSD_TARGET_MODEL": str(tiny_target), "STARSD_TARGET_MAX_TOKENS": "20",
+           "STARSD_TARGET_LOG_LEVEL": "warning", "PATH": ""}
+    out = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    alone = json.loads(out.stdout)
+    assert alone["token_ids"] == obj["token_ids"] and alone["stats"]["drafted"] == 0
