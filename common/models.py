@@ -29,6 +29,7 @@ class LoadedModel:
     dtype: torch.dtype
     vocab_size: int  # tokens the tokenizer knows (the ids both sides may exchange)
     logits_size: int  # width of the model's output layer (may be padded beyond vocab_size)
+    feature_size: int  # width of the final hidden state the output layer reads
     fingerprint: str
     eos_token_ids: frozenset[int]
 
@@ -105,7 +106,8 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
     else:
         log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
-    logits_size = int(model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings().weight
+    logits_size, feature_size = int(head.shape[0]), int(head.shape[1])
     vocab = len(tokenizer) if tokenizer is not None else logits_size
     vocab = min(vocab, logits_size)
     return LoadedModel(
@@ -116,6 +118,7 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
         dtype=torch_dtype,
         vocab_size=vocab,
         logits_size=logits_size,
+        feature_size=feature_size,
         fingerprint=tokenizer_fingerprint(tokenizer, vocab),
         eos_token_ids=_eos_ids(model, tokenizer),
     )

@@ -14,7 +14,12 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
     OPEN    -> (nothing) | ERROR    new session: prompt ids and sampling parameters
     DRAFT   -> DRAFTED | ERROR      "n of your last drafts survived, then these tokens were
                                      verified; the verified sequence is now `pos` long;
-                                     draft `depth` more"
+                                     draft `depth` more". For a backend that drafts from the
+                                     target's features (WELCOME.feature_size > 0) a tensor
+                                     `features` [m, H] (float16/bfloat16/float32) carries the
+                                     features of the m positions after those already sent, so
+                                     that the session holds features for all but the last
+                                     verified token.
     CLOSE   -> (nothing)
     STATS   -> STATS_REPLY          counters of the draft daemon
 
@@ -125,13 +130,19 @@ _U31 = (1 << 31) - 1
 
 SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
     # name: (kind, required)
-    MsgType.HELLO: {"vocab_size": ("uint", True), "tokenizer": ("str", True), "name": ("str", False)},
+    MsgType.HELLO: {
+        "vocab_size": ("uint", True),
+        "tokenizer": ("str", True),
+        "feature_size": ("uint", False),  # the target's hidden size (features it can send)
+        "name": ("str", False),
+    },
     MsgType.WELCOME: {
         "vocab_size": ("uint", True),
         "tokenizer": ("str", True),
         "backend": ("str", True),
         "max_depth": ("uint", True),
         "q_topk": ("uint", True),
+        "feature_size": ("uint", True),  # >0: send target features of this width with each DRAFT
         "server": ("str", False),
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},

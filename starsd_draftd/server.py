@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from common import protocol as P
@@ -24,6 +25,8 @@ from starsd_draftd.backends.base import DraftBackend
 from starsd_draftd.sessions import SessionTable
 
 log = logging.getLogger("starsd.draftd")
+
+FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -197,6 +200,14 @@ class DraftServer:
     def _hello(self, identity: bytes, peer, h: dict) -> None:
         mine = (self.backend.vocab_size, self.backend.fingerprint)
         theirs = (h["vocab_size"], h["tokenizer"])
+        need = self.backend.feature_size
+        if need and h.get("feature_size", 0) != need:
+            log.warning("refusing target %r: hidden size %s, the draft head needs %d",
+                        h.get("name", ""), h.get("feature_size"), need)
+            raise ProtocolError(
+                ErrorCode.INCOMPATIBLE_MODEL,
+                f"the {self.backend.name} draft head works on hidden size {need}, but the target's hidden "
+                f"size is {h.get('feature_size', 'unknown')}")
         if mine != theirs:
             log.warning("refusing target %r: its vocabulary %d (tokenizer %s) differs from the draft's %d "
                         "(tokenizer %s)", h.get("name", ""), theirs[0], theirs[1], mine[0], mine[1])
@@ -210,7 +221,7 @@ class DraftServer:
         self._send(identity, Message(MsgType.WELCOME, {
             "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
-            "server": self.config.name}))
+            "feature_size": need, "server": self.config.name}))
 
     def _open(self, identity: bytes, h: dict) -> None:
         sid = h["session"]
@@ -245,10 +256,13 @@ class DraftServer:
                 raise ProtocolError(ErrorCode.BAD_REQUEST,
                                     f"depth {h['depth']} is outside 1..{self.config.max_depth}", sid, seq)
             self._check_ids(h["new"], sid, seq)
+            features = self._check_features(session, msg, h["pos"])
             session.advance(h["accepted"], h["new"], h["pos"], seq)
+            if features is not None:
+                session.features += features.shape[0]
             t0 = time.perf_counter()
             try:
-                draft = self.backend.draft(session.state, session.verified, h["depth"])
+                draft = self.backend.draft(session.state, session.verified, h["depth"], features)
             finally:
                 self.stats.busy_s += time.perf_counter() - t0
         except ProtocolError as exc:
@@ -265,6 +279,30 @@ class DraftServer:
         if draft.q_ids is not None:
             tensors = {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
         self._send(identity, Message(MsgType.DRAFTED, {"session": sid, "seq": seq, "tokens": draft.tokens}, tensors))
+
+    def _check_features(self, session, msg: Message, pos: int):
+        """The features a feature backend needs with this request, validated; None otherwise."""
+        sid, seq = session.key[1], msg.header["seq"]
+        f = msg.tensors.get("features")
+        need = self.backend.feature_size
+        if not need:
+            if f is not None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this draft daemon takes no features", sid, seq)
+            return None
+        if f is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend needs target features",
+                                sid, seq)
+        if f.dtype not in FEATURE_DTYPES or f.dim() != 2 or f.shape[1] != need:
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"features must be float [m, {need}], got {str(f.dtype)} {list(f.shape)}", sid, seq)
+        if session.features + f.shape[0] != pos - 1:
+            raise ProtocolError(
+                ErrorCode.DESYNC,
+                f"the session holds {session.features} features; {f.shape[0]} more make "
+                f"{session.features + f.shape[0]}, but {pos - 1} are needed; re-open the session", sid, seq)
+        if not bool(torch.isfinite(f).all()):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
+        return f
 
     def _expire(self, now: float) -> None:
         for s in self.sessions.expire(now):

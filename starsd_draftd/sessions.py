@@ -16,6 +16,7 @@ class Session:
     state: object  # the backend's per-session state
     verified: list[int]
     last_draft: list[int] = field(default_factory=list)
+    features: int = 0  # target features held (feature backends): one per verified token but the last
     last_seq: int = -1
     touched: float = field(default_factory=time.monotonic)
 

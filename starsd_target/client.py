@@ -36,6 +36,7 @@ class Welcome:
     backend: str
     max_depth: int
     q_topk: int
+    feature_size: int
     server: str
 
 
@@ -50,10 +51,11 @@ class DraftClient:
     """Synchronous client used by one generation loop at a time."""
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, feature_size: int = 0):
         self.endpoint = endpoint
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
+        self.feature_size = feature_size
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions())
@@ -89,7 +91,7 @@ class DraftClient:
     # ------------------------------------------------------------ conversation
     def handshake(self, timeout_s: float) -> Welcome:
         self._send(Message(MsgType.HELLO, {"vocab_size": self.vocab_size, "tokenizer": self.fingerprint,
-                                           "name": self.name}))
+                                           "feature_size": self.feature_size, "name": self.name}))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             msg = self._recv(left)
@@ -101,7 +103,7 @@ class DraftClient:
             if msg.type is MsgType.WELCOME:
                 h = msg.header
                 w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
-                            h.get("server", ""))
+                            h["feature_size"], h.get("server", ""))
                 if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
                     raise HandshakeRefused(
                         f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
@@ -119,9 +121,11 @@ class DraftClient:
     def close_session(self, session: int) -> None:
         self._send(Message(MsgType.CLOSE, {"session": session}))
 
-    def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int) -> None:
+    def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
+                features: torch.Tensor | None = None) -> None:
+        tensors = {} if features is None else {"features": features}
         self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
-                                           "new": list(new), "pos": pos, "depth": depth}))
+                                           "new": list(new), "pos": pos, "depth": depth}, tensors))
 
     def wait_draft(self, session: int, seq: int, timeout_s: float) -> DraftReply | RemoteError | None:
         """The DRAFTED reply for (session, seq), the ERROR about it, or None at the deadline.
@@ -165,8 +169,13 @@ class RemoteDraftSession:
         self.accepted = 0  # how many of that proposal the target kept
         self.reopen = True
         self.errors = 0
+        self.features_sent = 0
 
-    def propose(self, tokens: list[int], depth: int) -> DraftReply | None:
+    @property
+    def feature_size(self) -> int:
+        return self.client.welcome.feature_size if self.client.welcome is not None else 0
+
+    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> DraftReply | None:
         if self.client.welcome is None:
             try:
                 self.client.handshake(self.timeout_s)
@@ -176,13 +185,20 @@ class RemoteDraftSession:
             self.reopen = True
         if self.reopen:
             self.client.open(self.session, tokens, self.params)
-            self.synced, self.accepted, self.reopen = len(tokens), 0, False
+            self.synced, self.accepted, self.reopen, self.features_sent = len(tokens), 0, False, 0
+        new_features = None
+        if self.feature_size:
+            if features is None or features.shape[0] != len(tokens) - 1:
+                return None  # this generation collected no features; the round runs without drafts
+            new_features = features[self.features_sent:]
         if self.client.welcome is not None:
             depth = min(depth, self.client.welcome.max_depth)
         self.seq += 1
         new = tokens[self.synced + self.accepted:]
-        self.client.request(self.session, self.seq, self.accepted, new, len(tokens), depth)
+        self.client.request(self.session, self.seq, self.accepted, new, len(tokens), depth, new_features)
         self.synced, self.accepted = len(tokens), 0
+        if new_features is not None:
+            self.features_sent = len(tokens) - 1
         reply = self.client.wait_draft(self.session, self.seq, self.timeout_s)
         if isinstance(reply, RemoteError):
             self.errors += 1

@@ -38,7 +38,9 @@ class TargetConfig:
 class NoDrafts:
     """A draft source for rounds when the draft daemon cannot be reached: every round falls back."""
 
-    def propose(self, tokens, depth):
+    feature_size = 0
+
+    def propose(self, tokens, depth, features=None):
         return None
 
     def kept(self, n):
@@ -61,14 +63,17 @@ class TargetDaemon:
         self.served = 0
 
     # ------------------------------------------------------------ draft link
+    def _new_client(self) -> DraftClient:
+        return DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint, self.config.name,
+                           self.ctx, feature_size=self.loaded.feature_size)
+
     def connect(self) -> bool:
         """Handshake with the draft daemon. A refusal (mismatch) raises HandshakeRefused;
         silence only logs, and generation proceeds with the target alone."""
         if self.config.draft is None:
             return False
         if self.client is None:
-            self.client = DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
-                                      self.config.name, self.ctx)
+            self.client = self._new_client()
         try:
             self.client.handshake(self.config.connect_timeout_s)
             return True
@@ -82,8 +87,7 @@ class TargetDaemon:
         if self.client is None or self.client.welcome is None:
             try:
                 if self.client is None:
-                    self.client = DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
-                                              self.config.name, self.ctx)
+                    self.client = self._new_client()
                 self.client.handshake(0.2)
             except HandshakeTimeout:
                 return NoDrafts()

@@ -29,8 +29,11 @@ class Proposal(Protocol):
 class DraftSource(Protocol):
     """Where one generation's drafts come from (a remote session, or a fake in tests)."""
 
-    def propose(self, tokens: list[int], depth: int) -> Proposal | None:
-        """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None."""
+    feature_size: int  # >0: propose() needs the target's features
+
+    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> Proposal | None:
+        """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None.
+        ``features`` holds the target's final hidden state for every token but the last."""
 
     def kept(self, n: int) -> None:
         """How many tokens of the last proposal verification kept."""
@@ -74,6 +77,31 @@ class GenerationResult:
     stats: GenerationStats
 
 
+class FeatureBuffer:
+    """The target's final hidden states of all cached positions, grown in place (amortised)."""
+
+    def __init__(self, width: int, dtype: torch.dtype):
+        self.buf = torch.empty(64, width, dtype=dtype)
+        self.n = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.n + rows.shape[0]
+        if need > self.buf.shape[0]:
+            grown = torch.empty(max(need, 2 * self.buf.shape[0]), self.buf.shape[1], dtype=self.buf.dtype)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n: need] = rows
+        self.n = need
+
+    def view(self) -> torch.Tensor:
+        return self.buf[: self.n]
+
+
+def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Features cross the network in 16 bits: the model's own half type, float16 for float32 models."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, depth: int = 5):
         self.loaded = loaded
@@ -91,9 +119,12 @@ class TargetEngine:
         return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
     @torch.inference_mode()
-    def _forward(self, cache, ids: list[int]) -> torch.Tensor:
+    def _forward(self, cache, ids: list[int], features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [len(ids), V] (float32, CPU) and, if asked, the final hidden states [len(ids), H]."""
         x = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
-        return self.model(input_ids=x, cache=cache, use_cache=True).logits[0].float().cpu()
+        out = self.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features)
+        hidden = out.hidden_states[-1][0] if features else None
+        return out.logits[0].float().cpu(), hidden
 
     def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
         k = len(prop.tokens)
@@ -122,8 +153,13 @@ class TargetEngine:
         gen = make_generator(params.seed)
         tokens = list(prompt)
         cache = new_cache(self.model)
+        feats = None
+        if drafts is not None and drafts.feature_size > 0:
+            feats = FeatureBuffer(self.loaded.feature_size, feature_wire_dtype(self.loaded.dtype))
         if len(tokens) > 1:
-            self._forward(cache, tokens[:-1])
+            _, hidden = self._forward(cache, tokens[:-1], feats is not None)
+            if feats is not None:
+                feats.append(hidden.to("cpu", feats.buf.dtype))
         stats.prefill_s = time.perf_counter() - t_start
         out: list[int] = []
         finish = "length"
@@ -132,7 +168,7 @@ class TargetEngine:
                 depth = min(self.depth, max_tokens - len(out) - 1)
                 prop = None
                 if drafts is not None and depth > 0:
-                    prop = drafts.propose(tokens, depth)
+                    prop = drafts.propose(tokens, depth, feats.view() if feats is not None else None)
                     if prop is not None and not self._valid(prop, depth, params.greedy):
                         stats.invalid_drafts += 1
                         prop = None
@@ -140,7 +176,7 @@ class TargetEngine:
                         stats.fallback_rounds += 1
                 x = list(prop.tokens) if prop is not None else []
                 base = len(tokens) - 1  # cached positions before this round
-                logits = self._forward(cache, [tokens[-1], *x])
+                logits, hidden = self._forward(cache, [tokens[-1], *x], feats is not None)
                 if params.greedy:
                     n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
                 else:
@@ -150,6 +186,8 @@ class TargetEngine:
                 if prop is not None:
                     drafts.kept(n)
                 crop_cache(cache, base + 1 + n)
+                if feats is not None:
+                    feats.append(hidden[: 1 + n].to("cpu", feats.buf.dtype))
                 stats.rounds += 1
                 stats.drafted += len(x)
                 stats.accepted += n

@@ -27,7 +27,7 @@ class CountingBackend(DraftBackend):
     def new_state(self, params):
         return {"calls": 0}
 
-    def draft(self, state, verified, depth):
+    def draft(self, state, verified, depth, new_features=None):
         state["calls"] += 1
         return Draft([(verified[-1] + i + 1) % self.vocab_size for i in range(depth)])
 

@@ -19,7 +19,9 @@ class ListDrafts:
         self.kept_log = []
         self.closed = False
 
-    def propose(self, tokens, depth):
+    feature_size = 0
+
+    def propose(self, tokens, depth, features=None):
         if not self.script:
             return None
         nxt = self.script.pop(0)
@@ -41,7 +43,9 @@ class OracleDrafts:
         self.full = list(prompt) + list(reference)
         self.kept_log = []
 
-    def propose(self, tokens, depth):
+    feature_size = 0
+
+    def propose(self, tokens, depth, features=None):
         nxt = self.full[len(tokens): len(tokens) + depth]
         return type("P", (), {"tokens": nxt, "q_ids": None, "q_probs": None})()
 

@@ -155,10 +155,10 @@ def test_silent_sessions_expire_and_free_state():
 
 def test_backend_failure_costs_one_request_not_the_daemon():
     class Exploding(CountingBackend):
-        def draft(self, state, verified, depth):
+        def draft(self, state, verified, depth, new_features=None):
             if verified[-1] == 13:
                 raise RuntimeError("boom")
-            return super().draft(state, verified, depth)
+            return super().draft(state, verified, depth, new_features)
 
     with running_server(Exploding()) as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)

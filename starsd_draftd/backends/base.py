@@ -26,17 +26,21 @@ class DraftBackend(abc.ABC):
     name: str = "base"
     vocab_size: int
     fingerprint: str
+    feature_size: int = 0  # >0: each request must bring target features of this width
 
     @abc.abstractmethod
     def new_state(self, params: SamplingParams) -> object:
         """Fresh state for one session (caches, a seeded generator...)."""
 
     @abc.abstractmethod
-    def draft(self, state: object, verified: list[int], depth: int) -> Draft:
+    def draft(self, state: object, verified: list[int], depth: int,
+              new_features: torch.Tensor | None = None) -> Draft:
         """Propose ``depth`` tokens following ``verified`` (the whole verified sequence).
 
         The backend reuses whatever of its cached work still matches ``verified`` and
-        rolls back the rest."""
+        rolls back the rest. ``new_features`` ([m, feature_size], only for backends with
+        feature_size > 0) are the target's features for the positions after those this
+        session already holds; with them it holds one per verified token but the last."""
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""

@@ -43,7 +43,8 @@ class ModelBackend(DraftBackend):
         st.cached.extend(tokens)
         return out.logits[0, -1, : self.vocab_size].float()
 
-    def draft(self, state: object, verified: list[int], depth: int) -> Draft:
+    def draft(self, state: object, verified: list[int], depth: int,
+              new_features: torch.Tensor | None = None) -> Draft:
         st: ModelSession = state  # type: ignore[assignment]
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
