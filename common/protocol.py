@@ -22,6 +22,9 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      verified token.
     CLOSE   -> (nothing)
     STATS   -> STATS_REPLY          counters of the draft daemon
+    PING    -> PONG                 application-level lease: keeps the peer known, tells
+                                     the target whether the daemon is alive and draining
+    GOODBYE <-                      the daemon is stopping: draft without it until it is back
 
 A target daemon also takes generation jobs on a local control socket:
 
@@ -56,6 +59,9 @@ class MsgType(bytes, enum.Enum):
     STATS_REPLY = b"STATS_REPLY"
     GENERATE = b"GENERATE"
     RESULT = b"RESULT"
+    PING = b"PING"
+    PONG = b"PONG"
+    GOODBYE = b"GOODBYE"
 
 
 class ErrorCode(enum.IntEnum):
@@ -71,6 +77,7 @@ class ErrorCode(enum.IntEnum):
     DESYNC = 10  # the verified length the target states differs from the session's
     INTERNAL = 11
     GENERATION_FAILED = 12
+    SHUTTING_DOWN = 13
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "max_depth": ("uint", True),
         "q_topk": ("uint", True),
         "feature_size": ("uint", True),  # >0: send target features of this width with each DRAFT
+        "instance": ("str", True),  # changes when the daemon restarts: sessions must be re-opened
         "server": ("str", False),
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
@@ -177,6 +185,9 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "no_draft": ("bool", False),
     },
     MsgType.RESULT: {"id": ("uint", True), "text": ("str", True), "token_ids": ("ids", True), "stats": ("map", True)},
+    MsgType.PING: {},
+    MsgType.PONG: {"instance": ("str", True), "draining": ("bool", True)},
+    MsgType.GOODBYE: {"instance": ("str", True)},
 }
 
 SAMPLING_SCHEMA: dict[str, tuple[str, bool]] = {

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from common.protocol import DEFAULT_LIMITS
+from common.security import CurveKeys
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class SocketOptions:
     heartbeat_timeout_ms: int = 6000
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 5000
+    immediate: bool = False  # queue only to completed connections: sends fail fast while disconnected
+    curve: CurveKeys | None = None  # server side when curve.server_public is None, client side otherwise
 
 
 def make_socket(ctx: zmq.Context, kind: int, opts: SocketOptions = SocketOptions()) -> zmq.Socket:
@@ -35,9 +38,18 @@ def make_socket(ctx: zmq.Context, kind: int, opts: SocketOptions = SocketOptions
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.heartbeat_timeout_ms)
     sock.setsockopt(zmq.RECONNECT_IVL, opts.reconnect_ivl_ms)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, opts.reconnect_ivl_max_ms)
+    if opts.immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.ROUTER:
         # Unroutable replies raise instead of vanishing silently, so they are counted.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if opts.curve is not None:
+        sock.curve_secretkey = opts.curve.secret
+        sock.curve_publickey = opts.curve.public
+        if opts.curve.server_public is None:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = opts.curve.server_public
     return sock
 
 

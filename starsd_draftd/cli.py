@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import ModelLoadError, load_causal_lm, set_torch_threads
+from common.security import keygen as keygen_pair
 from starsd_draftd.demo import DemoConfig, format_table, run_demo
 from starsd_draftd.server import DraftServer, ServerConfig
 
@@ -62,18 +64,43 @@ def main() -> None:
 @option("--max-queue", type=click.IntRange(1), default=_s.max_queue, help="Draft requests waiting at once.")
 @option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
         help="Seconds after which a silent session is dropped and its cache freed.")
+@option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
+        help="Seconds after which a silent target is forgotten with all its sessions.")
+@option("--drain-timeout", type=click.FloatRange(0), default=_s.drain_s,
+        help="On SIGTERM, seconds to keep answering queued requests before exiting.")
+@option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="This daemon's CURVE secret key file (from `starsd-draftd keygen`); enables encryption.")
+@option("--curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Directory of target public keys (*.key) allowed to connect; re-read on SIGHUP.")
 @option("--insecure", is_flag=True, help="Allow binding a non-loopback address without encryption.")
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
-          insecure, threads, log_level, log_format) -> None:
-    """Load the draft model and serve draft requests until SIGTERM."""
+          peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, threads, log_level, log_format) -> None:
+    """Load the draft model and serve draft requests until SIGTERM.
+
+    SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
+    to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
     server = ServerConfig(bind=bind, max_depth=depth, max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
-                          session_ttl_s=session_ttl, insecure=insecure)
+                          session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, drain_s=drain_timeout,
+                          curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure)
     run_serve(ServeConfig(server, model, device, dtype, q_topk, threads))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@option("--name", required=True, help="Key name: writes NAME.key (public) and NAME.key_secret.")
+@fail_cleanly(FileExistsError, OSError)
+def keygen(directory, name) -> None:
+    """Write a CURVE key pair in zmq.auth's certificate format.
+
+    Give the daemon its .key_secret with --curve-secret; copy targets' .key files into the
+    daemon's --curve-allow directory, and the daemon's .key to targets (--curve-server-key)."""
+    public, secret = keygen_pair(directory, name)
+    click.echo(f"public key: {public}\nsecret key: {secret} (keep it private)")
 
 
 @main.command()

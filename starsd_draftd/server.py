@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import zmq
 
 from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
+from common.security import AllowList, server_keys
 from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend
@@ -35,8 +38,13 @@ class ServerConfig:
     max_depth: int = 5
     max_sessions: int = 1024
     max_sessions_per_peer: int = 64
+    max_peers: int = 4096
     max_queue: int = 4096
     session_ttl_s: float = 600.0
+    peer_ttl_s: float = 60.0
+    drain_s: float = 5.0
+    curve_secret: Path | None = None  # this daemon's .key_secret file
+    curve_allow: Path | None = None  # directory of allowed target public keys (.key files)
     insecure: bool = False
     name: str = "starsd-draftd"
 
@@ -50,6 +58,7 @@ class Stats:
         self.sessions_opened = 0
         self.sessions_expired = 0
         self.unroutable = 0
+        self.dropped_replies = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -64,26 +73,34 @@ class Stats:
             "queue_depth": queue_depth,
             "peers": peers,
             "unroutable": self.unroutable,
+            "dropped_replies": self.dropped_replies,
             "errors": dict(self.errors),
         }
 
 
 class DraftServer:
     def __init__(self, backend: DraftBackend, config: ServerConfig, ctx: zmq.Context | None = None):
-        if not config.insecure and not is_loopback_endpoint(config.bind):
+        if (config.curve_secret is None) != (config.curve_allow is None):
+            raise ValueError("CURVE needs both --curve-secret and --curve-allow")
+        if config.curve_secret is None and not config.insecure and not is_loopback_endpoint(config.bind):
             raise ValueError(
-                f"refusing to bind {config.bind} without encryption: only loopback endpoints are allowed "
-                "unless --insecure is given"
+                f"refusing to bind {config.bind} without encryption: give --curve-secret and --curve-allow, "
+                "or --insecure to serve plaintext on a network you trust"
             )
         self.backend = backend
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
-        self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s)
-        self.q_in: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s,
+                                     config.peer_ttl_s, config.max_peers)
+        self.q_in: collections.deque[tuple[bytes, bytes, Message]] = collections.deque()
         self.q_out: collections.deque[list] = collections.deque()
         self.stats = Stats()
+        self.instance = secrets.token_hex(8)
         self._stop = threading.Event()
+        self._reload = threading.Event()
+        self.draining = False
         self.sock: zmq.Socket | None = None
+        self.allow: AllowList | None = None
         self.endpoint = config.bind
 
     # ------------------------------------------------------------ life cycle
@@ -91,16 +108,25 @@ class DraftServer:
         """Safe from signal handlers and other threads: only sets a flag."""
         self._stop.set()
 
+    def reload_keys(self) -> None:
+        """Safe from signal handlers: the loop re-reads the allowed keys on its next pass."""
+        self._reload.set()
+
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_keys())
 
     def bind(self) -> str:
-        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
+        curve = None
+        if self.config.curve_secret is not None:
+            curve = server_keys(self.config.curve_secret)
+            self.allow = AllowList(self.ctx, self.config.curve_allow)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve))
         self.sock.bind(self.config.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("draft daemon listening on %s (backend %s, max depth %d)",
-                 self.endpoint, self.backend.name, self.config.max_depth)
+        log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", self.endpoint, self.backend.name,
+                 self.config.max_depth, "CURVE" if curve else "plaintext")
         return self.endpoint
 
     def serve_forever(self, ready: threading.Event | None = None) -> None:
@@ -111,8 +137,19 @@ class DraftServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
+        drain_deadline = None
         try:
-            while not self._stop.is_set():
+            while True:
+                if self._stop.is_set() and not self.draining:
+                    drain_deadline = time.monotonic() + self.config.drain_s
+                    self._start_draining()
+                if self.draining and (not self.q_in or time.monotonic() >= drain_deadline):
+                    self._flush_out()
+                    break
+                if self._reload.is_set():
+                    self._reload.clear()
+                    if self.allow is not None:
+                        self.allow.reload()
                 timeout = 0 if (self.q_in or self.q_out) else 100
                 if poller.poll(timeout):
                     self._drain_socket()
@@ -124,9 +161,20 @@ class DraftServer:
                     self._expire(now)
                     next_sweep = now + 1.0
         finally:
+            if self.q_in:
+                log.warning("stopping with %d draft requests unanswered", len(self.q_in))
             self.sock.close(linger=0)
             self.sock = None
+            if self.allow is not None:
+                self.allow.stop()
             log.info("draft daemon stopped")
+
+    def _start_draining(self) -> None:
+        """Stop taking sessions, tell every peer we are leaving, answer what is already queued."""
+        self.draining = True
+        log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.peers))
+        for peer in self.sessions.peers.values():
+            self._send(peer.identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
 
     # ------------------------------------------------------------ I/O
     def _drain_socket(self, budget: int = 1024) -> None:
@@ -141,17 +189,18 @@ class DraftServer:
         self.q_out.append([identity, *P.encode(msg)])
 
     def _flush_out(self) -> None:
+        """Send queued replies. A peer that stopped reading (its pipe is full) loses that reply
+        rather than stalling everyone behind it; it resynchronises on its own."""
         while self.q_out:
-            frames = self.q_out[0]
+            frames = self.q_out.popleft()
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return  # the peer's pipe is full; retry on the next pass
+                self.stats.dropped_replies += 1
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 self.stats.unroutable += 1  # the peer disconnected; its reply has nowhere to go
-            self.q_out.popleft()
 
     def _error(self, identity: bytes | None, exc: ProtocolError) -> None:
         self.stats.errors[exc.code.name] += 1
@@ -163,41 +212,53 @@ class DraftServer:
     def _on_frames(self, frames: list) -> None:
         identity = frames[0].bytes if frames else None
         try:
+            if len(frames) < 2:
+                raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+            # With CURVE the authenticator stamps each message with the peer's public key: sessions
+            # follow the key, so nobody can reach another key's sessions, even after reconnecting.
+            principal = identity
+            if self.allow is not None:
+                principal = frames[1].get("User-Id").encode()
             msg = P.decode(frames[1:])
-            self._on_message(identity, msg)
+            self._on_message(identity, principal, msg)
         except ProtocolError as exc:
             self._error(identity, exc)
         except Exception:  # a bug must cost one request, never the daemon
             log.exception("internal error while handling a message from %r", identity)
             self._error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
 
-    def _on_message(self, identity: bytes, msg: Message) -> None:
-        peer = self.sessions.peer(identity)
+    def _on_message(self, identity: bytes, principal: bytes, msg: Message) -> None:
         h = msg.header
-        if msg.type is MsgType.HELLO:
-            self._hello(identity, peer, h)
-            return
         if msg.type is MsgType.STATS:
             self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
             return
-        if not peer.welcomed:
+        peer = self.sessions.touch(principal, identity)
+        if msg.type is MsgType.PING:
+            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
+            return
+        if self.draining and msg.type in (MsgType.HELLO, MsgType.OPEN):
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the draft daemon is shutting down", h.get("session"))
+        if msg.type is MsgType.HELLO:
+            self._hello(identity, principal, h)
+            return
+        if peer is None:
             raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
         if msg.type is MsgType.OPEN:
-            self._open(identity, h)
+            self._open(principal, h)
         elif msg.type is MsgType.DRAFT:
-            self.sessions.get(identity, h["session"], h["seq"])  # fail fast on unknown sessions
+            self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             if len(self.q_in) >= self.config.max_queue:
                 raise ProtocolError(ErrorCode.BUSY, f"request queue is full ({self.config.max_queue})",
                                     h["session"], h["seq"])
-            self.q_in.append((identity, msg))
+            self.q_in.append((identity, principal, msg))
         elif msg.type is MsgType.CLOSE:
-            s = self.sessions.close(identity, h["session"])
+            s = self.sessions.close(principal, h["session"])
             if s is not None:
                 self.backend.release(s.state)
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a request")
 
-    def _hello(self, identity: bytes, peer, h: dict) -> None:
+    def _hello(self, identity: bytes, principal: bytes, h: dict) -> None:
         mine = (self.backend.vocab_size, self.backend.fingerprint)
         theirs = (h["vocab_size"], h["tokenizer"])
         need = self.backend.feature_size
@@ -215,15 +276,14 @@ class DraftServer:
                 ErrorCode.INCOMPATIBLE_MODEL,
                 f"draft model vocabulary {mine[0]} (tokenizer {mine[1]}) does not match the target's "
                 f"vocabulary {theirs[0]} (tokenizer {theirs[1]})")
-        peer.welcomed = True
-        peer.name = h.get("name", "")
+        peer = self.sessions.welcome(principal, identity, h.get("name", ""))
         log.info("target %s connected", peer.name or identity.hex())
         self._send(identity, Message(MsgType.WELCOME, {
             "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
-            "feature_size": need, "server": self.config.name}))
+            "feature_size": need, "instance": self.instance, "server": self.config.name}))
 
-    def _open(self, identity: bytes, h: dict) -> None:
+    def _open(self, principal: bytes, h: dict) -> None:
         sid = h["session"]
         P.validate_fields(P.SAMPLING_SCHEMA, h["sampling"], "OPEN.sampling", sid)
         try:
@@ -234,10 +294,10 @@ class DraftServer:
         if not prompt:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt must hold at least one token", sid)
         self._check_ids(prompt, sid, None)
-        old = self.sessions.sessions.get((identity, sid))
+        old = self.sessions.sessions.get((principal, sid))
         if old is not None:
             self.backend.release(old.state)
-        self.sessions.open(identity, sid, params, prompt, self.backend.new_state(params))
+        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params))
         self.stats.sessions_opened += 1
 
     def _check_ids(self, ids: list[int], sid, seq) -> None:
@@ -247,11 +307,11 @@ class DraftServer:
                                 sid, seq)
 
     def _serve_one(self) -> None:
-        identity, msg = self.q_in.popleft()
+        identity, principal, msg = self.q_in.popleft()
         h = msg.header
         sid, seq = h["session"], h["seq"]
         try:
-            session = self.sessions.get(identity, sid, seq)
+            session = self.sessions.get(principal, sid, seq)
             if not 1 <= h["depth"] <= self.config.max_depth:
                 raise ProtocolError(ErrorCode.BAD_REQUEST,
                                     f"depth {h['depth']} is outside 1..{self.config.max_depth}", sid, seq)

@@ -1,4 +1,5 @@
-"""Per-peer, per-session state of the draft daemon, isolated by the peer's identity."""
+"""Per-peer, per-session state of the draft daemon, isolated by the peer's principal: its CURVE
+public key when the daemon authenticates peers, its connection's routing identity otherwise."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from common.verify import SamplingParams
 
 @dataclass
 class Session:
-    key: tuple[bytes, int]  # (peer identity, session id): one peer cannot name another's session
+    key: tuple[bytes, int]  # (peer principal, session id): one peer cannot name another's session
     params: SamplingParams
     state: object  # the backend's per-session state
     verified: list[int]
@@ -45,33 +46,46 @@ class Session:
 
 @dataclass
 class Peer:
-    identity: bytes
+    principal: bytes
+    identity: bytes  # routing identity of its latest connection: where replies go
     name: str = ""
-    welcomed: bool = False
     sessions: set[int] = field(default_factory=set)
     seen: float = field(default_factory=time.monotonic)
 
 
 class SessionTable:
-    """Bounded tables of peers and sessions with expiry of anything left silent too long."""
+    """Bounded tables of peers and sessions. Only peers that completed the handshake get an
+    entry; sessions untouched for ``ttl_s`` and peers silent for ``peer_ttl_s`` expire."""
 
-    def __init__(self, max_sessions: int, max_sessions_per_peer: int, ttl_s: float):
+    def __init__(self, max_sessions: int, max_sessions_per_peer: int, ttl_s: float,
+                 peer_ttl_s: float = 60.0, max_peers: int = 4096):
         self.max_sessions = max_sessions
         self.max_per_peer = max_sessions_per_peer
         self.ttl_s = ttl_s
+        self.peer_ttl_s = peer_ttl_s
+        self.max_peers = max_peers
         self.peers: dict[bytes, Peer] = {}
         self.sessions: dict[tuple[bytes, int], Session] = {}
 
-    def peer(self, identity: bytes) -> Peer:
-        p = self.peers.get(identity)
+    def welcome(self, principal: bytes, identity: bytes, name: str) -> Peer:
+        p = self.peers.get(principal)
         if p is None:
-            p = self.peers[identity] = Peer(identity)
-        p.seen = time.monotonic()
+            if len(self.peers) >= self.max_peers:
+                raise ProtocolError(ErrorCode.BUSY, f"the draft daemon serves its maximum of {self.max_peers} peers")
+            p = self.peers[principal] = Peer(principal, identity)
+        p.identity, p.name, p.seen = identity, name, time.monotonic()
         return p
 
-    def open(self, identity: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object) -> Session:
-        peer = self.peer(identity)
-        key = (identity, sid)
+    def touch(self, principal: bytes, identity: bytes) -> Peer | None:
+        """The peer, if it completed the handshake; its reply address and lease are refreshed."""
+        p = self.peers.get(principal)
+        if p is not None:
+            p.identity, p.seen = identity, time.monotonic()
+        return p
+
+    def open(self, principal: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object) -> Session:
+        peer = self.peers[principal]
+        key = (principal, sid)
         old = self.sessions.pop(key, None)  # re-opening replaces the session
         if old is None:
             if len(self.sessions) >= self.max_sessions:
@@ -83,25 +97,27 @@ class SessionTable:
         peer.sessions.add(sid)
         return s
 
-    def get(self, identity: bytes, sid: int, seq: int | None = None) -> Session:
-        s = self.sessions.get((identity, sid))
+    def get(self, principal: bytes, sid: int, seq: int | None = None) -> Session:
+        s = self.sessions.get((principal, sid))
         if s is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {sid} for this peer; open it first", sid, seq)
         return s
 
-    def close(self, identity: bytes, sid: int) -> Session | None:
-        s = self.sessions.pop((identity, sid), None)
-        peer = self.peers.get(identity)
+    def close(self, principal: bytes, sid: int) -> Session | None:
+        s = self.sessions.pop((principal, sid), None)
+        peer = self.peers.get(principal)
         if peer is not None:
             peer.sessions.discard(sid)
         return s
 
     def expire(self, now: float | None = None) -> list[Session]:
-        """Drop sessions untouched for the TTL and peers silent for the TTL; return dropped sessions."""
+        """Drop sessions untouched for the session TTL, and silent peers with all their sessions;
+        return the dropped sessions so their state can be freed."""
         now = time.monotonic() if now is None else now
-        dropped = [s for s in self.sessions.values() if now - s.touched > self.ttl_s]
+        silent = {k for k, p in self.peers.items() if now - p.seen > self.peer_ttl_s}
+        dropped = [s for s in self.sessions.values() if s.key[0] in silent or now - s.touched > self.ttl_s]
         for s in dropped:
             self.close(*s.key)
-        for ident in [i for i, p in self.peers.items() if not p.sessions and now - p.seen > self.ttl_s]:
-            del self.peers[ident]
+        for k in silent:
+            del self.peers[k]
         return dropped

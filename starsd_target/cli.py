@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -34,6 +35,10 @@ def model_options(f):
         option("--threads", type=click.IntRange(0), default=_d.threads,
                help="Torch CPU threads (0: torch's default)."),
         option("--name", default=_d.name, help="Name this target reports to the draft daemon."),
+        option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+               help="This target's CURVE secret key file; enables encryption."),
+        option("--curve-server-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+               help="The draft daemon's CURVE public key file."),
         logging_options(option),
     ]
     for dec in reversed(decorators):
@@ -44,7 +49,8 @@ def model_options(f):
 def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfig:
     return TargetConfig(model=kw["model"], draft=draft, device=kw["device"], dtype=kw["dtype"], depth=kw["depth"],
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
-                        threads=kw["threads"], name=kw["name"], listen=listen)
+                        threads=kw["threads"], name=kw["name"], listen=listen, curve_secret=kw["curve_secret"],
+                        curve_server_key=kw["curve_server_key"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -6,7 +6,9 @@ import itertools
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -15,6 +17,7 @@ from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
+from common.security import client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout, RemoteDraftSession
 from starsd_target.engine import GenerationResult, TargetEngine
 
@@ -33,26 +36,17 @@ class TargetConfig:
     threads: int = 1
     name: str = ""
     listen: str = "tcp://127.0.0.1:5600"
-
-
-class NoDrafts:
-    """A draft source for rounds when the draft daemon cannot be reached: every round falls back."""
-
-    feature_size = 0
-
-    def propose(self, tokens, depth, features=None):
-        return None
-
-    def kept(self, n):
-        pass
-
-    def close(self):
-        pass
+    heartbeat_s: float = 5.0
+    curve_secret: Path | None = None  # this target's .key_secret file
+    curve_server_key: Path | None = None  # the draft daemon's public .key file
 
 
 class TargetDaemon:
     def __init__(self, config: TargetConfig, loaded: LoadedModel | None = None, ctx: zmq.Context | None = None):
         set_torch_threads(config.threads)
+        if (config.curve_secret is None) != (config.curve_server_key is None):
+            raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
+        self.curve = client_keys(config.curve_secret, config.curve_server_key) if config.curve_secret else None
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
@@ -63,35 +57,32 @@ class TargetDaemon:
         self.served = 0
 
     # ------------------------------------------------------------ draft link
-    def _new_client(self) -> DraftClient:
-        return DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint, self.config.name,
-                           self.ctx, feature_size=self.loaded.feature_size)
+    def _link(self) -> DraftClient:
+        if self.client is None:
+            self.client = DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
+                                      self.config.name, self.ctx, feature_size=self.loaded.feature_size,
+                                      curve=self.curve)
+        return self.client
 
     def connect(self) -> bool:
-        """Handshake with the draft daemon. A refusal (mismatch) raises HandshakeRefused;
-        silence only logs, and generation proceeds with the target alone."""
+        """Handshake with the draft daemon at start-up. A refusal (mismatch) raises
+        HandshakeRefused; silence only logs: generation proceeds with the target alone and the
+        link keeps being retried."""
         if self.config.draft is None:
             return False
-        if self.client is None:
-            self.client = self._new_client()
+        link = self._link()
         try:
-            self.client.handshake(self.config.connect_timeout_s)
+            link.handshake(self.config.connect_timeout_s)
             return True
         except HandshakeTimeout as exc:
+            link.mark_down(str(exc))
             log.warning("%s; generating with the target model alone until it answers", exc)
             return False
 
     def _draft_source(self, params: SamplingParams, no_draft: bool):
         if no_draft or self.config.draft is None:
             return None
-        if self.client is None or self.client.welcome is None:
-            try:
-                if self.client is None:
-                    self.client = self._new_client()
-                self.client.handshake(0.2)
-            except HandshakeTimeout:
-                return NoDrafts()
-        return RemoteDraftSession(self.client, next(self._sessions), params, self.config.draft_timeout_s)
+        return RemoteDraftSession(self._link(), next(self._sessions), params, self.config.draft_timeout_s)
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: str | list[int], max_tokens: int, params: SamplingParams,
@@ -113,31 +104,44 @@ class TargetDaemon:
             signal.signal(sig, lambda *_: self.stop())
 
     def serve_forever(self, ready: threading.Event | None = None) -> None:
-        """Take GENERATE jobs on a local ROUTER socket, one at a time, until stopped."""
+        """Take GENERATE jobs on a local ROUTER socket, one at a time, until stopped. On stop the
+        job in progress finishes; jobs already received but not started get SHUTTING_DOWN."""
         sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
         sock.bind(self.config.listen)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("target daemon taking jobs on %s", self.endpoint)
         if ready is not None:
             ready.set()
+        next_beat = time.monotonic() + self.config.heartbeat_s
         try:
             while not self._stop.is_set():
+                if self.client is not None and time.monotonic() >= next_beat:
+                    self.client.heartbeat()
+                    next_beat = time.monotonic() + self.config.heartbeat_s
                 if not sock.poll(100, zmq.POLLIN):
                     continue
-                frames = sock.recv_multipart(copy=False)
-                identity = frames[0].bytes
-                try:
-                    reply = self._handle(P.decode(frames[1:]))
-                except ProtocolError as exc:
-                    reply = P.error_from(exc)
-                try:
-                    sock.send_multipart([identity, *P.encode(reply)], zmq.NOBLOCK, copy=False)
-                except zmq.ZMQError as exc:
-                    log.warning("could not return a reply to its client: %s", exc)
+                self._answer(sock, sock.recv_multipart(copy=False), self._handle)
+            refused = 0
+            while sock.poll(0, zmq.POLLIN):
+                self._answer(sock, sock.recv_multipart(copy=False), _refuse_shutting_down)
+                refused += 1
+            log.info("target daemon stopped (%d queued job(s) refused)", refused)
         finally:
             sock.close(linger=0)
             if self.client is not None:
                 self.client.close()
+
+    @staticmethod
+    def _answer(sock: zmq.Socket, frames: list, handler) -> None:
+        identity = frames[0].bytes
+        try:
+            reply = handler(P.decode(frames[1:]))
+        except ProtocolError as exc:
+            reply = P.error_from(exc)
+        try:
+            sock.send_multipart([identity, *P.encode(reply)], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("could not return a reply to its client: %s", exc)
 
     def _handle(self, msg: Message) -> Message:
         h = msg.header
@@ -163,3 +167,7 @@ class TargetDaemon:
         self.served += 1
         return Message(MsgType.RESULT, {"id": rid, "text": result.text, "token_ids": result.token_ids,
                                         "stats": {**result.stats.to_dict(), "finish_reason": result.finish_reason}})
+
+
+def _refuse_shutting_down(msg: Message) -> Message:
+    raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the target daemon is shutting down", msg.header.get("id"))

@@ -135,22 +135,44 @@ def test_session_limits_answer_busy():
         assert server.snapshot()["live_sessions"] == 3
 
 
-def test_silent_sessions_expire_and_free_state():
+def _wait_for(cond, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_untouched_sessions_expire_and_free_state():
     backend = CountingBackend()
     with running_server(backend, session_ttl_s=0.3) as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
         peer.hello()
         peer.open(1, [3])
         assert peer.draft(1, 1, 0, [], 1).type is MsgType.DRAFTED
-        deadline = time.monotonic() + 5
-        while server.snapshot()["live_sessions"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.snapshot()["live_sessions"] == 0
+        assert _wait_for(lambda: server.snapshot()["live_sessions"] == 0)
         assert server.snapshot()["sessions_expired"] == 1 and backend.released == 1
-        # the silent peer was purged too: it must say HELLO again, then re-open its session
-        assert code_of(peer.draft(1, 2, 0, [], 2)) == "NO_HANDSHAKE"
-        assert peer.hello().type is MsgType.WELCOME
-        assert code_of(peer.draft(1, 3, 0, [], 2)) == "UNKNOWN_SESSION"
+        assert code_of(peer.draft(1, 2, 0, [], 2)) == "UNKNOWN_SESSION"
+
+
+def test_silent_peers_are_purged_with_their_sessions():
+    backend = CountingBackend()
+    with running_server(backend, peer_ttl_s=0.5) as (server, ctx):
+        quiet, chatty = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        quiet.hello(), chatty.hello()
+        quiet.open(1, [3]), quiet.open(2, [4])
+        chatty.open(1, [5])
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # the chatty peer keeps its lease with PINGs
+            chatty.send(Message(MsgType.PING))
+            assert chatty.recv().type is MsgType.PONG
+            time.sleep(0.1)
+        assert server.snapshot()["peers"] == 1 and server.snapshot()["live_sessions"] == 1
+        assert backend.released == 2
+        # the purged peer must greet again; its sessions are gone
+        assert code_of(quiet.draft(1, 1, 0, [], 1)) == "NO_HANDSHAKE"
+        assert quiet.hello().type is MsgType.WELCOME
+        assert code_of(quiet.draft(1, 2, 0, [], 1)) == "UNKNOWN_SESSION"
+        assert chatty.draft(1, 1, 0, [], 1, depth=1).header["tokens"] == [6]
 
 
 def test_backend_failure_costs_one_request_not_the_daemon():
