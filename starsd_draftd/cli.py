@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import zmq
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
@@ -36,9 +37,11 @@ def run_serve(cfg: ServeConfig) -> None:
 
     set_torch_threads(cfg.threads)
     backend = ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
-    server = DraftServer(backend, cfg.server)
+    ctx = zmq.Context()
+    server = DraftServer(backend, cfg.server, ctx)
     server.install_signal_handlers()
     server.serve_forever()
+    ctx.term()  # returns once the last messages (GOODBYEs) have left, within the sockets' linger
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -59,6 +59,7 @@ class Stats:
         self.sessions_expired = 0
         self.unroutable = 0
         self.dropped_replies = 0
+        self.key_reloads = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -74,6 +75,7 @@ class Stats:
             "peers": peers,
             "unroutable": self.unroutable,
             "dropped_replies": self.dropped_replies,
+            "key_reloads": self.key_reloads,
             "errors": dict(self.errors),
         }
 
@@ -150,6 +152,7 @@ class DraftServer:
                     self._reload.clear()
                     if self.allow is not None:
                         self.allow.reload()
+                        self.stats.key_reloads += 1
                 timeout = 0 if (self.q_in or self.q_out) else 100
                 if poller.poll(timeout):
                     self._drain_socket()
@@ -163,7 +166,8 @@ class DraftServer:
         finally:
             if self.q_in:
                 log.warning("stopping with %d draft requests unanswered", len(self.q_in))
-            self.sock.close(linger=0)
+            # a short linger lets the GOODBYEs and last replies leave; LINGER 0 would drop them
+            self.sock.close(linger=500 if self.draining else 0)
             self.sock = None
             if self.allow is not None:
                 self.allow.stop()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+import zmq
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
@@ -35,6 +36,8 @@ def model_options(f):
         option("--threads", type=click.IntRange(0), default=_d.threads,
                help="Torch CPU threads (0: torch's default)."),
         option("--name", default=_d.name, help="Name this target reports to the draft daemon."),
+        option("--heartbeat", type=click.FloatRange(0.05), default=_d.heartbeat_s,
+               help="Seconds between liveness pings to the draft daemon while idle."),
         option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                help="This target's CURVE secret key file; enables encryption."),
         option("--curve-server-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -49,7 +52,8 @@ def model_options(f):
 def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfig:
     return TargetConfig(model=kw["model"], draft=draft, device=kw["device"], dtype=kw["dtype"], depth=kw["depth"],
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
-                        threads=kw["threads"], name=kw["name"], listen=listen, curve_secret=kw["curve_secret"],
+                        threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
+                        curve_secret=kw["curve_secret"],
                         curve_server_key=kw["curve_server_key"])
 
 
@@ -106,10 +110,12 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 def serve(listen, **kw) -> None:
     """Keep the target model loaded and take generation jobs on a local endpoint."""
     setup_logging(kw["log_level"], kw["log_format"])
-    daemon = TargetDaemon(_config(kw, kw["draft"], listen))
+    ctx = zmq.Context()
+    daemon = TargetDaemon(_config(kw, kw["draft"], listen), ctx=ctx)
     daemon.connect()
     daemon.install_signal_handlers()
     daemon.serve_forever()
+    ctx.term()  # returns once the last replies have left, within the sockets' linger
 
 
 if __name__ == "__main__":

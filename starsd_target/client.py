@@ -77,7 +77,7 @@ class DraftClient:
         self.sock.connect(endpoint)
         self.welcome: Welcome | None = None
         self.backoff = backoff
-        self.down = True  # until the first handshake
+        self.down = True  # until the first handshake; the first ready() tries at once
         self._delay = backoff.initial_s
         self._retry_at = 0.0
         self.stale_replies = 0
@@ -117,25 +117,35 @@ class DraftClient:
         self.errors[name] = self.errors.get(name, 0) + 1
 
     # ------------------------------------------------------------ link health
+    @property
+    def up(self) -> bool:
+        return not self.down and self.welcome is not None
+
     def mark_down(self, why: str) -> None:
-        if not self.down:
-            log.warning("draft link to %s is down (%s); rounds run without drafts", self.endpoint, why)
+        """The link failed: rounds run without drafts; the first retry comes after the initial backoff."""
+        if self.down:
+            return
+        log.warning("draft link to %s is down (%s); rounds run without drafts", self.endpoint, why)
         self.down = True
+        self._delay = self.backoff.initial_s
         self._retry_at = time.monotonic() + self._delay
-        self._delay = min(self.backoff.cap_s, self._delay * 2)
 
     def ready(self, probe_timeout_s: float) -> bool:
         """True when drafts can be asked for now; while down, retries the handshake once the
-        backoff has passed (cheap: with no connection the send fails at once)."""
+        backoff has passed (cheap: with no connection the send fails at once), doubling the
+        backoff after each failed retry up to its cap."""
         self.poll_pending()
-        if not self.down and self.welcome is not None:
+        if self.up:
             return True
         if time.monotonic() < self._retry_at:
             return False
         try:
             self.handshake(probe_timeout_s)
         except HandshakeError as exc:
-            self.mark_down(str(exc))
+            self.down = True
+            self._delay = min(self.backoff.cap_s, self._delay * 2)
+            self._retry_at = time.monotonic() + self._delay
+            log.debug("draft daemon still unavailable (%s); next try in %.2fs", exc, self._delay)
             return False
         return True
 
@@ -149,8 +159,12 @@ class DraftClient:
             else:
                 self.stale_replies += 1
 
-    def heartbeat(self) -> None:
-        """Keep the daemon's lease on this peer alive while idle, and notice a restart."""
+    def heartbeat(self, probe_timeout_s: float = 0.5) -> None:
+        """While idle: keep the daemon's lease on this peer alive and notice a restart; while
+        the link is down, retry it on the backoff schedule so the next job finds it up."""
+        if not self.up:
+            self.ready(probe_timeout_s)
+            return
         self.poll_pending()
         if not self._send(Message(MsgType.PING)):
             self.mark_down("not connected")

@@ -75,7 +75,6 @@ class TargetDaemon:
             link.handshake(self.config.connect_timeout_s)
             return True
         except HandshakeTimeout as exc:
-            link.mark_down(str(exc))
             log.warning("%s; generating with the target model alone until it answers", exc)
             return False
 
@@ -127,7 +126,8 @@ class TargetDaemon:
                 refused += 1
             log.info("target daemon stopped (%d queued job(s) refused)", refused)
         finally:
-            sock.close(linger=0)
+            # give the last replies (results, refusals) a moment to leave
+            sock.close(linger=1000 if self._stop.is_set() else 0)
             if self.client is not None:
                 self.client.close()
 
@@ -148,7 +148,7 @@ class TargetDaemon:
         if msg.type is MsgType.STATS:
             return Message(MsgType.STATS_REPLY, {"stats": {
                 "served": self.served, "model": str(self.loaded.path),
-                "draft_connected": bool(self.client and self.client.welcome)}})
+                "draft_connected": self.client is not None and self.client.up}})
         if msg.type is not MsgType.GENERATE:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a target request")
         rid = h["id"]
