@@ -13,9 +13,14 @@ DEMO_TARGETS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# eagle-llm pins old gradio/openai/protobuf releases that its head class never uses: install it
+# without dependencies (the EAGLE backend needs only torch and transformers at run time).
+EAGLE_SPEC ?= eagle-llm==1.2.1
+
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
 	$(if $(TORCH_SPEC),$(BIN)/pip install --disable-pip-version-check '$(TORCH_SPEC)')
-	$(BIN)/pip install --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[test,eagle]'
+	$(BIN)/pip install --disable-pip-version-check --no-deps '$(EAGLE_SPEC)'
 	touch $@
 
 install: $(VENV)/.installed

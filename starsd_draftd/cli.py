@@ -26,17 +26,40 @@ _demo = DemoConfig()
 class ServeConfig:
     server: ServerConfig
     model: str = "demo-draft"
+    backend: str = "model"
+    eagle_head: str | None = None
+    base_model: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
     q_topk: int = 32
     threads: int = 1
 
 
-def run_serve(cfg: ServeConfig) -> None:
-    from starsd_draftd.backends.model import ModelBackend
+def build_backend(cfg: ServeConfig):
+    """The draft backend named by the configuration; EAGLE code is imported only when asked for."""
+    if cfg.backend == "model":
+        from starsd_draftd.backends.model import ModelBackend
 
+        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
+    if cfg.backend == "eagle":
+        if not cfg.eagle_head or not cfg.base_model:
+            raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")
+        try:
+            from starsd_draftd.backends.eagle import EagleBackend
+        except ImportError as exc:
+            raise ValueError(f"the EAGLE backend needs the eagle-llm package ({exc}); install it with "
+                             "`pip install --no-deps eagle-llm==1.2.1`") from None
+        from common.demo_models import resolve_model_path
+        from starsd_draftd.eagle_train import resolve_head_path
+
+        return EagleBackend.from_dirs(resolve_head_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
+                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk)
+    raise ValueError(f"unknown backend {cfg.backend!r}")
+
+
+def run_serve(cfg: ServeConfig) -> None:
     set_torch_threads(cfg.threads)
-    backend = ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
+    backend = build_backend(cfg)
     ctx = zmq.Context()
     server = DraftServer(backend, cfg.server, ctx)
     server.install_signal_handlers()
@@ -52,7 +75,14 @@ def main() -> None:
 
 
 @main.command()
+@option("--backend", type=click.Choice(["model", "eagle"]), default="model",
+        help="model: a standalone draft LM (--model). eagle: an EAGLE-1 head drafting from the target's "
+             "features (--eagle-head, --base-model).")
 @option("--model", default="demo-draft", help="Draft checkpoint directory, or 'demo-draft' for the built-in draft.")
+@option("--eagle-head", help="EAGLE head directory (config.json + model.safetensors or pytorch_model.bin), "
+                             "or 'demo-eagle'.")
+@option("--base-model", help="The target's checkpoint directory: the EAGLE head reads its embedding and LM head "
+                             "from it (nothing else is loaded).")
 @option("--bind", default=_s.bind, help="ZeroMQ endpoint the ROUTER socket binds.")
 @option("--depth", type=click.IntRange(1, 64), default=_s.max_depth,
         help="Most draft tokens served per request (targets ask for up to this many).")
@@ -79,7 +109,7 @@ def main() -> None:
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
+def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
           peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, threads, log_level, log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
@@ -90,7 +120,7 @@ def serve(model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure)
-    run_serve(ServeConfig(server, model, device, dtype, q_topk, threads))
+    run_serve(ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))
 
 
 @main.command()
@@ -106,6 +136,22 @@ def keygen(directory, name) -> None:
     click.echo(f"public key: {public}\nsecret key: {secret} (keep it private)")
 
 
+@main.command("train-eagle")
+@option("--base-model", required=True, help="Target checkpoint directory (or 'demo') to train a head for.")
+@option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the head.")
+@option("--time-budget", type=click.FloatRange(10), default=180.0, help="Wall-clock seconds for the whole run.")
+@option("--threads", type=click.IntRange(1), default=2, help="Torch CPU threads for training.")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, ValueError, ImportError)
+def train_eagle(base_model, out, time_budget, threads, log_level, log_format) -> None:
+    """Train an EAGLE-1 head for a target on the Python standard library's sources (CPU, a few minutes)."""
+    setup_logging(log_level, log_format)
+    from starsd_draftd.eagle_train import train_eagle_head
+
+    report = train_eagle_head(base_model, out, time_budget_s=time_budget, num_threads=threads)
+    click.echo(json.dumps(report, indent=2))
+
+
 @main.command()
 @option("--targets", type=click.IntRange(1, 32), default=_demo.targets, help="Target daemons to start.")
 @option("--prompts", "prompts_per_target", type=click.IntRange(1), default=_demo.prompts_per_target,
@@ -113,15 +159,19 @@ def keygen(directory, name) -> None:
 @option("--max-tokens", type=click.IntRange(1), default=_demo.max_tokens, help="Tokens per generation.")
 @option("--depth", type=click.IntRange(1, 64), default=_demo.depth, help="Draft tokens per round.")
 @option("--temperature", type=click.FloatRange(0), default=0.0, help="0 means greedy.")
+@option("--backend", type=click.Choice(["model", "eagle"]), default="model",
+        help="eagle: run the demo target's EAGLE head (trained once, cached) and compare it with the "
+             "standalone draft model.")
 @option("--device", default="cpu", help="Device for every daemon.")
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
-def demo(targets, prompts_per_target, max_tokens, depth, temperature, device, as_json, log_level, log_format) -> None:
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, as_json, log_level,
+         log_format) -> None:
     """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
     setup_logging(log_level, log_format)
     report = run_demo(DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens,
-                                 depth=depth, temperature=temperature, device=device))
+                                 depth=depth, temperature=temperature, backend=backend, device=device))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

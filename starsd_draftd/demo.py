@@ -43,6 +43,7 @@ class DemoConfig:
     target_model: str = "demo"
     device: str = "cpu"
     temperature: float = 0.0
+    backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
     workdir: Path | None = None
@@ -70,9 +71,19 @@ class Processes:
         self.procs.append((name, proc))
         return proc
 
+    def stop(self, name: str, timeout_s: float = 10.0) -> None:
+        for n, proc in self.procs:
+            if n == name and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
     def check_alive(self) -> None:
         for name, proc in self.procs:
-            if proc.poll() is not None:
+            if proc.poll() is not None and proc.returncode != 0:
                 tail = (self.logdir / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{name} exited with status {proc.returncode}; its log ends:\n{tail}")
 
@@ -149,80 +160,126 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
     return phase
 
 
+def _wait_draft_link(endpoints: list[str], timeout_s: float, ctx: zmq.Context) -> None:
+    deadline = time.monotonic() + timeout_s
+    for ep in endpoints:
+        with ControlClient(ep, ctx) as cc:
+            while not cc.stats()["draft_connected"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"target at {ep} did not reach the draft daemon within {timeout_s:.0f}s")
+                time.sleep(0.1)
+
+
+def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
+    args = ["starsd_draftd", "serve", "--bind", endpoint, "--depth", str(cfg.depth), "--device", cfg.device,
+            "--threads", "1"]
+    if backend == "eagle":
+        return args + ["--backend", "eagle", "--eagle-head", "demo-eagle", "--base-model", cfg.target_model]
+    return args + ["--model", cfg.draft_model]
+
+
 def run_demo(cfg: DemoConfig) -> dict:
-    """Start the daemons, run the workload twice (speculative, then target alone), stop them."""
+    """Start the daemons, run the workload with each draft backend and then by the targets alone."""
     from common.demo_models import ensure_demo_pair
 
     if "demo" in (cfg.target_model, cfg.draft_model):
         ensure_demo_pair(progress=True)  # train once here, not in every child at the same time
+    backends = ["eagle", "model"] if cfg.backend == "eagle" else ["model"]
+    if "eagle" in backends:
+        from starsd_draftd.eagle_train import ensure_demo_eagle_head
+
+        ensure_demo_eagle_head(progress=True)
     ctx = zmq.Context()
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     procs = Processes(workdir)
+    phases: dict[str, Phase] = {}
     try:
         draft_ep = free_tcp_endpoint()
-        procs.start("draftd", ["starsd_draftd", "serve", "--model", cfg.draft_model, "--bind", draft_ep,
-                               "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1"])
         target_eps = [free_tcp_endpoint() for _ in range(cfg.targets)]
-        for i, ep in enumerate(target_eps):
-            procs.start(f"target{i + 1}", ["starsd_target", "serve", "--model", cfg.target_model,
-                                           "--draft", draft_ep, "--listen", ep, "--depth", str(cfg.depth),
-                                           "--device", cfg.device, "--threads", "1", "--name", f"target{i + 1}",
-                                           "--connect-timeout", str(cfg.startup_timeout_s)])
-        _wait_ready(procs, draft_ep, cfg.startup_timeout_s, ctx)
-        for ep in target_eps:
-            _wait_ready(procs, ep, cfg.startup_timeout_s, ctx)
-        spec = _run_phase(target_eps, cfg, False, ctx, draft_ep)
-        alone = _run_phase(target_eps, cfg, True, ctx, None)
+        for n, backend in enumerate(backends):
+            name = f"draftd-{backend}"
+            if n:  # replace the previous draft daemon on the same endpoint; targets reconnect by themselves
+                procs.stop(f"draftd-{backends[n - 1]}")
+            procs.start(name, _draftd_args(cfg, backend, draft_ep))
+            _wait_ready(procs, draft_ep, cfg.startup_timeout_s, ctx)
+            if n == 0:
+                for i, ep in enumerate(target_eps):
+                    procs.start(f"target{i + 1}", [
+                        "starsd_target", "serve", "--model", cfg.target_model, "--draft", draft_ep, "--listen", ep,
+                        "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1",
+                        "--name", f"target{i + 1}", "--connect-timeout", str(cfg.startup_timeout_s),
+                        "--heartbeat", "0.5"])
+                for ep in target_eps:
+                    _wait_ready(procs, ep, cfg.startup_timeout_s, ctx)
+            _wait_draft_link(target_eps, cfg.startup_timeout_s, ctx)
+            phases[backend] = _run_phase(target_eps, cfg, False, ctx, draft_ep)
+        phases["alone"] = _run_phase(target_eps, cfg, True, ctx, None)
     finally:
         procs.stop_all()
         ctx.destroy(linger=0)
-    return _report(cfg, spec, alone, workdir)
+    return _report(cfg, phases, workdir)
 
 
-def _report(cfg: DemoConfig, spec: Phase, alone: Phase, workdir: Path) -> dict:
+def _tps(acc: dict) -> float:
+    return acc["tokens"] / acc["wall_s"] if acc["wall_s"] else 0.0
+
+
+def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path) -> dict:
+    alone = phases["alone"]
+    spec_names = [k for k in phases if k != "alone"]
     rows = []
-    for i, (s, a) in enumerate(zip(spec.per_target, alone.per_target)):
-        tps_s = s["tokens"] / s["wall_s"] if s["wall_s"] else 0.0
-        tps_a = a["tokens"] / a["wall_s"] if a["wall_s"] else 0.0
-        rows.append({
-            "target": f"target{i + 1}",
-            "tokens_per_s": tps_s,
-            "alone_tokens_per_s": tps_a,
-            "speedup": tps_s / tps_a if tps_a else 0.0,
-            "mean_accepted_length": s["tokens"] / s["rounds"] if s["rounds"] else 0.0,
-            "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
-            "fallback_rounds": s["fallback_rounds"],
-            "same_text_as_alone": s["texts"] == a["texts"] if cfg.temperature == 0.0 else None,
-        })
-    tokens = sum(s["tokens"] for s in spec.per_target)
-    rounds = sum(s["rounds"] for s in spec.per_target)
-    system = {
-        "tokens_per_s": tokens / spec.wall_s,
-        "alone_tokens_per_s": sum(a["tokens"] for a in alone.per_target) / alone.wall_s,
-        "mean_accepted_length": tokens / rounds if rounds else 0.0,
-        "draft_busy_fraction": spec.draft_busy,
-    }
-    system["speedup"] = system["tokens_per_s"] / system["alone_tokens_per_s"] if system["alone_tokens_per_s"] else 0.0
+    for i in range(cfg.targets):
+        a = alone.per_target[i]
+        row = {"target": f"target{i + 1}", "alone_tokens_per_s": _tps(a), "backends": {}}
+        for name in spec_names:
+            s = phases[name].per_target[i]
+            row["backends"][name] = {
+                "tokens_per_s": _tps(s),
+                "speedup": _tps(s) / _tps(a) if _tps(a) else 0.0,
+                "mean_accepted_length": s["tokens"] / s["rounds"] if s["rounds"] else 0.0,
+                "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
+                "fallback_rounds": s["fallback_rounds"],
+                "same_text_as_alone": s["texts"] == a["texts"] if cfg.temperature == 0.0 else None,
+            }
+        rows.append(row)
+    alone_tps = sum(a["tokens"] for a in alone.per_target) / alone.wall_s
+    system = {"alone_tokens_per_s": alone_tps, "backends": {}}
+    for name in spec_names:
+        ph = phases[name]
+        tokens = sum(s["tokens"] for s in ph.per_target)
+        rounds = sum(s["rounds"] for s in ph.per_target)
+        tps = tokens / ph.wall_s
+        system["backends"][name] = {"tokens_per_s": tps, "speedup": tps / alone_tps if alone_tps else 0.0,
+                                    "mean_accepted_length": tokens / rounds if rounds else 0.0,
+                                    "draft_busy_fraction": ph.draft_busy}
     return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
                        "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
-                       "temperature": cfg.temperature},
+                       "temperature": cfg.temperature, "backends": spec_names},
             "targets": rows, "system": system, "logs": str(workdir)}
 
 
 def format_table(report: dict) -> str:
-    head = f"{'':10} {'tok/s':>8} {'alone tok/s':>12} {'speedup':>8} {'mean acc len':>13} {'accept %':>9} {'no-draft rounds':>16}"
+    names = report["config"]["backends"]
+    head = f"{'':10} {'draft':>6} {'tok/s':>8} {'alone tok/s':>12} {'speedup':>8} {'mean acc len':>13} " \
+           f"{'accept %':>9} {'no-draft rounds':>16}"
     lines = [head, "-" * len(head)]
     for r in report["targets"]:
-        lines.append(f"{r['target']:10} {r['tokens_per_s']:8.1f} {r['alone_tokens_per_s']:12.1f} {r['speedup']:7.2f}x "
-                     f"{r['mean_accepted_length']:13.2f} {100 * r['acceptance_rate']:8.1f}% {r['fallback_rounds']:16d}")
-    s = report["system"]
+        for name in names:
+            b = r["backends"][name]
+            lines.append(f"{r['target']:10} {name:>6} {b['tokens_per_s']:8.1f} {r['alone_tokens_per_s']:12.1f} "
+                         f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f} {100 * b['acceptance_rate']:8.1f}% "
+                         f"{b['fallback_rounds']:16d}")
     lines.append("-" * len(head))
-    lines.append(f"{'system':10} {s['tokens_per_s']:8.1f} {s['alone_tokens_per_s']:12.1f} {s['speedup']:7.2f}x "
-                 f"{s['mean_accepted_length']:13.2f}")
-    busy = s["draft_busy_fraction"]
-    lines.append(f"draft daemon busy {100 * busy:.1f}% of the speculative phase" if busy is not None else "")
-    same = [r["same_text_as_alone"] for r in report["targets"] if r["same_text_as_alone"] is not None]
+    s = report["system"]
+    for name in names:
+        b = s["backends"][name]
+        busy = b["draft_busy_fraction"]
+        lines.append(f"{'system':10} {name:>6} {b['tokens_per_s']:8.1f} {s['alone_tokens_per_s']:12.1f} "
+                     f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f}"
+                     + (f"   draft busy {100 * busy:.0f}%" if busy is not None else ""))
+    same = [b["same_text_as_alone"] for r in report["targets"] for b in r["backends"].values()
+            if b["same_text_as_alone"] is not None]
     if same:
         lines.append("greedy outputs identical to the target alone: " + ("yes" if all(same) else "NO"))
     return "\n".join(lines)

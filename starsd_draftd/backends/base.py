@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.verify import SamplingParams
+from common.verify import SamplingParams, logits_to_probs
 
 
 @dataclass
@@ -18,6 +18,37 @@ class Draft:
     tokens: list[int]
     q_ids: torch.Tensor | None = None
     q_probs: torch.Tensor | None = None
+
+
+class ChainDrafter:
+    """Collects a chain of draft tokens: argmax when greedy; otherwise each token is drawn from
+    the top-k truncation of q (after the request's temperature / top-k / top-p), and that
+    truncated q is what the target verifies against, so speculative sampling stays exact."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator, q_topk: int):
+        self.params = params
+        self.generator = generator
+        self.q_topk = q_topk
+        self.tokens: list[int] = []
+        self._ids: list[torch.Tensor] = []
+        self._probs: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            tok = int(torch.argmax(logits))
+        else:
+            top = torch.topk(logits_to_probs(logits, self.params), min(self.q_topk, logits.shape[-1]))
+            mass = (top.values / top.values.sum()).cpu()
+            tok = int(top.indices[int(torch.multinomial(mass, 1, generator=self.generator))])
+            self._ids.append(top.indices.to(torch.int32).cpu())
+            self._probs.append(mass)
+        self.tokens.append(tok)
+        return tok
+
+    def result(self) -> Draft:
+        if not self._ids:
+            return Draft(self.tokens)
+        return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs))
 
 
 class DraftBackend(abc.ABC):

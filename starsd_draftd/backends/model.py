@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
-from common.verify import SamplingParams, logits_to_probs, make_generator
-from starsd_draftd.backends.base import Draft, DraftBackend
+from common.verify import SamplingParams, make_generator
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend
 
 
 @dataclass
@@ -54,23 +54,9 @@ class ModelBackend(DraftBackend):
         crop_cache(st.cache, keep)
         del st.cached[keep:]
         logits = self._forward(st, verified[keep:])
-        tokens: list[int] = []
-        q_ids, q_probs = [], []
+        chain = ChainDrafter(st.params, st.generator, self.q_topk)
         for j in range(depth):
-            if st.params.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                probs = logits_to_probs(logits, st.params)
-                top = torch.topk(probs, self.q_topk)
-                mass = top.values / top.values.sum()
-                ids = top.indices
-                pick = int(torch.multinomial(mass.cpu(), 1, generator=st.generator))
-                tok = int(ids[pick])
-                q_ids.append(ids.to(torch.int32).cpu())
-                q_probs.append(mass.cpu())
-            tokens.append(tok)
+            tok = chain.pick(logits)
             if j + 1 < depth:
                 logits = self._forward(st, [tok])
-        if st.params.greedy or not tokens:
-            return Draft(tokens)
-        return Draft(tokens, torch.stack(q_ids), torch.stack(q_probs))
+        return chain.result()

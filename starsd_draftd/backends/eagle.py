@@ -1,0 +1,377 @@
+"""Draft backend "eagle": an EAGLE-1 head drafts a chain of tokens from the target's own features.
+
+EAGLE-1 (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty").
+With verified tokens t_0..t_n and target features f_0..f_{n-1} (f_i is the target's final hidden
+state at position i, the one its LM head turns into the distribution of t_{i+1}), the head reads
+the pairs (f_i, embed(t_{i+1})) for i = 0..n-1. Its output at the last pair is a predicted feature
+f^_n; the target's LM head applied to f^_n gives the distribution of x_1 = t_{n+1}. The pair
+(f^_n, embed(x_1)) then gives f^_{n+1} and x_2, and so on.
+
+Only the head's weights come from the head checkpoint; the token embedding (when the head does not
+carry its own copy) and the LM head are read by name from the target's checkpoint files, so the
+target model itself is never loaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_fingerprint
+from common.verify import SamplingParams, make_generator
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend
+from starsd_draftd.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
+
+log = logging.getLogger("starsd.eagle")
+
+# Where causal LMs keep their token embedding and output layer, most common first.
+EMBED_TENSOR_NAMES = (
+    "model.embed_tokens.weight",
+    "transformer.wte.weight",
+    "model.decoder.embed_tokens.weight",
+    "gpt_neox.embed_in.weight",
+    "embed_tokens.weight",
+)
+LM_HEAD_TENSOR_NAMES = ("lm_head.weight", "embed_out.weight")
+HEAD_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_EMBED_KEY = "embed_tokens.weight"
+_IGNORED_HEAD_KEY_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older heads saved; rebuilt on load
+
+
+@dataclass
+class EagleHead:
+    """A loaded EAGLE-1 head with the two target tensors it drafts with."""
+
+    module: torch.nn.Module  # eagle.model.cnets.Model, eval mode, no gradients
+    embed_weight: torch.Tensor  # [vocab_size, hidden_size], the embedding the head reads tokens with
+    lm_head_weight: torch.Tensor  # [logits_size, hidden_size], the target's output layer
+    hidden_size: int
+    vocab_size: int  # rows of the head's embedding (= the target's embedding rows)
+    config: object  # the head's LlamaConfig as written in its config.json
+    device: torch.device
+    dtype: torch.dtype
+    path: Path | None = None
+    base_path: Path | None = None
+
+    @property
+    def logits_size(self) -> int:
+        return int(self.lm_head_weight.shape[0])
+
+
+# ---------------------------------------------------------------- reading tensors by name
+
+
+def _load_bin(path: Path) -> dict:
+    # Local checkpoint file only; weights_only=True is the restricted unpickler (tensors and containers).
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # files in the pre-zip serialisation format cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class CheckpointTensors:
+    """Named tensors of a checkpoint directory, read one by one without building the model.
+
+    Handles ``model.safetensors``, ``model.safetensors.index.json`` shards, ``pytorch_model.bin``
+    and ``pytorch_model.bin.index.json`` shards, in that order of preference."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._bins: dict[Path, dict] = {}
+        d = self.directory
+        if (d / "model.safetensors.index.json").is_file():
+            self.kind, self.files = "safetensors", self._weight_map(d / "model.safetensors.index.json")
+        elif (d / "model.safetensors").is_file():
+            self.kind, self.files = "safetensors", self._safetensors_keys(d / "model.safetensors")
+        elif (d / "pytorch_model.bin.index.json").is_file():
+            self.kind, self.files = "bin", self._weight_map(d / "pytorch_model.bin.index.json")
+        elif (d / "pytorch_model.bin").is_file():
+            self.kind = "bin"
+            self.files = {name: d / "pytorch_model.bin" for name in self._bin(d / "pytorch_model.bin")}
+        else:
+            raise ModelLoadError(
+                f"{d} holds no weights: expected model.safetensors, model.safetensors.index.json, "
+                "pytorch_model.bin or pytorch_model.bin.index.json")
+
+    def _weight_map(self, index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot read the weight index {index}: {exc}") from exc
+        return {name: self.directory / shard for name, shard in weight_map.items()}
+
+    @staticmethod
+    def _safetensors_keys(path: Path) -> dict[str, Path]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: path for name in f.keys()}
+
+    def _bin(self, path: Path) -> dict:
+        if path not in self._bins:
+            try:
+                self._bins[path] = _load_bin(path)
+            except (OSError, RuntimeError) as exc:
+                raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+        return self._bins[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def first_of(self, names: tuple[str, ...]) -> str | None:
+        return next((n for n in names if n in self.files), None)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files.get(name)
+        if path is None:
+            raise ModelLoadError(f"{self.directory} has no tensor {name!r}")
+        if not path.is_file():
+            raise ModelLoadError(f"{path}, which should hold {name!r}, does not exist")
+        if self.kind == "bin":
+            return self._bin(path)[name]
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path.parent} has no config.json; it is not {what}") from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def _head_state_dict(head_dir: Path) -> dict[str, torch.Tensor]:
+    for name in HEAD_WEIGHT_FILES:
+        path = head_dir / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                state = load_file(str(path), device="cpu")
+            else:
+                state = _load_bin(path)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the EAGLE head weights {path}: {exc}") from exc
+        if not isinstance(state, dict):
+            raise ModelLoadError(f"{path} does not hold a state dict")
+        return {k: v for k, v in state.items() if not k.endswith(_IGNORED_HEAD_KEY_SUFFIXES)}
+    raise ModelLoadError(f"{head_dir} holds no EAGLE head weights: expected {' or '.join(HEAD_WEIGHT_FILES)}")
+
+
+def _target_tensors(base: Path) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+    """The target's token embedding and LM head, read by name: (embed, lm_head, their names)."""
+    cfg = _read_json(base / "config.json", "a model directory")
+    tensors = CheckpointTensors(base)
+    embed_name = tensors.first_of(EMBED_TENSOR_NAMES)
+    if embed_name is None:
+        raise ModelLoadError(f"the target checkpoint in {base} has no token embedding; looked for "
+                             f"{', '.join(EMBED_TENSOR_NAMES)}")
+    lm_name = tensors.first_of(LM_HEAD_TENSOR_NAMES)
+    if lm_name is None:
+        if cfg.get("tie_word_embeddings", True) is False:
+            raise ModelLoadError(f"the target checkpoint in {base} has no LM head ({', '.join(LM_HEAD_TENSOR_NAMES)}) "
+                                 "and its config says the embeddings are not tied")
+        lm_name = embed_name
+    embed = tensors.get(embed_name)
+    lm_head = embed if lm_name == embed_name else tensors.get(lm_name)
+    for name, t in ((embed_name, embed), (lm_name, lm_head)):
+        if t.dim() != 2:
+            raise ModelLoadError(f"{name} in {base} has shape {tuple(t.shape)}; expected a matrix")
+    if lm_head.shape[1] != embed.shape[1]:
+        raise ModelLoadError(f"the target's LM head width {lm_head.shape[1]} differs from its embedding width "
+                             f"{embed.shape[1]} in {base}")
+    return embed, lm_head, embed_name, lm_name
+
+
+def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu",
+                    dtype: str = "auto") -> EagleHead:
+    """Load an EAGLE-1 head saved in EAGLE's layout (``config.json`` plus ``model.safetensors`` or
+    ``pytorch_model.bin``) and the target tensors it needs from ``base_model_dir``."""
+    from common.demo_models import resolve_model_path
+
+    head_dir = Path(head_dir)
+    base = resolve_model_path(str(base_model_dir))
+    raw = _read_json(head_dir / "config.json", "an EAGLE head directory")
+    config = head_config_from_dict(raw)
+    state = _head_state_dict(head_dir)
+    embed, lm_head, embed_name, lm_name = _target_tensors(base)
+
+    hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+    if hidden != embed.shape[1]:
+        raise ModelLoadError(f"the EAGLE head's hidden size {hidden} differs from the target's hidden size "
+                             f"{embed.shape[1]} ({embed_name} in {base})")
+    if vocab != embed.shape[0]:
+        raise ModelLoadError(f"the EAGLE head's vocabulary size {vocab} differs from the target's embedding rows "
+                             f"{embed.shape[0]} ({embed_name} in {base})")
+    if "fc.weight" not in state:
+        raise ModelLoadError(f"{head_dir} does not look like an EAGLE head: its weights have no 'fc.weight'")
+    has_bias = "fc.bias" in state
+    declared = raw.get("bias")
+    if declared is not None and bool(declared) != has_bias:
+        raise ModelLoadError(f"{head_dir}/config.json says bias={declared} but the weights "
+                             f"{'have' if has_bias else 'lack'} 'fc.bias'")
+    own_embed = state.pop(_EMBED_KEY, None)
+    if own_embed is not None and tuple(own_embed.shape) != (vocab, hidden):
+        raise ModelLoadError(f"the EAGLE head's own embedding has shape {tuple(own_embed.shape)}; "
+                             f"expected ({vocab}, {hidden})")
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    with torch.device("meta"):  # no memory and no random init: every weight is assigned below
+        module = build_head(config, bias=has_bias)
+    state[_EMBED_KEY] = own_embed if own_embed is not None else embed
+    state = {k: v.to(device=dev, dtype=torch_dtype) for k, v in state.items()}
+    try:
+        result = module.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # shapes that do not fit the config
+        raise ModelLoadError(f"the EAGLE head weights in {head_dir} do not fit its config: {exc}") from exc
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelLoadError(f"the EAGLE head weights in {head_dir} do not fit its config: missing "
+                             f"{result.missing_keys or 'none'}, unexpected {result.unexpected_keys or 'none'}")
+    restore_rotary_precision(module, dev)  # its buffers were built on the meta device
+    module.eval().requires_grad_(False)
+    tied = lm_name == embed_name and own_embed is None
+    lm_weight = module.embed_tokens.weight if tied else lm_head.to(device=dev, dtype=torch_dtype)
+    log.info("EAGLE head %s (hidden %d, vocabulary %d, embedding from %s) on %s as %s; target tensors %s, %s from %s",
+             head_dir, hidden, vocab, "the head" if own_embed is not None else "the target", dev,
+             str(torch_dtype).replace("torch.", ""), embed_name, lm_name, base)
+    return EagleHead(module=module, embed_weight=module.embed_tokens.weight, lm_head_weight=lm_weight,
+                     hidden_size=hidden, vocab_size=vocab, config=config, device=dev, dtype=torch_dtype,
+                     path=head_dir, base_path=base)
+
+
+def tokenizer_identity(base_model_dir: str | Path, logits_size: int) -> tuple[int, str]:
+    """(vocab_size, fingerprint) exactly as ``common.models.load_causal_lm`` computes them for the
+    same directory, so the handshake with that target succeeds."""
+    from transformers import AutoTokenizer
+
+    path = Path(base_model_dir)
+    tokenizer = None
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    else:
+        log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
+    vocab = min(len(tokenizer) if tokenizer is not None else logits_size, logits_size)
+    return vocab, tokenizer_fingerprint(tokenizer, vocab)
+
+
+# ---------------------------------------------------------------- the backend
+
+
+@dataclass
+class EagleSession:
+    params: SamplingParams
+    generator: torch.Generator
+    past: tuple | None = None  # the head's cache: per layer (k, v), [1, kv_heads, positions, head_dim]
+    pairs: list[int] = field(default_factory=list)  # t_{i+1} of each pair built from a real feature f_i
+    last_hidden: torch.Tensor | None = None  # head output at the last real pair (f^_n), [1, 1, hidden]
+
+    @property
+    def features(self) -> int:
+        """Target features the session holds (one per real pair in the cache)."""
+        return len(self.pairs)
+
+
+class EagleBackend(DraftBackend):
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32):
+        if q_topk < 1:
+            raise ValueError("q_topk must be >= 1")
+        self.head = head
+        self.module = head.module
+        self.device = head.device
+        self.feature_size = head.hidden_size
+        tok_dir = tokenizer_dir if tokenizer_dir is not None else head.base_path
+        if tok_dir is None:
+            raise ValueError("tokenizer_dir is required when the head was not loaded from a target directory")
+        self.vocab_size, self.fingerprint = tokenizer_identity(tok_dir, head.logits_size)
+        self.q_topk = min(q_topk, self.vocab_size)
+
+    @classmethod
+    def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",
+                  q_topk: int = 32) -> "EagleBackend":
+        head = load_eagle_head(head_dir, base_model_dir, device=device, dtype=dtype)
+        return cls(head, head.base_path, q_topk=q_topk)
+
+    def new_state(self, params: SamplingParams) -> EagleSession:
+        return EagleSession(params, make_generator(params.seed))
+
+    def release(self, state: object) -> None:
+        st: EagleSession = state  # type: ignore[assignment]
+        st.past = None
+        st.last_hidden = None
+        st.pairs.clear()
+
+    # ------------------------------------------------------------ internals
+    @staticmethod
+    def _crop(st: EagleSession, length: int) -> None:
+        """Keep the first ``length`` positions of the head's cache (drops pairs of predicted features)."""
+        if st.past is None:
+            return
+        if length == 0:
+            st.past = None
+            return
+        st.past = tuple((k[:, :, :length], v[:, :, :length]) for k, v in st.past)
+
+    def _step(self, st: EagleSession, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """Feed pairs (hidden[:, i], embed(tokens[i])) after the cached ones; return the head's outputs."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out, st.past = self.module(hidden, input_ids=ids, past_key_values=st.past, use_cache=True)
+        return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits over the vocabulary for a predicted feature [1, 1, H]."""
+        return F.linear(hidden[0, -1], self.head.lm_head_weight)[: self.vocab_size].float()
+
+    def _check_features(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> int:
+        m = 0 if new_features is None else int(new_features.shape[0])
+        if new_features is not None and (new_features.dim() != 2 or new_features.shape[1] != self.feature_size):
+            raise ValueError(f"features must have shape [m, {self.feature_size}], got {tuple(new_features.shape)}")
+        if st.features + m != len(verified) - 1:
+            raise ValueError(
+                f"the session holds {st.features} features and got {m} more, but {len(verified)} verified tokens "
+                f"need {len(verified) - 1}")
+        if verified[1: 1 + st.features] != st.pairs:
+            raise ValueError("the verified tokens changed under features the session already holds")
+        return m
+
+    # ------------------------------------------------------------ the interface
+    @torch.inference_mode()
+    def draft(self, state: object, verified: list[int], depth: int, new_features: torch.Tensor | None = None) -> Draft:
+        st: EagleSession = state  # type: ignore[assignment]
+        if not verified:
+            raise ValueError("cannot draft after an empty sequence")
+        m = self._check_features(st, verified, new_features)
+        held = st.features
+        self._crop(st, held)  # forget the pairs built from the previous draft's predicted features
+        if m:
+            feats = new_features.to(device=self.device, dtype=self.head.dtype).unsqueeze(0)
+            ids = verified[held + 1: held + 1 + m]
+            out = self._step(st, feats, ids)
+            st.pairs.extend(ids)
+            st.last_hidden = out[:, -1:]
+        if st.last_hidden is None or depth < 1:
+            return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
+        hidden = st.last_hidden
+        chain = ChainDrafter(st.params, st.generator, self.q_topk)
+        for j in range(depth):
+            tok = chain.pick(self._logits(hidden))
+            if j + 1 < depth:
+                hidden = self._step(st, hidden, [tok])
+        return chain.result()

@@ -1,0 +1,428 @@
+"""Training an EAGLE-1 head for a local target on the Python standard library's own sources.
+
+The target runs over random text windows; its final hidden states f_i (the features) and its
+next-token distributions are the training signal. The head reads pairs (f_i, embed(t_{i+1})) and
+is trained, as in EAGLE-1 (Li et al. 2024), with smooth-L1 regression of the next feature f_{i+1}
+plus ``ce_weight`` (0.1) times the cross-entropy of LM-head(predicted feature) against the
+target's own next-token distribution. The target's embedding and LM head stay frozen and are not
+saved with the head. Input features are rounded to float16 (how they travel from the target) and
+get small uniform noise, so that the head tolerates the error of its own predicted features when
+it drafts several steps ahead.
+
+The result is written in EAGLE's layout: ``config.json`` + ``model.safetensors`` (the head's state
+dict only) + ``train_report.json``, into a temporary directory renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common.models import ModelLoadError, load_causal_lm
+from common.verify import SamplingParams
+from starsd_draftd.backends.eagle import EagleBackend, EagleHead
+from starsd_draftd.eagle_compat import build_head
+
+log = logging.getLogger("starsd.eagle")
+
+DEFAULT_TIME_BUDGET_S = 180.0
+REPORT_NAME = "train_report.json"
+HEAD_FORMATS = ("safetensors", "bin")
+
+
+# ---------------------------------------------------------------- saving
+
+
+def head_config_for(target_config, hidden_size: int, vocab_size: int):
+    """A one-layer Llama-style head config shaped like a decoder layer of the target."""
+    from transformers import LlamaConfig
+
+    heads = int(target_config.num_attention_heads)
+    kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
+    if hidden_size % heads:
+        raise ModelLoadError(f"the target's hidden size {hidden_size} is not a multiple of its {heads} heads")
+    intermediate = (getattr(target_config, "intermediate_size", None) or getattr(target_config, "n_inner", None)
+                    or 4 * hidden_size)
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=int(intermediate), num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=int(kv_heads), hidden_act="silu",
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048) or 2048),
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
+        pad_token_id=target_config.pad_token_id, architectures=["LlamaForCausalLM"])
+
+
+def save_eagle_head(head_module: torch.nn.Module, config, out_dir: str | Path, fmt: str = "safetensors",
+                    include_embedding: bool = False) -> Path:
+    """Write a head in EAGLE's published layout: ``config.json`` plus ``model.safetensors``
+    (``fmt="safetensors"``) or ``pytorch_model.bin`` (``fmt="bin"``, a torch.save'd state dict).
+    The token embedding is the target's and is left out unless ``include_embedding``."""
+    if fmt not in HEAD_FORMATS:
+        raise ValueError(f"fmt must be one of {HEAD_FORMATS}, got {fmt!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in head_module.state_dict().items()
+             if include_embedding or k != "embed_tokens.weight"}
+    cfg = config.to_dict()
+    cfg["bias"] = "fc.bias" in state
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(state, out / "pytorch_model.bin")
+    return out
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` to ``final``; an existing ``final`` is swapped out first, then removed."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- data
+
+
+def _encode(tokenizer, data: bytes) -> torch.Tensor:
+    text = data.decode("utf-8", errors="ignore")
+    ids: list[int] = []
+    chunk = 1 << 16
+    for i in range(0, len(text), chunk):
+        ids.extend(tokenizer.encode(text[i: i + chunk], add_special_tokens=False))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _windows(ids: torch.Tensor, seq_len: int, count: int, gen: torch.Generator | None) -> torch.Tensor:
+    hi = ids.numel() - seq_len
+    if hi <= 0:
+        raise ValueError(f"the corpus holds {ids.numel()} tokens, fewer than one window of {seq_len}")
+    if gen is None:
+        starts = torch.linspace(0, hi - 1, count).long()
+    else:
+        starts = torch.randint(0, hi, (count,), generator=gen)
+    return ids[starts[:, None] + torch.arange(seq_len)[None, :]]
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def _heldout_agreement(target, head, lm_w: torch.Tensor, windows: torch.Tensor, chunk: int = 8) -> dict:
+    """Teacher-forced: the head's greedy token from the real features of positions 0..i against the
+    target's greedy token at position i+1."""
+    agree = total = 0
+    reg = 0.0
+    for i in range(0, windows.shape[0], chunk):
+        x = windows[i: i + chunk]
+        out = target(input_ids=x, output_hidden_states=True)
+        f = out.hidden_states[-1].float()
+        pred = head(f[:, :-1].half().float(), input_ids=x[:, 1:], use_cache=False)
+        agree += int((F.linear(pred, lm_w).argmax(-1) == out.logits[:, 1:].argmax(-1)).sum())
+        total += pred.shape[0] * pred.shape[1]
+        reg += float(F.smooth_l1_loss(pred, f[:, 1:], reduction="sum")) / f.shape[-1]
+    return {"top1_agreement": agree / total, "tokens": total, "reg_loss": reg / total}
+
+
+@torch.no_grad()
+def greedy_rounds(backend, prompt: list[int], path: list[int], features: torch.Tensor, depth: int) -> dict:
+    """Replay greedy speculative rounds along the target's own greedy continuation ``path``.
+
+    ``features`` [len(prompt + path) - 1, H] are the target's features along prompt + path. In a
+    round the verified sequence is seq[:i]; the draft keeps its leading tokens that equal path's,
+    and the target adds one token of its own. Returns the counts a real run would see."""
+    seq = prompt + path
+    st = backend.new_state(SamplingParams())
+    i = len(prompt)
+    sent = 0
+    rounds = accepted = 0
+    by_pos = [0] * depth
+    try:
+        while i < len(seq):
+            d = min(depth, len(seq) - i - 1)
+            feats = features[sent: i - 1] if backend.feature_size else None
+            if backend.feature_size:
+                draft = backend.draft(st, seq[:i], d, feats)
+                sent = i - 1
+            else:
+                draft = backend.draft(st, seq[:i], d)
+            n = 0
+            while n < len(draft.tokens) and draft.tokens[n] == seq[i + n]:
+                by_pos[n] += 1
+                n += 1
+            rounds += 1
+            accepted += n
+            i += n + 1
+    finally:
+        backend.release(st)
+    return {"rounds": rounds, "accepted": accepted, "acceptance_by_position": by_pos}
+
+
+def _path_eval(target, backend, heldout_ids: torch.Tensor, prompts: int, prompt_len: int, new_tokens: int,
+               depth: int) -> dict:
+    totals = {"rounds": 0, "accepted": 0, "acceptance_by_position": [0] * depth}
+    generated = 0
+    for start in torch.linspace(0, heldout_ids.numel() - prompt_len - 1, prompts).long().tolist():
+        prompt = heldout_ids[start: start + prompt_len].tolist()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  do_sample=False)
+            path = out[0, len(prompt):].tolist()
+            seq = torch.tensor([prompt + path])
+            feats = target(input_ids=seq[:, :-1], output_hidden_states=True).hidden_states[-1][0].half()
+        r = greedy_rounds(backend, prompt, path, feats, depth)
+        totals["rounds"] += r["rounds"]
+        totals["accepted"] += r["accepted"]
+        totals["acceptance_by_position"] = [a + b for a, b in zip(totals["acceptance_by_position"],
+                                                                   r["acceptance_by_position"])]
+        generated += len(path)
+    rounds = totals["rounds"]
+    return {
+        "depth": depth,
+        "prompts": prompts,
+        "generated_tokens": generated,
+        "rounds": rounds,
+        "mean_tokens_per_round": round(generated / rounds, 3) if rounds else 0.0,
+        "mean_accepted_per_round": round(totals["accepted"] / rounds, 3) if rounds else 0.0,
+        "first_token_acceptance": round(totals["acceptance_by_position"][0] / rounds, 4) if rounds else 0.0,
+        "acceptance_by_position": totals["acceptance_by_position"],
+    }
+
+
+# ---------------------------------------------------------------- training
+
+
+def _lr_at(step: int, frac: float, lr: float, warmup: int, min_frac: float = 0.1) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (min_frac + (1.0 - min_frac) * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_eagle_head(
+    base_model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S,
+    steps: int | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    lr: float = 3e-3,
+    ce_weight: float = 0.1,
+    feature_noise: float = 0.2,
+    corpus_bytes: int = 2_000_000,
+    num_threads: int = 2,
+    eval_windows: int = 16,
+    eval_prompts: int = 4,
+    eval_tokens: int = 96,
+    eval_depth: int = 4,
+) -> dict:
+    """Train an EAGLE-1 head for the causal LM in ``base_model_dir`` and save it to ``out_dir``.
+
+    Training stops after ``steps`` steps or when ``time_budget_s`` (which covers loading,
+    evaluation and saving too) is nearly spent, whichever comes first; at least one step runs.
+    Returns the report also written to ``out_dir/train_report.json``."""
+    from common.demo_models import load_corpus, resolve_model_path
+
+    if steps is None and time_budget_s is None:
+        raise ValueError("give steps, time_budget_s, or both")
+    t0 = time.monotonic()
+    base = resolve_model_path(str(base_model_dir), progress=progress)
+    out = Path(out_dir)
+    with _threads(num_threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loaded = load_causal_lm(str(base), device="cpu", dtype="float32", progress=progress)
+        if loaded.tokenizer is None:
+            raise ModelLoadError(f"{base} has no tokenizer; training an EAGLE head needs one to encode text")
+        target = loaded.model.eval().requires_grad_(False)
+        embed = target.get_input_embeddings().weight.detach()
+        lm_w = target.get_output_embeddings().weight.detach()
+        hidden, vocab = int(embed.shape[1]), int(embed.shape[0])
+        config = head_config_for(target.config, hidden, vocab)
+        head = build_head(config, bias=True)
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(embed)
+        head.embed_tokens.weight.requires_grad_(False)
+        params = [p for p in head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+        train_bytes, heldout_bytes, corpus_info = load_corpus(byte_budget=corpus_bytes, seed=seed)
+        train_ids = _encode(loaded.tokenizer, train_bytes)
+        heldout_ids = _encode(loaded.tokenizer, heldout_bytes)
+        gen = torch.Generator().manual_seed(seed + 1)
+        noise_gen = torch.Generator().manual_seed(seed + 2)
+        setup_s = time.monotonic() - t0
+
+        reserve = 0.0 if time_budget_s is None else min(15.0, 0.1 * time_budget_s)  # eval + save
+        deadline = None if time_budget_s is None else t0 + time_budget_s - reserve
+        planned = steps if steps is not None else 0
+        warmup = max(1, min(30, (steps or 300) // 10))
+        train_start = time.monotonic()
+        ema: dict[str, float] = {}
+        first: dict[str, float] = {}
+        history: list[dict] = []
+        step = 0
+        stopped_by_time = False
+        head.train()
+        bar = tqdm(total=steps, desc="eagle head", unit="step", file=sys.stderr, disable=not progress,
+                   dynamic_ncols=True)
+        try:
+            while steps is None or step < steps:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline and step > 0:
+                    stopped_by_time = True
+                    break
+                frac_steps = step / steps if steps else 0.0
+                frac_time = (now - train_start) / max(deadline - train_start, 1e-6) if deadline is not None else 0.0
+                for group in opt.param_groups:
+                    group["lr"] = _lr_at(step, max(frac_steps, frac_time), lr, warmup)
+                x = _windows(train_ids, seq_len, batch_size, gen)
+                with torch.no_grad():
+                    tout = target(input_ids=x, output_hidden_states=True)
+                    f = tout.hidden_states[-1]
+                    p_next = torch.softmax(tout.logits[:, 1:].float(), dim=-1)
+                inp = f[:, :-1].half().float()  # features travel to the draft daemon as float16
+                if feature_noise > 0:
+                    inp = inp + (torch.rand(inp.shape, generator=noise_gen) - 0.5) * feature_noise
+                pred = head(inp, input_ids=x[:, 1:], use_cache=False)
+                reg = F.smooth_l1_loss(pred, f[:, 1:])
+                logp = F.log_softmax(F.linear(pred, lm_w).float(), dim=-1)
+                ce = -(p_next * logp).sum(-1).mean()
+                loss = reg + ce_weight * ce
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                with torch.no_grad():
+                    acc = float((logp.argmax(-1) == p_next.argmax(-1)).float().mean())
+                values = {"reg": float(reg.detach()), "ce": float(ce.detach()), "top1": acc}
+                if not first:
+                    first = dict(values)
+                for k, v in values.items():
+                    ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
+                step += 1
+                bar.update(1)
+                if step % 5 == 0:
+                    bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
+                if step % 25 == 0:
+                    history.append({"step": step, **{k: round(v, 4) for k, v in ema.items()}})
+        finally:
+            bar.close()
+        train_wall = time.monotonic() - train_start
+        head.eval().requires_grad_(False)
+        log.info("EAGLE head: %d steps in %.1fs%s; %s", step, train_wall,
+                 " (time budget reached)" if stopped_by_time else "",
+                 ", ".join(f"{k} {v:.3f}" for k, v in ema.items()))
+
+        eval_start = time.monotonic()
+        heldout = _heldout_agreement(target, head, lm_w, _windows(heldout_ids, seq_len, eval_windows, None))
+        in_memory = EagleHead(module=head, embed_weight=head.embed_tokens.weight, lm_head_weight=lm_w,
+                              hidden_size=hidden, vocab_size=vocab, config=config, device=torch.device("cpu"),
+                              dtype=torch.float32, base_path=base)
+        with _threads(1):  # one-token forwards: a second thread only adds synchronisation
+            path_eval = _path_eval(target, EagleBackend(in_memory, base), heldout_ids, eval_prompts, 64,
+                                   eval_tokens, eval_depth)
+        eval_wall = time.monotonic() - eval_start
+
+        report = {
+            "base_model": str(base),
+            "seed": seed,
+            "time_budget_s": time_budget_s,
+            "num_threads": num_threads,
+            "steps": step,
+            "planned_steps": planned or None,
+            "stopped_by_time_budget": stopped_by_time,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "tokens_seen": step * batch_size * seq_len,
+            "lr": lr,
+            "ce_weight": ce_weight,
+            "feature_noise": feature_noise,
+            "head": {"hidden_size": hidden, "intermediate_size": int(config.intermediate_size),
+                     "num_attention_heads": int(config.num_attention_heads),
+                     "num_key_value_heads": int(config.num_key_value_heads), "vocab_size": vocab,
+                     "trained_params": sum(p.numel() for p in params)},
+            "losses": {"first": {k: round(v, 4) for k, v in first.items()},
+                       "final_ema": {k: round(v, 4) for k, v in ema.items()}, "history": history},
+            "heldout": {k: round(v, 4) if isinstance(v, float) else v for k, v in heldout.items()},
+            "greedy_path": path_eval,
+            "corpus": corpus_info,
+            "wall_s": {"setup": round(setup_s, 2), "train": round(train_wall, 2), "eval": round(eval_wall, 2)},
+        }
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            save_eagle_head(head, config, tmp, "safetensors")
+            report["total_wall_s"] = round(time.monotonic() - t0, 2)
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; a daemon under another user reads it
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)
+            _replace_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    log.info("EAGLE head saved to %s: held-out top-1 agreement %.1f%%, %.2f tokens per round at depth %d",
+             out, 100 * report["heldout"]["top1_agreement"], path_eval["mean_tokens_per_round"], eval_depth)
+    return report
+
+
+DEMO_EAGLE_NAME = "demo-eagle"
+
+
+def ensure_demo_eagle_head(progress: bool = True) -> Path:
+    """The EAGLE head for the built-in demo target, trained once and cached beside the demo pair."""
+    import fcntl
+
+    from common.demo_models import demo_dir, ensure_demo_pair
+
+    target_dir, _ = ensure_demo_pair(progress=progress)
+    out = demo_dir() / "eagle"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    lock = demo_dir() / ".eagle.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # one trainer; the others wait and then reuse its head
+        if not (out / "config.json").is_file():
+            log.info("training the demo EAGLE head (about 3 minutes, once)")
+            train_eagle_head(target_dir, out, progress=progress)
+    return out
+
+
+def resolve_head_path(name_or_dir: str, progress: bool = True) -> Path:
+    """``demo-eagle`` names the demo target's head (trained on first use); anything else is a directory."""
+    if name_or_dir == DEMO_EAGLE_NAME:
+        return ensure_demo_eagle_head(progress)
+    return Path(name_or_dir)

@@ -1,0 +1,138 @@
+"""The EAGLE path end to end: a draft daemon process serving an EAGLE head to three target
+processes at once (greedy identity), and speculative sampling through it following the target's
+distribution exactly. Also: the target package never imports draft-side code."""
+
+import math
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from common.control import ControlClient
+from common.models import load_causal_lm
+from common.protocol import Message, MsgType
+from common.sockets import free_tcp_endpoint
+from common.verify import SamplingParams, logits_to_probs
+from fakes import running_server
+from procs import Daemons
+from starsd_draftd.backends.eagle import EagleBackend
+from starsd_draftd.backends.model import ModelBackend
+from starsd_draftd.eagle_train import train_eagle_head
+from starsd_target.client import DraftClient, RemoteDraftSession
+from starsd_target.engine import TargetEngine
+from tiny_models import make_near_copy, reference_greedy
+
+PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n"]
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny_target, tmp_path_factory):
+    """A head briefly trained for the tiny target (a few seconds): enough to accept some drafts."""
+    out = tmp_path_factory.mktemp("eagle")
+    train_eagle_head(tiny_target, out, steps=40, time_budget_s=None, progress=False, batch_size=4, seq_len=64,
+                     corpus_bytes=200_000, num_threads=1, eval_windows=2, eval_prompts=1, eval_tokens=8)
+    return out
+
+
+@pytest.mark.slow
+def test_eagle_daemon_serves_three_targets_exactly(tiny_target, eagle_head, loaded_target, tmp_path):
+    d = Daemons(tmp_path)
+    try:
+        draft_ep = free_tcp_endpoint()
+        d.start("draftd", "starsd_draftd", "serve", "--backend", "eagle", "--eagle-head", str(eagle_head),
+                "--base-model", str(tiny_target), "--bind", draft_ep, "--depth", "4")
+        eps = [free_tcp_endpoint() for _ in PROMPTS]
+        for i, ep in enumerate(eps):
+            d.start(f"t{i}", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep,
+                    "--listen", ep, "--depth", "4", "--draft-timeout", "30", "--connect-timeout", "120")
+        d.wait_ready("draftd", draft_ep)
+        for i, ep in enumerate(eps):
+            d.wait_ready(f"t{i}", ep)
+        engine = TargetEngine(loaded_target)
+        results = [None] * len(eps)
+
+        def one(i):
+            with ControlClient(eps[i]) as cc:
+                results[i] = cc.call(Message(MsgType.GENERATE, {"id": i, "prompt": PROMPTS[i], "max_tokens": 48}),
+                                     300).header
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(eps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, res in enumerate(results):
+            assert res["token_ids"] == reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 48)
+            assert res["stats"]["fallback_rounds"] == 0 and res["stats"]["drafted"] > 0
+        assert sum(r["stats"]["accepted"] for r in results) > 0
+        with ControlClient(draft_ep) as cc:
+            assert cc.stats()["peers"] == 3
+    finally:
+        d.close()
+
+
+def _exact_joint(model, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
+    """The target's own distribution over its first ``length`` sampled tokens (small support via top_k)."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, prob: float):
+        if len(prefix) == length:
+            out[prefix] = prob
+            return
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        p = logits_to_probs(logits, params)
+        for t in torch.nonzero(p).flatten().tolist():
+            walk(prefix + (t,), prob * float(p[t]))
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "model"])
+def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle_head, loaded_target, tmp_path):
+    if kind == "eagle":
+        backend = EagleBackend.from_dirs(eagle_head, tiny_target, dtype="float32")
+    else:
+        backend = ModelBackend(load_causal_lm(str(make_near_copy(tiny_target, tmp_path / "near", noise=0.05))))
+    params = SamplingParams(temperature=1.5, top_k=2)
+    # The drafter samples from a broad q (its own temperature, no top-k), so that it proposes
+    # tokens inside and outside the target's two-token support: both verification branches run.
+    draft_params = SamplingParams(temperature=3.0)
+    engine = TargetEngine(loaded_target, depth=2)
+    prompt = engine.encode("x = ")
+    length = 3  # rounds of depth 2: accepted drafts, rejections and the bonus token all occur
+    exact = _exact_joint(loaded_target.model, prompt, params, length)
+    samples = 1200
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    with running_server(backend) as (server, ctx):
+        client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx,
+                             feature_size=loaded_target.feature_size)
+        client.handshake(10)
+        for i in range(samples):
+            p = SamplingParams(params.temperature, params.top_k, seed=10_000 + i)
+            q = SamplingParams(draft_params.temperature, seed=20_000 + i)
+            r = engine.generate(prompt, length, p, RemoteDraftSession(client, i + 1, q, 30))
+            assert r.stats.fallback_rounds == 0
+            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+            drafted += r.stats.drafted
+            accepted += r.stats.accepted
+        client.close()
+    assert 10 <= accepted < drafted, (accepted, drafted)  # both branches ran (the run is seeded)
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())
+    df = len(exact) - 1
+    z = 3.0902  # alpha = 1e-3, Wilson-Hilferty approximation of the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < critical, (chi2, critical, counts, exact)
+
+
+def test_target_package_imports_no_draft_code():
+    code = ("import sys, starsd_target.cli, starsd_target.daemon, starsd_target.engine, starsd_target.client; "
+            "bad = sorted(m for m in sys.modules if m == 'eagle' or m.startswith(('eagle.', 'starsd_draftd'))); "
+            "print(','.join(bad)); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"starsd_target imported: {out.stdout.strip()} {out.stderr[-500:]}"
