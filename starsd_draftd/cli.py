@@ -89,6 +89,8 @@ def main() -> None:
 @option("--device", default="cpu", help="cpu, cuda or cuda:N.")
 @option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
         help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA).")
+@option("--batch-max", type=click.IntRange(1), default=_s.batch_max,
+        help="Draft up to this many waiting sessions together, one batched forward per step (1: one at a time).")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
@@ -109,14 +111,14 @@ def main() -> None:
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
+def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
           peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, threads, log_level, log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
     to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
-    server = ServerConfig(bind=bind, max_depth=depth, max_sessions=max_sessions,
+    server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure)

@@ -24,7 +24,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.security import AllowList, server_keys
 from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
-from starsd_draftd.backends.base import DraftBackend
+from starsd_draftd.backends.base import DraftBackend, DraftRequest
 from starsd_draftd.sessions import SessionTable
 
 log = logging.getLogger("starsd.draftd")
@@ -36,6 +36,7 @@ FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ServerConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_depth: int = 5
+    batch_max: int = 8  # requests of different sessions drafted together; 1 serves one at a time
     max_sessions: int = 1024
     max_sessions_per_peer: int = 64
     max_peers: int = 4096
@@ -60,6 +61,8 @@ class Stats:
         self.unroutable = 0
         self.dropped_replies = 0
         self.key_reloads = 0
+        self.batches = 0
+        self.batched_requests = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -76,6 +79,8 @@ class Stats:
             "unroutable": self.unroutable,
             "dropped_replies": self.dropped_replies,
             "key_reloads": self.key_reloads,
+            "batches": self.batches,
+            "batched_requests": self.batched_requests,
             "errors": dict(self.errors),
         }
 
@@ -157,7 +162,7 @@ class DraftServer:
                 if poller.poll(timeout):
                     self._drain_socket()
                 if self.q_in:
-                    self._serve_one()
+                    self._serve_batch()
                 self._flush_out()
                 now = time.monotonic()
                 if now >= next_sweep:
@@ -310,39 +315,70 @@ class DraftServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {max(ids)} is outside the vocabulary ({vocab})",
                                 sid, seq)
 
-    def _serve_one(self) -> None:
-        identity, principal, msg = self.q_in.popleft()
+    def _take_batch(self) -> list[tuple[bytes, bytes, Message]]:
+        """The oldest waiting requests, at most batch_max, one per session (a session's later
+        request waits for the next pass, so each session's requests stay in order)."""
+        batch, seen, rest = [], set(), collections.deque()
+        while self.q_in and len(batch) < self.config.batch_max:
+            item = self.q_in.popleft()
+            key = (item[1], item[2].header["session"])
+            if key in seen:
+                rest.append(item)
+                continue
+            seen.add(key)
+            batch.append(item)
+        rest.extend(self.q_in)
+        self.q_in = rest
+        return batch
+
+    def _admit(self, principal: bytes, msg: Message) -> DraftRequest:
+        """Validate a DRAFT request against its session and apply what it reports."""
         h = msg.header
         sid, seq = h["session"], h["seq"]
-        try:
-            session = self.sessions.get(principal, sid, seq)
-            if not 1 <= h["depth"] <= self.config.max_depth:
-                raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                    f"depth {h['depth']} is outside 1..{self.config.max_depth}", sid, seq)
-            self._check_ids(h["new"], sid, seq)
-            features = self._check_features(session, msg, h["pos"])
-            session.advance(h["accepted"], h["new"], h["pos"], seq)
-            if features is not None:
-                session.features += features.shape[0]
-            t0 = time.perf_counter()
+        session = self.sessions.get(principal, sid, seq)
+        if not 1 <= h["depth"] <= self.config.max_depth:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"depth {h['depth']} is outside 1..{self.config.max_depth}",
+                                sid, seq)
+        self._check_ids(h["new"], sid, seq)
+        features = self._check_features(session, msg, h["pos"])
+        session.advance(h["accepted"], h["new"], h["pos"], seq)
+        if features is not None:
+            session.features += features.shape[0]
+        return DraftRequest(session.state, session.verified, h["depth"], features)
+
+    def _serve_batch(self) -> None:
+        admitted = []  # (identity, header, session's key, request)
+        for identity, principal, msg in self._take_batch():
             try:
-                draft = self.backend.draft(session.state, session.verified, h["depth"], features)
-            finally:
-                self.stats.busy_s += time.perf_counter() - t0
-        except ProtocolError as exc:
-            self._error(identity, exc)
+                admitted.append((identity, msg.header, (principal, msg.header["session"]),
+                                 self._admit(principal, msg)))
+            except ProtocolError as exc:
+                self._error(identity, exc)
+        if not admitted:
             return
-        except Exception:  # a failing draft costs this round (the target verifies alone), not the daemon
-            log.exception("drafting failed for session %d", sid)
-            self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", sid, seq))
+        t0 = time.perf_counter()
+        try:
+            drafts = self.backend.draft_many([a[3] for a in admitted])
+        except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
+            log.exception("drafting failed for %d session(s)", len(admitted))
+            for identity, h, _, _ in admitted:
+                self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"]))
             return
-        session.last_draft = list(draft.tokens)
-        self.stats.requests += 1
-        self.stats.drafted_tokens += len(draft.tokens)
-        tensors = {}
-        if draft.q_ids is not None:
-            tensors = {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
-        self._send(identity, Message(MsgType.DRAFTED, {"session": sid, "seq": seq, "tokens": draft.tokens}, tensors))
+        finally:
+            self.stats.busy_s += time.perf_counter() - t0
+        self.stats.batches += 1
+        self.stats.batched_requests += len(admitted)
+        for (identity, h, key, _), draft in zip(admitted, drafts):
+            session = self.sessions.sessions.get(key)
+            if session is not None:
+                session.last_draft = list(draft.tokens)
+            self.stats.requests += 1
+            self.stats.drafted_tokens += len(draft.tokens)
+            tensors = {}
+            if draft.q_ids is not None:
+                tensors = {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
+            self._send(identity, Message(MsgType.DRAFTED, {"session": h["session"], "seq": h["seq"],
+                                                           "tokens": draft.tokens}, tensors))
 
     def _check_features(self, session, msg: Message, pos: int):
         """The features a feature backend needs with this request, validated; None otherwise."""

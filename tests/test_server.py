@@ -210,3 +210,57 @@ def test_refuses_public_bind_without_insecure():
     with pytest.raises(ValueError, match="--insecure"):
         DraftServer(CountingBackend(), ServerConfig(bind="tcp://0.0.0.0:5555"))
     DraftServer(CountingBackend(), ServerConfig(bind="tcp://0.0.0.0:5555", insecure=True))  # allowed
+
+
+class GatedBackend(CountingBackend):
+    """Holds its first call until released, recording the size of every batch it serves."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.batches = []
+
+    def draft_many(self, requests):
+        self.gate.wait(10)
+        self.batches.append(len(requests))
+        return super().draft_many(requests)
+
+
+@pytest.mark.parametrize("batch_max, expected", [(8, [1, 3]), (2, [1, 2, 1]), (1, [1, 1, 1, 1])])
+def test_waiting_sessions_are_drafted_together(batch_max, expected):
+    backend = GatedBackend()
+    with running_server(backend, batch_max=batch_max) as (server, ctx):
+        peers = [RawPeer(ctx, server.endpoint) for _ in range(4)]
+        for i, p in enumerate(peers):
+            p.hello()
+            p.open(1, [10 * i + 1])
+        for p in peers:
+            p.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+            time.sleep(0.1)  # the first request is being served (held) while the others queue up
+        backend.gate.set()
+        for i, p in enumerate(peers):
+            assert p.recv().header["tokens"] == [10 * i + 2, 10 * i + 3]
+        assert backend.batches == expected
+        assert server.snapshot()["batches"] == len(expected)
+
+
+def test_one_sessions_requests_stay_in_order_across_batches():
+    backend = GatedBackend()
+    with running_server(backend) as (server, ctx):
+        holder, peer = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        holder.hello(), peer.hello()
+        holder.open(1, [1])
+        peer.open(1, [20])
+        holder.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 1}))
+        time.sleep(0.1)
+        # two requests of the same session while the daemon is busy: the second must see the first applied
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 1}))
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 2, "accepted": 1, "new": [30], "pos": 3,
+                                          "depth": 1}))
+        time.sleep(0.1)
+        backend.gate.set()
+        assert peer.recv().header["tokens"] == [21]
+        assert peer.recv().header["tokens"] == [31]
+        assert backend.batches == [1, 1, 1]

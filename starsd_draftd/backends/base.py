@@ -11,6 +11,16 @@ from common.verify import SamplingParams, logits_to_probs
 
 
 @dataclass
+class DraftRequest:
+    """One session's request as the server hands it to a backend."""
+
+    state: object
+    verified: list[int]
+    depth: int
+    new_features: torch.Tensor | None = None
+
+
+@dataclass
 class Draft:
     """k proposed tokens; in sampling mode also the sparse proposal distribution each was drawn
     from: ``q_ids`` [k, K] int32 and ``q_probs`` [k, K] float32 (rows sum to 1)."""
@@ -72,6 +82,11 @@ class DraftBackend(abc.ABC):
         rolls back the rest. ``new_features`` ([m, feature_size], only for backends with
         feature_size > 0) are the target's features for the positions after those this
         session already holds; with them it holds one per verified token but the last."""
+
+    def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Serve several sessions' requests at once. The default serves them one after another;
+        backends that can batch the sessions' forwards override it."""
+        return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""

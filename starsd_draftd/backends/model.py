@@ -8,7 +8,8 @@ import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.batching import BatchedCaches
 
 
 @dataclass
@@ -60,3 +61,35 @@ class ModelBackend(DraftBackend):
             if j + 1 < depth:
                 logits = self._forward(st, [tok])
         return chain.result()
+
+    @torch.inference_mode()
+    def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Draft for several sessions with one batched forward per step (ragged prefixes)."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self.draft(r.state, r.verified, r.depth)]
+        sessions: list[ModelSession] = [r.state for r in requests]  # type: ignore[misc]
+        feeds = []
+        for st, r in zip(sessions, requests):
+            if not r.verified:
+                raise ValueError("cannot draft after an empty sequence")
+            keep = min(common_prefix_len(st.cached, r.verified), len(r.verified) - 1)
+            crop_cache(st.cache, keep)
+            del st.cached[keep:]
+            feeds.append(r.verified[keep:])
+        batch = BatchedCaches(self.model, [st.cache for st in sessions], feeds, self.device)
+        logits = batch.first()[:, : self.vocab_size].float()
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
+        depth = max(r.depth for r in requests)
+        for j in range(depth):
+            picks = []
+            for b, (chain, r) in enumerate(zip(chains, requests)):
+                picks.append(chain.pick(logits[b]) if j < r.depth else 0)
+            if j + 1 < depth:
+                live = [j + 1 < r.depth for r in requests]
+                logits = batch.step(picks, live)[:, : self.vocab_size].float()
+        for b, (st, r, feed) in enumerate(zip(sessions, requests, feeds)):
+            st.cache = batch.split(b)
+            st.cached.extend(feed)
+            st.cached.extend(chains[b].tokens[: r.depth - 1])
+        return [c.result() for c in chains]
