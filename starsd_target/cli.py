@@ -106,12 +106,20 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @main.command()
 @model_options
 @option("--listen", default=_d.listen, help="Local ZeroMQ endpoint that takes generation jobs.")
+@option("--max-active", type=click.IntRange(1), default=_d.max_active,
+        help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
+@option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
+        help="Jobs waiting beyond those; more are refused as busy.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
-def serve(listen, **kw) -> None:
-    """Keep the target model loaded and take generation jobs on a local endpoint."""
+def serve(listen, max_active, max_queue, **kw) -> None:
+    """Keep the target model loaded and take generation jobs on a local endpoint.
+
+    SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits."""
     setup_logging(kw["log_level"], kw["log_format"])
     ctx = zmq.Context()
-    daemon = TargetDaemon(_config(kw, kw["draft"], listen), ctx=ctx)
+    cfg = _config(kw, kw["draft"], listen)
+    cfg.max_active, cfg.max_queue = max_active, max_queue
+    daemon = TargetDaemon(cfg, ctx=ctx)
     daemon.connect()
     daemon.install_signal_handlers()
     daemon.serve_forever()

@@ -152,12 +152,8 @@ class DraftClient:
     def poll_pending(self) -> None:
         """Handle whatever arrived meanwhile (GOODBYE, PONG, late replies) without waiting."""
         while (msg := self._recv(0)) is not None:
-            if msg.type is MsgType.PONG:
-                if self.welcome is not None and msg.header["instance"] != self.welcome.instance:
-                    self.welcome = None  # a new daemon: greet it again
-                    self.mark_down("draft daemon restarted")
-            else:
-                self.stale_replies += 1
+            if self._event(msg) is not None:
+                self.stale_replies += 1  # a reply nobody waits for any more
 
     def heartbeat(self, probe_timeout_s: float = 0.5) -> None:
         """While idle: keep the daemon's lease on this peer alive and notice a restart; while
@@ -220,6 +216,37 @@ class DraftClient:
         return self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
                                                   "new": list(new), "pos": pos, "depth": depth}, tensors))
 
+    def poll_events(self, timeout_s: float) -> list[tuple[int, int, DraftReply | RemoteError]]:
+        """Every reply that arrives within ``timeout_s`` (waiting only for the first), as
+        (session, seq, DRAFTED reply or ERROR): for a scheduler with many sessions in flight."""
+        events = []
+        msg = self._recv(timeout_s)
+        while msg is not None:
+            event = self._event(msg)
+            if event is not None:
+                events.append(event)
+            msg = self._recv(0)
+        return events
+
+    def _event(self, msg: Message) -> tuple[int, int, DraftReply | RemoteError] | None:
+        h = msg.header
+        if msg.type is MsgType.DRAFTED:
+            return h["session"], h["seq"], DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"))
+        if msg.type is MsgType.ERROR and h.get("session") is not None and h.get("seq") is not None:
+            err = RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
+            self._count(err.name)
+            if err.code == ErrorCode.NO_HANDSHAKE:
+                self.welcome = None  # the daemon forgot this peer (restart, expiry): greet again
+                self.down = True
+            return h["session"], h["seq"], err
+        if msg.type is MsgType.PONG:
+            if self.welcome is not None and msg.header["instance"] != self.welcome.instance:
+                self.welcome = None  # a new daemon: greet it again
+                self.mark_down("draft daemon restarted")
+            return None
+        self.stale_replies += 1
+        return None
+
     def wait_draft(self, session: int, seq: int, timeout_s: float) -> DraftReply | RemoteError | None:
         """The DRAFTED reply for (session, seq), the ERROR about it, or None at the deadline or
         when the daemon says goodbye. Replies to earlier requests (arriving late) are discarded."""
@@ -230,19 +257,11 @@ class DraftClient:
                 if self.down:  # GOODBYE arrived
                     return None
                 continue
-            h = msg.header
-            if h.get("session") != session or h.get("seq") not in (seq, None):
-                self.stale_replies += 1
+            event = self._event(msg)
+            if event is None:
                 continue
-            if msg.type is MsgType.DRAFTED and h["seq"] == seq:
-                return DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"))
-            if msg.type is MsgType.ERROR:
-                err = RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
-                self._count(err.name)
-                if err.code == ErrorCode.NO_HANDSHAKE:
-                    self.welcome = None  # the daemon forgot this peer (restart, expiry): greet again
-                    self.down = True
-                return err
+            if event[:2] == (session, seq):
+                return event[2]
             self.stale_replies += 1
         return None
 
@@ -272,7 +291,9 @@ class RemoteDraftSession:
     def feature_size(self) -> int:
         return self.client.welcome.feature_size if self.client.welcome is not None else 0
 
-    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> DraftReply | None:
+    def send(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> int | None:
+        """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
+        request could go out (link down, no features): the round then runs without drafts."""
         client = self.client
         if not client.ready(probe_timeout_s=min(self.timeout_s, 0.5)):
             return None
@@ -286,23 +307,25 @@ class RemoteDraftSession:
         new_features = None
         if welcome.feature_size:
             if features is None or features.shape[0] != len(tokens) - 1:
-                return None  # this generation collected no features; the round runs without drafts
+                return None  # this generation collected no features
             new_features = features[self.features_sent:]
         self.seq += 1
         new = tokens[self.synced + self.accepted:]
-        sent = client.request(self.session, self.seq, self.accepted, new, len(tokens),
-                              min(depth, welcome.max_depth), new_features)
-        if not sent:
+        if not client.request(self.session, self.seq, self.accepted, new, len(tokens),
+                              min(depth, welcome.max_depth), new_features):
             client.mark_down("not connected")
             self.instance = None  # whatever the daemon holds is unknown now
             return None
         self.synced, self.accepted = len(tokens), 0
         if new_features is not None:
             self.features_sent = len(tokens) - 1
-        reply = client.wait_draft(self.session, self.seq, self.timeout_s)
+        return self.seq
+
+    def resolve(self, reply: DraftReply | RemoteError | None) -> DraftReply | None:
+        """Turn what came back for the request in flight (None: nothing in time) into drafts."""
         if reply is None:
-            if not client.down:
-                client.mark_down(f"no draft within {self.timeout_s:.2f}s")
+            if not self.client.down:
+                self.client.mark_down(f"no draft within {self.timeout_s:.2f}s")
             return None
         if isinstance(reply, RemoteError):
             self.errors += 1
@@ -310,6 +333,12 @@ class RemoteDraftSession:
             self.instance = None
             return None
         return reply
+
+    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> DraftReply | None:
+        seq = self.send(tokens, depth, features)
+        if seq is None:
+            return None
+        return self.resolve(self.client.wait_draft(self.session, seq, self.timeout_s))
 
     def kept(self, n: int) -> None:
         self.accepted = n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from common.verify import SamplingParams
 from common.security import client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout, RemoteDraftSession
 from starsd_target.engine import GenerationResult, TargetEngine
+from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
 
 log = logging.getLogger("starsd.target")
 
@@ -37,6 +39,8 @@ class TargetConfig:
     name: str = ""
     listen: str = "tcp://127.0.0.1:5600"
     heartbeat_s: float = 5.0
+    max_active: int = 4  # generations interleaved on the model at once
+    max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
     curve_secret: Path | None = None  # this target's .key_secret file
     curve_server_key: Path | None = None  # the draft daemon's public .key file
 
@@ -52,8 +56,9 @@ class TargetDaemon:
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
         self.engine = TargetEngine(self.loaded, depth=config.depth)
         self.client: DraftClient | None = None
-        self._sessions = itertools.count(1)
+        self._sessions = itertools.count(1 << 30)  # one-off generations; the scheduler numbers its own
         self._stop = threading.Event()
+        self._scheduler: Scheduler | None = None
         self.served = 0
 
     # ------------------------------------------------------------ draft link
@@ -84,17 +89,42 @@ class TargetDaemon:
         return RemoteDraftSession(self._link(), next(self._sessions), params, self.config.draft_timeout_s)
 
     # ------------------------------------------------------------ generation
-    def generate(self, prompt: str | list[int], max_tokens: int, params: SamplingParams,
-                 stop: list[str] | tuple[str, ...] = (), no_draft: bool = False) -> GenerationResult:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             bos = getattr(self.loaded.tokenizer, "bos_token_id", None)
             if bos is None:
                 raise ValueError("the prompt is empty")
             ids = [bos]
-        return self.engine.generate(ids, max_tokens, params, self._draft_source(params, no_draft), stop)
+        return ids
 
-    # ------------------------------------------------------------ control socket
+    def generate(self, prompt: str | list[int], max_tokens: int, params: SamplingParams,
+                 stop: list[str] | tuple[str, ...] = (), no_draft: bool = False) -> GenerationResult:
+        """One generation in the calling thread (the one-off CLI path; `serve` uses the scheduler)."""
+        return self.engine.generate(self._prompt_ids(prompt), max_tokens, params,
+                                    self._draft_source(params, no_draft), stop)
+
+    # ------------------------------------------------------------ serving
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self.engine, self._scheduler_link, self.config.draft_timeout_s,
+                                        max_active=self.config.max_active, max_queue=self.config.max_queue,
+                                        heartbeat_s=self.config.heartbeat_s)
+        return self._scheduler
+
+    def _scheduler_link(self) -> DraftClient | None:
+        return None if self.config.draft is None else self._link()
+
+    def job(self, prompt: str | list[int], max_tokens: int, params: SamplingParams, stop=(), no_draft: bool = False,
+            on_progress=None) -> Job:
+        """A job for the scheduler; ValueError for bad input (empty prompt, ids outside the vocabulary)."""
+        ids = self._prompt_ids(prompt)
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if max(ids) >= self.loaded.logits_size or min(ids) < 0:
+            raise ValueError(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}")
+        return Job(ids, max_tokens, params, tuple(stop or ()), no_draft, on_progress)
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -103,28 +133,31 @@ class TargetDaemon:
             signal.signal(sig, lambda *_: self.stop())
 
     def serve_forever(self, ready: threading.Event | None = None) -> None:
-        """Take GENERATE jobs on a local ROUTER socket, one at a time, until stopped. On stop the
-        job in progress finishes; jobs already received but not started get SHUTTING_DOWN."""
+        """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
+        in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
+        sched = self.scheduler()
+        sched.start()
         sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
         sock.bind(self.config.listen)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("target daemon taking jobs on %s", self.endpoint)
         if ready is not None:
             ready.set()
-        next_beat = time.monotonic() + self.config.heartbeat_s
+        replies: queue.Queue[list] = queue.Queue()  # filled by job callbacks, sent by this thread
+        pending = 0
         try:
             while not self._stop.is_set():
-                if self.client is not None and time.monotonic() >= next_beat:
-                    self.client.heartbeat()
-                    next_beat = time.monotonic() + self.config.heartbeat_s
-                if not sock.poll(100, zmq.POLLIN):
-                    continue
-                self._answer(sock, sock.recv_multipart(copy=False), self._handle)
-            refused = 0
-            while sock.poll(0, zmq.POLLIN):
-                self._answer(sock, sock.recv_multipart(copy=False), _refuse_shutting_down)
-                refused += 1
-            log.info("target daemon stopped (%d queued job(s) refused)", refused)
+                if sock.poll(20, zmq.POLLIN):
+                    frames = sock.recv_multipart(copy=False)
+                    pending += self._on_control(frames, replies)
+                pending -= self._send_replies(sock, replies)
+            sched.stop()  # queued jobs fail with SHUTTING_DOWN, running ones finish
+            while sock.poll(0, zmq.POLLIN):  # requests that arrived meanwhile are refused
+                pending += self._on_control(sock.recv_multipart(copy=False), replies)
+            deadline = time.monotonic() + 5.0
+            while pending > 0 and time.monotonic() < deadline:
+                pending -= self._send_replies(sock, replies, wait_s=0.05)
+            log.info("target daemon stopped")
         finally:
             # give the last replies (results, refusals) a moment to leave
             sock.close(linger=1000 if self._stop.is_set() else 0)
@@ -132,42 +165,62 @@ class TargetDaemon:
                 self.client.close()
 
     @staticmethod
-    def _answer(sock: zmq.Socket, frames: list, handler) -> None:
+    def _send_replies(sock: zmq.Socket, replies: queue.Queue, wait_s: float = 0.0) -> int:
+        sent = 0
+        while True:
+            try:
+                identity, msg = replies.get(timeout=wait_s) if wait_s and not sent else replies.get_nowait()
+            except queue.Empty:
+                return sent
+            try:
+                sock.send_multipart([identity, *P.encode(msg)], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                log.warning("could not return a reply to its client: %s", exc)
+            sent += 1
+
+    def _on_control(self, frames: list, replies: queue.Queue) -> int:
+        """Handle one control message; returns 1 (a reply will be queued) in every case."""
         identity = frames[0].bytes
         try:
-            reply = handler(P.decode(frames[1:]))
+            msg = P.decode(frames[1:])
+            if msg.type is MsgType.STATS:
+                replies.put((identity, Message(MsgType.STATS_REPLY, {"stats": self.status()})))
+                return 1
+            if msg.type is not MsgType.GENERATE:
+                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a target request")
+            h = msg.header
+            rid = h["id"]
+            prompt = h.get("prompt_ids") if "prompt_ids" in h else h.get("prompt")
+            if prompt is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "GENERATE needs prompt or prompt_ids", rid)
+            try:
+                params = SamplingParams(float(h.get("temperature", 0.0)), int(h.get("top_k", 0)),
+                                        float(h.get("top_p", 1.0)), h.get("seed"))
+                job = self.job(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False))
+                future = self.scheduler().submit(job)
+            except ValueError as exc:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), rid) from None
+            except Overloaded as exc:
+                raise ProtocolError(ErrorCode.BUSY, str(exc), rid) from None
+            except ShuttingDown as exc:
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, str(exc), rid) from None
+            future.add_done_callback(lambda f: replies.put((identity, self._result_message(rid, f))))
         except ProtocolError as exc:
-            reply = P.error_from(exc)
-        try:
-            sock.send_multipart([identity, *P.encode(reply)], zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            log.warning("could not return a reply to its client: %s", exc)
+            replies.put((identity, P.error_from(exc)))
+        return 1
 
-    def _handle(self, msg: Message) -> Message:
-        h = msg.header
-        if msg.type is MsgType.STATS:
-            return Message(MsgType.STATS_REPLY, {"stats": {
-                "served": self.served, "model": str(self.loaded.path),
-                "draft_connected": self.client is not None and self.client.up}})
-        if msg.type is not MsgType.GENERATE:
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a target request")
-        rid = h["id"]
-        prompt = h.get("prompt_ids") if "prompt_ids" in h else h.get("prompt")
-        if prompt is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "GENERATE needs prompt or prompt_ids", rid)
-        try:
-            params = SamplingParams(float(h.get("temperature", 0.0)), int(h.get("top_k", 0)),
-                                    float(h.get("top_p", 1.0)), h.get("seed"))
-            result = self.generate(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False))
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), rid) from None
-        except Exception as exc:  # one failed job must not take the daemon down
-            log.exception("generation %d failed", rid)
-            raise ProtocolError(ErrorCode.GENERATION_FAILED, f"generation failed: {exc}", rid) from None
+    def _result_message(self, rid: int, future) -> Message:
+        exc = future.exception()
+        if isinstance(exc, ShuttingDown):
+            return P.error(ErrorCode.SHUTTING_DOWN, str(exc), rid)
+        if exc is not None:
+            return P.error(ErrorCode.GENERATION_FAILED, f"generation failed: {exc}", rid)
+        result = future.result()
         self.served += 1
         return Message(MsgType.RESULT, {"id": rid, "text": result.text, "token_ids": result.token_ids,
                                         "stats": {**result.stats.to_dict(), "finish_reason": result.finish_reason}})
 
-
-def _refuse_shutting_down(msg: Message) -> Message:
-    raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the target daemon is shutting down", msg.header.get("id"))
+    def status(self) -> dict:
+        sched = self._scheduler.load() if self._scheduler is not None else {}
+        return {"served": self.served, "model": str(self.loaded.path),
+                "draft_connected": self.client is not None and self.client.up, **sched}

@@ -140,84 +140,28 @@ class TargetEngine:
         qp = qp.float()
         return bool(torch.isfinite(qp).all() and (qp >= 0).all() and (qp.sum(-1) <= 1.0 + 1e-3).all())
 
+    def start(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
+              features: bool = False) -> "Generation":
+        """A generation, prefilled, ready for its first round (see Generation)."""
+        return Generation(self, prompt, max_tokens, params, stop, features)
+
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = ()) -> GenerationResult:
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if max(prompt) >= self.loaded.logits_size or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}")
-        stats = GenerationStats(accepted_by_position=[0] * self.depth)
-        t_start = time.perf_counter()
-        gen = make_generator(params.seed)
-        tokens = list(prompt)
-        cache = new_cache(self.model)
-        feats = None
-        if drafts is not None and drafts.feature_size > 0:
-            feats = FeatureBuffer(self.loaded.feature_size, feature_wire_dtype(self.loaded.dtype))
-        if len(tokens) > 1:
-            _, hidden = self._forward(cache, tokens[:-1], feats is not None)
-            if feats is not None:
-                feats.append(hidden.to("cpu", feats.buf.dtype))
-        stats.prefill_s = time.perf_counter() - t_start
-        out: list[int] = []
-        finish = "length"
+        """Run one generation to the end, asking ``drafts`` for proposals each round."""
+        g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0)
         try:
-            while len(out) < max_tokens:
-                depth = min(self.depth, max_tokens - len(out) - 1)
+            while not g.done:
+                depth = g.draft_depth()
                 prop = None
                 if drafts is not None and depth > 0:
-                    prop = drafts.propose(tokens, depth, feats.view() if feats is not None else None)
-                    if prop is not None and not self._valid(prop, depth, params.greedy):
-                        stats.invalid_drafts += 1
-                        prop = None
-                    if prop is None:
-                        stats.fallback_rounds += 1
-                x = list(prop.tokens) if prop is not None else []
-                base = len(tokens) - 1  # cached positions before this round
-                logits, hidden = self._forward(cache, [tokens[-1], *x], feats is not None)
-                if params.greedy:
-                    n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
-                else:
-                    p = logits_to_probs(logits, params)
-                    q = dense_q(prop.q_ids, prop.q_probs, p.shape[-1]) if x else torch.zeros(0, p.shape[-1])
-                    n, nxt = verify_sampling(p, q, torch.tensor(x, dtype=torch.long), gen)
-                if prop is not None:
+                    prop = drafts.propose(g.tokens, depth, g.features())
+                n = g.verify(prop, wanted=drafts is not None and depth > 0)
+                if prop is not None and n is not None:
                     drafts.kept(n)
-                crop_cache(cache, base + 1 + n)
-                if feats is not None:
-                    feats.append(hidden[: 1 + n].to("cpu", feats.buf.dtype))
-                stats.rounds += 1
-                stats.drafted += len(x)
-                stats.accepted += n
-                for i in range(n):
-                    stats.accepted_by_position[i] += 1
-                new = [*x[:n], nxt]
-                tokens.extend(new)
-                done = False
-                for t in new:
-                    out.append(t)
-                    if t in self.loaded.eos_token_ids:
-                        finish, done = "stop", True
-                        break
-                    if len(out) >= max_tokens:
-                        break
-                if stop and not done:
-                    cut = self._stop_cut(out, stop)
-                    if cut is not None:
-                        out, finish, done = out[:cut], "stop", True
-                if done:
-                    break
         finally:
             if drafts is not None:
                 drafts.close()
-        text = self.decode(out)
-        if finish == "stop" and stop:
-            text = _cut_at_stop(text, stop)
-        stats.generated = len(out)
-        stats.wall_s = time.perf_counter() - t_start
-        return GenerationResult(out, text, finish, stats)
+        return g.result()
 
     def _stop_cut(self, out: list[int], stop) -> int | None:
         """The fewest generated tokens whose text contains a stop string, or None."""
@@ -227,6 +171,105 @@ class TargetEngine:
             if any(s in self.decode(out[:i]) for s in stop):
                 return i
         return len(out)
+
+
+class Generation:
+    """One request's state between rounds, so a scheduler can interleave many of them.
+
+    Round protocol: ``draft_depth()`` says how many drafts are worth asking for (0: none),
+    ``features()`` gives what feature-based drafters need, ``verify(proposal)`` runs the
+    target's forward over the proposal and appends the kept tokens. ``done`` turns true at
+    EOS, a stop string or max_tokens; ``result()`` then gives the output."""
+
+    def __init__(self, engine: TargetEngine, prompt: list[int], max_tokens: int, params: SamplingParams,
+                 stop=(), features: bool = False):
+        loaded = engine.loaded
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if max(prompt) >= loaded.logits_size or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must lie in 0..{loaded.logits_size - 1}")
+        self.engine = engine
+        self.max_tokens = max_tokens
+        self.params = params
+        self.stop = tuple(stop or ())
+        self.stats = GenerationStats(accepted_by_position=[0] * engine.depth)
+        self.t_start = time.perf_counter()
+        self.gen = make_generator(params.seed)
+        self.tokens = list(prompt)
+        self.out: list[int] = []
+        self.finish = "length"
+        self.done = False
+        self.cache = new_cache(engine.model)
+        self.feats = None
+        if features:
+            self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))
+        if len(self.tokens) > 1:
+            _, hidden = engine._forward(self.cache, self.tokens[:-1], self.feats is not None)
+            if self.feats is not None:
+                self.feats.append(hidden.to("cpu", self.feats.buf.dtype))
+        self.stats.prefill_s = time.perf_counter() - self.t_start
+
+    def draft_depth(self) -> int:
+        return 0 if self.done else min(self.engine.depth, self.max_tokens - len(self.out) - 1)
+
+    def features(self) -> torch.Tensor | None:
+        return self.feats.view() if self.feats is not None else None
+
+    def verify(self, prop: Proposal | None, wanted: bool = True) -> int | None:
+        """One round: verify ``prop`` (None: the target alone). Returns how many drafts were kept,
+        or None when the proposal was unusable. ``wanted`` says drafts were asked for this round,
+        so a round without them counts as a fallback."""
+        engine, stats = self.engine, self.stats
+        depth = self.draft_depth()
+        if prop is not None and not engine._valid(prop, depth, self.params.greedy):
+            stats.invalid_drafts += 1
+            prop = None
+        if prop is None and wanted and depth > 0:
+            stats.fallback_rounds += 1
+        x = list(prop.tokens) if prop is not None else []
+        base = len(self.tokens) - 1  # cached positions before this round
+        logits, hidden = engine._forward(self.cache, [self.tokens[-1], *x], self.feats is not None)
+        if self.params.greedy:
+            n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
+        else:
+            p = logits_to_probs(logits, self.params)
+            q = dense_q(prop.q_ids, prop.q_probs, p.shape[-1]) if x else torch.zeros(0, p.shape[-1])
+            n, nxt = verify_sampling(p, q, torch.tensor(x, dtype=torch.long), self.gen)
+        crop_cache(self.cache, base + 1 + n)
+        if self.feats is not None:
+            self.feats.append(hidden[: 1 + n].to("cpu", self.feats.buf.dtype))
+        stats.rounds += 1
+        stats.drafted += len(x)
+        stats.accepted += n
+        for i in range(n):
+            stats.accepted_by_position[i] += 1
+        new = [*x[:n], nxt]
+        self.tokens.extend(new)
+        for t in new:
+            self.out.append(t)
+            if t in engine.loaded.eos_token_ids:
+                self.finish, self.done = "stop", True
+                break
+            if len(self.out) >= self.max_tokens:
+                self.done = True
+                break
+        if self.stop and not self.done:
+            cut = engine._stop_cut(self.out, self.stop)
+            if cut is not None:
+                self.out, self.finish, self.done = self.out[:cut], "stop", True
+        return n if prop is not None else None
+
+    def text(self) -> str:
+        text = self.engine.decode(self.out)
+        return _cut_at_stop(text, self.stop) if self.finish == "stop" and self.stop else text
+
+    def result(self) -> GenerationResult:
+        self.stats.generated = len(self.out)
+        self.stats.wall_s = time.perf_counter() - self.t_start
+        self.cache = None  # free the KV cache as soon as the output is known
+        return GenerationResult(list(self.out), self.text(), self.finish, self.stats)
 
 
 def _cut_at_stop(text: str, stop) -> str:

@@ -264,3 +264,16 @@ def test_one_sessions_requests_stay_in_order_across_batches():
         assert peer.recv().header["tokens"] == [21]
         assert peer.recv().header["tokens"] == [31]
         assert backend.batches == [1, 1, 1]
+
+
+def test_stop_says_goodbye_to_every_peer_and_refuses_new_sessions():
+    backend = GatedBackend()
+    backend.gate.set()
+    with running_server(backend, drain_s=2.0) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        a.hello(), b.hello()
+        a.open(1, [5])
+        server.stop()
+        for p in (a, b):
+            bye = p.recv()
+            assert bye.type is MsgType.GOODBYE and bye.header["instance"] == server.instance

@@ -1,0 +1,226 @@
+"""Many generations on one target model, interleaved so the target never idles on the network.
+
+One thread owns the model and the draft link. Each pass it sends draft requests for every
+generation that needs one, collects whatever replies have arrived, and verifies one generation
+whose drafts are in (or whose deadline passed: that round runs without drafts). While one
+generation waits for its drafts, another is verified: work conservation at the target, the
+mirror of the draft daemon's. Jobs are admitted first come, first served.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.verify import SamplingParams
+from starsd_target.client import DraftClient, RemoteDraftSession
+from starsd_target.engine import Generation, GenerationResult, TargetEngine
+
+log = logging.getLogger("starsd.target.scheduler")
+
+
+class Overloaded(RuntimeError):
+    """The job queue is full; try again later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The target daemon is stopping and takes no new jobs."""
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    no_draft: bool = False
+    on_progress: Callable[[Generation], None] | None = None  # streaming: called after each round that added tokens
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Active:
+    job: Job
+    gen: Generation
+    drafts: RemoteDraftSession | None
+    seq: int | None = None  # draft request in flight
+    deadline: float = 0.0
+    ready: bool = False
+    proposal: object = None
+    wanted: bool = False
+    ready_at: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
+                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0):
+        self.engine = engine
+        self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
+        self.draft_timeout_s = draft_timeout_s
+        self.max_active = max_active
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.heartbeat_s = heartbeat_s
+        self._sessions = itertools.count(1)
+        self._stop = threading.Event()
+        self._accepting = True
+        self.active: list[_Active] = []
+        self.completed = 0
+        self.failed = 0
+        self.thread: threading.Thread | None = None
+        self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # metrics hook
+
+    # ------------------------------------------------------------ public
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        if not self._accepting:
+            raise ShuttingDown("the target daemon is shutting down")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise Overloaded(f"{self.jobs.maxsize} jobs are already waiting") from None
+        return job.future
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="starsd-scheduler", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Take no new jobs, fail the queued ones, finish those in progress, then stop the thread."""
+        self._accepting = False
+        self._stop.set()
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ShuttingDown("the target daemon is shutting down"))
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def load(self) -> dict:
+        return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
+                "failed": self.failed}
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> None:
+        next_beat = time.monotonic() + self.heartbeat_s
+        while True:
+            self._admit()
+            if not self.active:
+                client = self.link()
+                if client is not None and time.monotonic() >= next_beat:
+                    client.heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_s
+                if self._stop.is_set():
+                    return
+                try:
+                    job = self.jobs.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._start(job)
+                continue
+            self._request_drafts()
+            self._collect()
+            self._verify_one()
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_active and not self._stop.is_set():
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            client = None if job.no_draft else self.link()
+            drafts = None
+            if client is not None:
+                drafts = RemoteDraftSession(client, next(self._sessions), job.params, self.draft_timeout_s)
+            features = client is not None and client.feature_size > 0
+            gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features)
+        except Exception as exc:  # a bad job fails alone
+            self.failed += 1
+            job.future.set_exception(exc)
+            return
+        self.active.append(_Active(job, gen, drafts))
+
+    def _request_drafts(self) -> None:
+        now = time.monotonic()
+        for a in self.active:
+            if a.ready or a.seq is not None:
+                continue
+            depth = a.gen.draft_depth()
+            a.wanted = a.drafts is not None and depth > 0
+            if a.wanted:
+                a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
+                if a.seq is not None:
+                    a.deadline = now + self.draft_timeout_s
+                    continue
+            a.ready, a.proposal, a.ready_at = True, None, now
+
+    def _collect(self) -> None:
+        waiting = [a for a in self.active if a.seq is not None]
+        if not waiting:
+            return
+        client = waiting[0].drafts.client
+        now = time.monotonic()
+        any_ready = any(a.ready for a in self.active)
+        timeout = 0.0 if any_ready else max(0.0, min(min(a.deadline for a in waiting) - now, 0.05))
+        by_key = {(a.drafts.session, a.seq): a for a in waiting}
+        for session, seq, reply in client.poll_events(timeout):
+            a = by_key.pop((session, seq), None)
+            if a is not None:
+                self._ready(a, a.drafts.resolve(reply))
+        now = time.monotonic()
+        for a in by_key.values():
+            if client.down or now >= a.deadline:  # GOODBYE, or no reply in time
+                self._ready(a, a.drafts.resolve(None))
+
+    @staticmethod
+    def _ready(a: _Active, proposal) -> None:
+        a.seq, a.ready, a.proposal, a.ready_at = None, True, proposal, time.monotonic()
+
+    def _verify_one(self) -> None:
+        ready = [a for a in self.active if a.ready]
+        if not ready:
+            return
+        a = min(ready, key=lambda r: r.ready_at)  # the longest-waiting generation goes first
+        before = len(a.gen.out)
+        t0 = time.perf_counter()
+        try:
+            n = a.gen.verify(a.proposal, wanted=a.wanted)
+        except Exception as exc:
+            log.exception("generation failed")
+            self._finish(a, exc)
+            return
+        if a.proposal is not None and n is not None:
+            a.drafts.kept(n)
+        if self.on_round is not None:
+            self.on_round(a.gen, n, a.wanted, time.perf_counter() - t0)
+        a.ready, a.proposal = False, None
+        if a.job.on_progress is not None and len(a.gen.out) != before:
+            a.job.on_progress(a.gen)
+        if a.gen.done:
+            self._finish(a, None)
+
+    def _finish(self, a: _Active, exc: BaseException | None) -> None:
+        self.active.remove(a)
+        if a.drafts is not None:
+            a.drafts.close()
+        if exc is not None:
+            self.failed += 1
+            a.job.future.set_exception(exc)
+            return
+        result: GenerationResult = a.gen.result()
+        self.completed += 1
+        a.job.future.set_result(result)
