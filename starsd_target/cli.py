@@ -110,8 +110,12 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")
+@option("--http", "http_addr", default=None, metavar="HOST:PORT",
+        help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+             "/health) on this address.")
+@option("--served-model-name", default=None, help="Model name in the HTTP API (default: the model directory's name).")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
-def serve(listen, max_active, max_queue, **kw) -> None:
+def serve(listen, max_active, max_queue, http_addr, served_model_name, **kw) -> None:
     """Keep the target model loaded and take generation jobs on a local endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits."""
@@ -121,9 +125,34 @@ def serve(listen, max_active, max_queue, **kw) -> None:
     cfg.max_active, cfg.max_queue = max_active, max_queue
     daemon = TargetDaemon(cfg, ctx=ctx)
     daemon.connect()
-    daemon.install_signal_handlers()
-    daemon.serve_forever()
+    daemon.scheduler()
+    if http_addr is None:
+        daemon.install_signal_handlers()
+        daemon.serve_forever()
+    else:
+        _serve_http(daemon, http_addr, served_model_name or daemon.loaded.path.name)
     ctx.term()  # returns once the last replies have left, within the sockets' linger
+
+
+def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
+    """uvicorn in this thread (it owns SIGTERM/SIGINT and drains HTTP requests); the job socket
+    and the scheduler in their own threads, stopped once uvicorn has finished."""
+    import threading
+
+    import uvicorn
+
+    from starsd_target.http_api import create_app
+
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(f"expected HOST:PORT, got {addr!r}", param_hint="--http")
+    control = threading.Thread(target=daemon.serve_forever, name="starsd-control", daemon=True)
+    control.start()
+    config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
+                            timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run()
+    daemon.stop()
+    control.join(90)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""The target's OpenAI-compatible HTTP API, driven by the official openai client against a real
+`starsd-target serve --http` process with a real draft daemon."""
+
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from common.sockets import free_tcp_endpoint
+from procs import Daemons
+from tiny_models import make_near_copy, reference_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tmp_path_factory):
+    d = Daemons(tmp_path_factory.mktemp("http"))
+    draft_ep, listen, port = free_tcp_endpoint(), free_tcp_endpoint(), _free_port()
+    near = make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
+    try:
+        d.start("draftd", "starsd_draftd", "serve", "--model", str(near), "--bind", draft_ep)
+        d.start("target", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
+                listen, "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny", "--connect-timeout", "120",
+                "--draft-timeout", "30")
+        d.wait_ready("draftd", draft_ep)
+        d.wait_ready("target", listen)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, d.log("target")[-3000:]
+            time.sleep(0.2)
+        yield base, d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["draft_connected"] is True
+
+
+def test_completion_is_the_targets_own_greedy_output(client, loaded_target, tiny_target):
+    from starsd_target.engine import TargetEngine
+
+    prompt = "def parse(line):\n    "
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    ids = reference_greedy(tiny_target, TargetEngine(loaded_target).encode(prompt), 24)
+    assert r.choices[0].text == loaded_target.tokenizer.decode(ids, skip_special_tokens=True)
+    assert r.usage.completion_tokens == len(ids) and r.choices[0].finish_reason in ("length", "stop")
+    assert r.model_extra["starsd"]["accepted"] > 0  # drafts were used
+
+
+def test_streamed_completion_adds_up_to_the_whole(client):
+    kwargs = dict(model="tiny", prompt="import os\n", max_tokens=30, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_chat_completion_and_stream(client):
+    msgs = [{"role": "user", "content": "write a loop"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, seed=3)
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    streamed = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+
+
+def test_sampling_with_seed_repeats(client):
+    kw = dict(model="tiny", prompt="x = ", max_tokens=20, temperature=0.9, top_p=0.9, seed=11)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_stop_string(client):
+    whole = client.completions.create(model="tiny", prompt="import os\n", max_tokens=30, temperature=0)
+    text = whole.choices[0].text
+    stop = text[5:7]
+    r = client.completions.create(model="tiny", prompt="import os\n", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(prompt="x", max_tokens=0), "max_tokens"),
+    (dict(prompt="x", temperature=-1), "temperature"),
+    (dict(prompt="x", n=2), "n"),
+    (dict(prompt="", max_tokens=5), "prompt"),
+    (dict(prompt="x", stop=[""]), "stop"),
+])
+def test_invalid_requests_get_400_error_objects(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", **kwargs)
+    body = info.value.body
+    assert info.value.status_code == 400 and body["type"] == "invalid_request_error"
+    assert body["param"] == param and body["message"]
+
+
+def test_malformed_json_and_unknown_model(server):
+    r = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404 and "tiny" in r.json()["error"]["message"]
