@@ -108,11 +108,14 @@ def main() -> None:
 @option("--curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path),
         help="Directory of target public keys (*.key) allowed to connect; re-read on SIGHUP.")
 @option("--insecure", is_flag=True, help="Allow binding a non-loopback address without encryption.")
+@option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+        help="Expose Prometheus metrics on this port (/metrics).")
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
-          peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, threads, log_level, log_format) -> None:
+          peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, log_level,
+          log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -121,7 +124,8 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
     server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, drain_s=drain_timeout,
-                          curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure)
+                          curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
+                          metrics_port=metrics_port)
     run_serve(ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))
 
 

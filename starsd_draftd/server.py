@@ -21,10 +21,12 @@ import zmq
 
 from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
+from common.metrics import serve_metrics
 from common.security import AllowList, server_keys
 from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend, DraftRequest
+from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import SessionTable
 
 log = logging.getLogger("starsd.draftd")
@@ -47,6 +49,7 @@ class ServerConfig:
     curve_secret: Path | None = None  # this daemon's .key_secret file
     curve_allow: Path | None = None  # directory of allowed target public keys (.key files)
     insecure: bool = False
+    metrics_port: int | None = None
     name: str = "starsd-draftd"
 
 
@@ -102,6 +105,8 @@ class DraftServer:
         self.q_in: collections.deque[tuple[bytes, bytes, Message]] = collections.deque()
         self.q_out: collections.deque[list] = collections.deque()
         self.stats = Stats()
+        self.metrics = DraftMetrics()
+        self._busy_mark = (time.monotonic(), 0.0)
         self.instance = secrets.token_hex(8)
         self._stop = threading.Event()
         self._reload = threading.Event()
@@ -132,6 +137,8 @@ class DraftServer:
         self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve))
         self.sock.bind(self.config.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.metrics_port is not None:
+            serve_metrics(self.metrics.registry, self.config.metrics_port)
         log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", self.endpoint, self.backend.name,
                  self.config.max_depth, "CURVE" if curve else "plaintext")
         return self.endpoint
@@ -167,6 +174,7 @@ class DraftServer:
                 now = time.monotonic()
                 if now >= next_sweep:
                     self._expire(now)
+                    self._sample_metrics(now)
                     next_sweep = now + 1.0
         finally:
             if self.q_in:
@@ -213,6 +221,7 @@ class DraftServer:
 
     def _error(self, identity: bytes | None, exc: ProtocolError) -> None:
         self.stats.errors[exc.code.name] += 1
+        self.metrics.errors.labels(code=exc.code.name).inc()
         log.debug("protocol error from %r: %s", identity, exc)
         if identity is not None:
             self._send(identity, P.error_from(exc))
@@ -365,7 +374,9 @@ class DraftServer:
                 self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"]))
             return
         finally:
-            self.stats.busy_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stats.busy_s += elapsed
+        self.metrics.on_batch(len(admitted), sum(len(d.tokens) for d in drafts), elapsed)
         self.stats.batches += 1
         self.stats.batched_requests += len(admitted)
         for (identity, h, key, _), draft in zip(admitted, drafts):
@@ -403,6 +414,12 @@ class DraftServer:
         if not bool(torch.isfinite(f).all()):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
         return f
+
+    def _sample_metrics(self, now: float) -> None:
+        t0, busy0 = self._busy_mark
+        busy = (self.stats.busy_s - busy0) / max(1e-9, now - t0)
+        self._busy_mark = (now, self.stats.busy_s)
+        self.metrics.sample(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers), min(1.0, busy))
 
     def _expire(self, now: float) -> None:
         for s in self.sessions.expire(now):

@@ -114,15 +114,17 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health) on this address.")
 @option("--served-model-name", default=None, help="Model name in the HTTP API (default: the model directory's name).")
+@option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+        help="Expose Prometheus metrics on this port (/metrics).")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
-def serve(listen, max_active, max_queue, http_addr, served_model_name, **kw) -> None:
+def serve(listen, max_active, max_queue, http_addr, served_model_name, metrics_port, **kw) -> None:
     """Keep the target model loaded and take generation jobs on a local endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits."""
     setup_logging(kw["log_level"], kw["log_format"])
     ctx = zmq.Context()
     cfg = _config(kw, kw["draft"], listen)
-    cfg.max_active, cfg.max_queue = max_active, max_queue
+    cfg.max_active, cfg.max_queue, cfg.metrics_port = max_active, max_queue, metrics_port
     daemon = TargetDaemon(cfg, ctx=ctx)
     daemon.connect()
     daemon.scheduler()

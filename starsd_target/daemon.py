@@ -18,9 +18,11 @@ from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
+from common.metrics import serve_metrics
 from common.security import client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout, RemoteDraftSession
 from starsd_target.engine import GenerationResult, TargetEngine
+from starsd_target.metrics import TargetMetrics
 from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
 
 log = logging.getLogger("starsd.target")
@@ -41,6 +43,7 @@ class TargetConfig:
     heartbeat_s: float = 5.0
     max_active: int = 4  # generations interleaved on the model at once
     max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
+    metrics_port: int | None = None
     curve_secret: Path | None = None  # this target's .key_secret file
     curve_server_key: Path | None = None  # the draft daemon's public .key file
 
@@ -59,6 +62,7 @@ class TargetDaemon:
         self._sessions = itertools.count(1 << 30)  # one-off generations; the scheduler numbers its own
         self._stop = threading.Event()
         self._scheduler: Scheduler | None = None
+        self.metrics = TargetMetrics(config.depth)
         self.served = 0
 
     # ------------------------------------------------------------ draft link
@@ -110,7 +114,16 @@ class TargetDaemon:
             self._scheduler = Scheduler(self.engine, self._scheduler_link, self.config.draft_timeout_s,
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
                                         heartbeat_s=self.config.heartbeat_s)
+            self._scheduler.metrics = self.metrics
         return self._scheduler
+
+    def submit(self, job: Job):
+        """Queue a job; Overloaded or ShuttingDown (counted as refused) when it cannot be taken."""
+        try:
+            return self.scheduler().submit(job)
+        except (Overloaded, ShuttingDown):
+            self.metrics.requests.labels(outcome="refused").inc()
+            raise
 
     def _scheduler_link(self) -> DraftClient | None:
         return None if self.config.draft is None else self._link()
@@ -137,6 +150,8 @@ class TargetDaemon:
         in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
         sched = self.scheduler()
         sched.start()
+        if self.config.metrics_port is not None:
+            serve_metrics(self.metrics.registry, self.config.metrics_port)
         sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
         sock.bind(self.config.listen)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -197,7 +212,7 @@ class TargetDaemon:
                 params = SamplingParams(float(h.get("temperature", 0.0)), int(h.get("top_k", 0)),
                                         float(h.get("top_p", 1.0)), h.get("seed"))
                 job = self.job(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False))
-                future = self.scheduler().submit(job)
+                future = self.submit(job)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), rid) from None
             except Overloaded as exc:

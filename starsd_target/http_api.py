@@ -138,7 +138,7 @@ def create_app(daemon, model_name: str) -> FastAPI:
         try:
             job = daemon.job(prompt_ids, req.max_tokens or MAX_TOKENS_DEFAULT, req.params(), req.stops(),
                              on_progress=on_progress)
-            return daemon.scheduler().submit(job)
+            return daemon.submit(job)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:

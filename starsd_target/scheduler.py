@@ -21,6 +21,7 @@ from typing import Callable
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, RemoteDraftSession
 from starsd_target.engine import Generation, GenerationResult, TargetEngine
+from starsd_target.metrics import TargetMetrics
 
 log = logging.getLogger("starsd.target.scheduler")
 
@@ -56,6 +57,7 @@ class _Active:
     proposal: object = None
     wanted: bool = False
     ready_at: float = 0.0
+    sent_at: float = 0.0
 
 
 class Scheduler:
@@ -74,7 +76,8 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.thread: threading.Thread | None = None
-        self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # metrics hook
+        self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
+        self.metrics: TargetMetrics | None = None
 
     # ------------------------------------------------------------ public
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -165,6 +168,7 @@ class Scheduler:
                 a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
                 if a.seq is not None:
                     a.deadline = now + self.draft_timeout_s
+                    a.sent_at = time.perf_counter()
                     continue
             a.ready, a.proposal, a.ready_at = True, None, now
 
@@ -180,6 +184,8 @@ class Scheduler:
         for session, seq, reply in client.poll_events(timeout):
             a = by_key.pop((session, seq), None)
             if a is not None:
+                if self.metrics is not None:
+                    self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
                 self._ready(a, a.drafts.resolve(reply))
         now = time.monotonic()
         for a in by_key.values():
@@ -196,6 +202,8 @@ class Scheduler:
             return
         a = min(ready, key=lambda r: r.ready_at)  # the longest-waiting generation goes first
         before = len(a.gen.out)
+        s = a.gen.stats
+        counts = (s.drafted, s.accepted, s.fallback_rounds, len(a.gen.tokens))
         t0 = time.perf_counter()
         try:
             n = a.gen.verify(a.proposal, wanted=a.wanted)
@@ -205,8 +213,14 @@ class Scheduler:
             return
         if a.proposal is not None and n is not None:
             a.drafts.kept(n)
+        verify_s = time.perf_counter() - t0
         if self.on_round is not None:
-            self.on_round(a.gen, n, a.wanted, time.perf_counter() - t0)
+            self.on_round(a.gen, n, a.wanted, verify_s)
+        if self.metrics is not None:
+            self.metrics.on_round(s.drafted - counts[0], s.accepted - counts[1], len(a.gen.tokens) - counts[3],
+                                  s.fallback_rounds > counts[2], verify_s)
+            self.metrics.active.set(len(self.active))
+            self.metrics.queued.set(self.jobs.qsize())
         a.ready, a.proposal = False, None
         if a.job.on_progress is not None and len(a.gen.out) != before:
             a.job.on_progress(a.gen)
@@ -215,6 +229,9 @@ class Scheduler:
 
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
         self.active.remove(a)
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome="error" if exc is not None else "ok").inc()
+            self.metrics.active.set(len(self.active))
         if a.drafts is not None:
             a.drafts.close()
         if exc is not None:

@@ -1,5 +1,5 @@
 """The target's OpenAI-compatible HTTP API, driven by the official openai client against a real
-`starsd-target serve --http` process with a real draft daemon."""
+`starsd-target serve --http` process with a real draft daemon; and both daemons' metrics."""
 
 import socket
 import time
@@ -25,12 +25,14 @@ def _free_port() -> int:
 def server(tiny_target, tmp_path_factory):
     d = Daemons(tmp_path_factory.mktemp("http"))
     draft_ep, listen, port = free_tcp_endpoint(), free_tcp_endpoint(), _free_port()
+    draft_metrics, target_metrics = _free_port(), _free_port()
     near = make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
     try:
-        d.start("draftd", "starsd_draftd", "serve", "--model", str(near), "--bind", draft_ep)
+        d.start("draftd", "starsd_draftd", "serve", "--model", str(near), "--bind", draft_ep,
+                "--metrics-port", str(draft_metrics))
         d.start("target", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
                 listen, "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny", "--connect-timeout", "120",
-                "--draft-timeout", "30")
+                "--draft-timeout", "30", "--metrics-port", str(target_metrics))
         d.wait_ready("draftd", draft_ep)
         d.wait_ready("target", listen)
         base = f"http://127.0.0.1:{port}"
@@ -43,6 +45,8 @@ def server(tiny_target, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, d.log("target")[-3000:]
             time.sleep(0.2)
+        d.metrics = {"draftd": f"http://127.0.0.1:{draft_metrics}/metrics",
+                     "target": f"http://127.0.0.1:{target_metrics}/metrics"}
         yield base, d
     finally:
         d.close()
@@ -119,3 +123,47 @@ def test_malformed_json_and_unknown_model(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(server[0] + "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and "tiny" in r.json()["error"]["message"]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Sample name (with labels) -> value, from the Prometheus text format."""
+    out = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+DRAFTD_SERIES = ["starsd_draftd_live_sessions", "starsd_draftd_queue_depth", "starsd_draftd_busy_fraction",
+                 "starsd_draftd_requests_total", "starsd_draftd_drafted_tokens_total",
+                 "starsd_draftd_service_seconds_count", "starsd_draftd_batch_size_count"]
+TARGET_SERIES = ["starsd_target_generated_tokens_total", "starsd_spec_decode_num_drafts_total",
+                 "starsd_spec_decode_num_draft_tokens_total", "starsd_spec_decode_num_accepted_tokens_total",
+                 'starsd_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                 "starsd_spec_decode_mean_accepted_length", "starsd_spec_decode_fallback_rounds_total",
+                 "starsd_target_draft_round_trip_seconds_count", "starsd_target_verify_seconds_count",
+                 "starsd_target_active_generations"]
+
+
+def test_metrics_expose_the_named_series_and_move(server, client):
+    d = server[1]
+    before = {k: _scrape(u) for k, u in d.metrics.items()}
+    for name in DRAFTD_SERIES:
+        assert name in before["draftd"], name
+    for name in TARGET_SERIES:
+        assert name in before["target"], name
+    client.completions.create(model="tiny", prompt="for i in range(3):", max_tokens=40, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    after = {k: _scrape(u) for k, u in d.metrics.items()}
+    for name in ("starsd_draftd_requests_total", "starsd_draftd_drafted_tokens_total",
+                 "starsd_draftd_service_seconds_count"):
+        assert after["draftd"][name] > before["draftd"][name], name
+    t0, t1 = before["target"], after["target"]
+    for name in ("starsd_target_generated_tokens_total", "starsd_spec_decode_num_draft_tokens_total",
+                 "starsd_spec_decode_num_accepted_tokens_total", "starsd_target_draft_round_trip_seconds_count",
+                 'starsd_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'):
+        assert t1[name] > t0[name], name
+    assert t1['starsd_target_requests_total{outcome="ok"}'] >= 1
+    assert t1["starsd_spec_decode_mean_accepted_length"] > 1.0

@@ -1,0 +1,50 @@
+"""The target daemon's Prometheus series: requests and tokens (starsd_target_*) and speculative
+decoding (starsd_spec_decode_*, per accepted position as well)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class TargetMetrics:
+    def __init__(self, depth: int) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("starsd_target_requests", "Generation requests by outcome", ["outcome"], registry=r)
+        self.generated_tokens = Counter("starsd_target_generated_tokens", "Tokens generated", registry=r)
+        self.active = Gauge("starsd_target_active_generations", "Generations in progress", registry=r)
+        self.queued = Gauge("starsd_target_queued_requests", "Requests waiting to start", registry=r)
+        self.num_drafts = Counter("starsd_spec_decode_num_drafts", "Rounds verified with drafts", registry=r)
+        self.num_draft_tokens = Counter("starsd_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted_tokens = Counter("starsd_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           registry=r)
+        self.accepted_per_pos = Counter("starsd_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.fallback_rounds = Counter("starsd_spec_decode_fallback_rounds",
+                                       "Rounds that wanted drafts and were verified without them", registry=r)
+        self.mean_accepted_length = Gauge("starsd_spec_decode_mean_accepted_length",
+                                          "Tokens produced per target forward, since start", registry=r)
+        self.round_trip = Histogram("starsd_target_draft_round_trip_seconds", "Draft request to reply",
+                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+                                    registry=r)
+        self.verify_seconds = Histogram("starsd_target_verify_seconds", "One verification forward",
+                                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1),
+                                        registry=r)
+        for i in range(depth):
+            self.accepted_per_pos.labels(position=str(i))
+        self._rounds = 0
+        self._tokens = 0
+
+    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, verify_s: float) -> None:
+        if drafted:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(drafted)
+            self.num_accepted_tokens.inc(accepted)
+            for i in range(accepted):
+                self.accepted_per_pos.labels(position=str(i)).inc()
+        if fallback:
+            self.fallback_rounds.inc()
+        self.generated_tokens.inc(produced)
+        self.verify_seconds.observe(verify_s)
+        self._rounds += 1
+        self._tokens += produced
+        self.mean_accepted_length.set(self._tokens / self._rounds)
