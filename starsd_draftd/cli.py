@@ -142,6 +142,28 @@ def keygen(directory, name) -> None:
     click.echo(f"public key: {public}\nsecret key: {secret} (keep it private)")
 
 
+@main.command()
+@option("--connect", default=_s.bind, help="Endpoint of the draft daemon to ask.")
+@option("--timeout", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for the answer.")
+@option("--json", "as_json", is_flag=True, help="Print the raw counters as JSON.")
+@fail_cleanly(TimeoutError)
+def status(connect, timeout, as_json) -> None:
+    """Print a running draft daemon's sessions, queue, rates and error counts."""
+    from common.control import ControlClient
+
+    with ControlClient(connect) as cc:
+        s = cc.stats(timeout)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    up = max(s["uptime_s"], 1e-9)
+    click.echo(f"draft daemon at {connect}: up {s['uptime_s']:.0f}s, busy {100 * s['busy_s'] / up:.1f}% since start")
+    click.echo(f"  peers {s['peers']}, live sessions {s['live_sessions']}, queue {s['queue_depth']}")
+    click.echo(f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
+               f"batches {s['batches']}")
+    click.echo(f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}")
+
+
 @main.command("train-eagle")
 @option("--base-model", required=True, help="Target checkpoint directory (or 'demo') to train a head for.")
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the head.")
