@@ -90,9 +90,10 @@ def make_byte_tokenizer() -> PreTrainedTokenizerFast:
     """Build the byte-level tokenizer (vocab size 259, no bos/eos added on encode).
 
     The returned object can be saved with ``save_pretrained(dir)`` and loaded
-    back with ``transformers.AutoTokenizer.from_pretrained(dir)``.
+    back with ``transformers.AutoTokenizer.from_pretrained(dir)``. It carries a plain-text chat
+    template, so chat requests work with models that use it.
     """
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=_build_backend(),
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
@@ -101,3 +102,10 @@ def make_byte_tokenizer() -> PreTrainedTokenizerFast:
         split_special_tokens=True,
         padding_side="right",
     )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# Role-tagged turns in plain text (the tokenizer is byte-level, so the tags are ordinary bytes).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

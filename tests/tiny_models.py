@@ -45,14 +45,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, hidden: 
     model.generation_config.bos_token_id = BOS_ID
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tok = make_byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(out)
+    make_byte_tokenizer().save_pretrained(out)
     return out
-
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
