@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_TARGETS ?= 2
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean ensure-systemd-analyze install-systemd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,55 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/starsd-draftd demo --targets $(DEMO_TARGETS)
 
-test: install
+test: install ensure-systemd-analyze
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# tests/test_systemd_units.py checks the units with systemd-analyze (Debian package: systemd).
+# Installed only when missing, and only as root with apt-get; installing it does not make systemd
+# the init system.
+SYSTEMD_ANALYZE ?= systemd-analyze
+APT_GET ?= apt-get
+ensure-systemd-analyze:
+	@if ! command -v $(SYSTEMD_ANALYZE) >/dev/null 2>&1; then \
+	  if command -v $(APT_GET) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "systemd-analyze is missing: installing Debian's systemd package for the unit tests"; \
+	    $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq --no-install-recommends systemd; \
+	  elif command -v $(APT_GET) >/dev/null 2>&1; then \
+	    echo "systemd-analyze is missing and this is not root: run 'sudo apt-get install systemd'," \
+	         "or tests/test_systemd_units.py skips its systemd-analyze checks"; \
+	  else \
+	    echo "systemd-analyze is missing and there is no apt-get: install your distribution's systemd" \
+	         "package, or tests/test_systemd_units.py skips its systemd-analyze checks"; \
+	  fi; \
+	fi
+
+# The systemd units (see README, "Running as services"). Run as root; DESTDIR stages into a tree.
+# Never overwrites an existing /etc/starsd/draftd.env or key; reloads systemd only when it is PID 1.
+DESTDIR ?=
+SYSTEMD_UNIT_DIR ?= /etc/systemd/system
+STARSD_ETC ?= /etc/starsd
+install-systemd:
+	install -d -m 0755 $(DESTDIR)$(SYSTEMD_UNIT_DIR) $(DESTDIR)$(STARSD_ETC) $(DESTDIR)$(STARSD_ETC)/allow
+	install -d -m 0700 $(DESTDIR)$(STARSD_ETC)/keys
+	install -m 0644 systemd/starsd-draftd.service 'systemd/starsd-target@.service' $(DESTDIR)$(SYSTEMD_UNIT_DIR)/
+	@for f in draftd.env:draftd.env.example target.env.example:target.env.example; do \
+	  dest=$(DESTDIR)$(STARSD_ETC)/$${f%%:*}; \
+	  if [ -e "$$dest" ]; then echo "kept $$dest"; \
+	  else install -m 0600 systemd/$${f#*:} "$$dest" && echo "wrote $$dest"; fi; \
+	done
+	@if [ -z "$(DESTDIR)" ] && [ "$$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then \
+	  systemctl daemon-reload && echo "systemctl daemon-reload: done"; \
+	else echo "systemd is not PID 1 here (or DESTDIR is set): run 'systemctl daemon-reload' on the host"; fi
+	@echo; echo "Next steps (README: Running as services):"; \
+	echo "  1. the package in /opt/starsd/venv:  python3 -m venv /opt/starsd/venv && /opt/starsd/venv/bin/pip install ."; \
+	echo "  2. draft host:  /opt/starsd/venv/bin/starsd-draftd keygen $(STARSD_ETC)/keys --name draftd"; \
+	echo "     edit $(STARSD_ETC)/draftd.env, then: systemctl enable --now starsd-draftd"; \
+	echo "  3. each target NAME:  /opt/starsd/venv/bin/starsd-draftd keygen $(STARSD_ETC)/keys --name target-NAME"; \
+	echo "     copy target-NAME.key to the draft host's $(STARSD_ETC)/allow/ (then: systemctl reload starsd-draftd),"; \
+	echo "     and the draft host's draftd.key to this host's $(STARSD_ETC)/keys/"; \
+	echo "     cp $(STARSD_ETC)/target.env.example $(STARSD_ETC)/target-NAME.env, give it its own port, then:"; \
+	echo "     systemctl enable --now starsd-target@NAME"; \
+	echo "  4. systemctl status starsd-draftd 'starsd-target@*'; journalctl -u starsd-draftd -f"
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

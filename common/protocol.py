@@ -295,6 +295,8 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
+    if _nesting(header) > limits.max_depth:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header nests deeper than {limits.max_depth} levels")
     session = header.get("session") if _is_int(header.get("session")) else None
     seq = header.get("seq") if _is_int(header.get("seq")) else None
     version = header.get("v")
@@ -308,6 +310,20 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
     validate_fields(SCHEMA[mtype], header, mtype.name, session, seq)
     tensors = _decode_tensors(header.pop("tensors", None), views[2:], session, seq)
     return Message(mtype, header, tensors)
+
+
+def _nesting(obj: Any) -> int:
+    """How deep lists and maps nest in ``obj``; iterative, so hostile input cannot exhaust the stack."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = o.values()
+        elif not isinstance(o, list):
+            continue
+        deepest = max(deepest, d)
+        stack.extend((v, d + 1) for v in o if isinstance(v, (list, dict)))
+    return deepest
 
 
 def _decode_tensors(specs: Any, buffers: list[memoryview], session, seq) -> dict[str, torch.Tensor]:
@@ -333,6 +349,9 @@ def _decode_tensors(specs: Any, buffers: list[memoryview], session, seq) -> dict
 
 # ---------------------------------------------------------------- constructors
 def error(code: ErrorCode, message: str, session: int | None = None, seq: int | None = None) -> Message:
+    # echo the request's session and seq only when they are valid: the reply must pass the schema
+    session = session if _check_kind("uint", session) else None
+    seq = seq if _check_kind("uint", seq) else None
     return Message(MsgType.ERROR, {"code": int(code), "message": message, "session": session, "seq": seq})
 
 

@@ -22,6 +22,7 @@ import zmq
 from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.metrics import serve_metrics
+from common.sdnotify import Watchdog, notify
 from common.security import AllowList, server_keys
 from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
@@ -45,6 +46,7 @@ class ServerConfig:
     max_queue: int = 4096
     session_ttl_s: float = 600.0
     peer_ttl_s: float = 60.0
+    evict_idle_s: float = 10.0  # a full table gives way to its least recently used session idle this long
     drain_s: float = 5.0
     curve_secret: Path | None = None  # this daemon's .key_secret file
     curve_allow: Path | None = None  # directory of allowed target public keys (.key files)
@@ -61,6 +63,7 @@ class Stats:
         self.drafted_tokens = 0
         self.sessions_opened = 0
         self.sessions_expired = 0
+        self.sessions_evicted = 0
         self.unroutable = 0
         self.dropped_replies = 0
         self.key_reloads = 0
@@ -76,6 +79,7 @@ class Stats:
             "drafted_tokens": self.drafted_tokens,
             "sessions_opened": self.sessions_opened,
             "sessions_expired": self.sessions_expired,
+            "sessions_evicted": self.sessions_evicted,
             "live_sessions": live_sessions,
             "queue_depth": queue_depth,
             "peers": peers,
@@ -101,7 +105,7 @@ class DraftServer:
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s,
-                                     config.peer_ttl_s, config.max_peers)
+                                     config.peer_ttl_s, config.max_peers, config.evict_idle_s)
         self.q_in: collections.deque[tuple[bytes, bytes, Message]] = collections.deque()
         self.q_out: collections.deque[list] = collections.deque()
         self.stats = Stats()
@@ -152,8 +156,12 @@ class DraftServer:
         poller.register(self.sock, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         drain_deadline = None
+        watchdog = Watchdog()
+        notify("READY=1", f"STATUS=serving drafts on {self.endpoint}")
         try:
             while True:
+                if watchdog.due():
+                    watchdog.tick()
                 if self._stop.is_set() and not self.draining:
                     drain_deadline = time.monotonic() + self.config.drain_s
                     self._start_draining()
@@ -189,6 +197,7 @@ class DraftServer:
     def _start_draining(self) -> None:
         """Stop taking sessions, tell every peer we are leaving, answer what is already queued."""
         self.draining = True
+        notify("STOPPING=1", "STATUS=draining")
         log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.peers))
         for peer in self.sessions.peers.values():
             self._send(peer.identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
@@ -311,12 +320,23 @@ class DraftServer:
         prompt = h["prompt"]
         if not prompt:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt must hold at least one token", sid)
+        self._check_len(len(prompt), sid, None)
         self._check_ids(prompt, sid, None)
         old = self.sessions.sessions.get((principal, sid))
         if old is not None:
             self.backend.release(old.state)
-        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params))
+        evicted: list = []
+        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), evicted)
+        for s in evicted:
+            self.backend.release(s.state)
+            self.stats.sessions_evicted += 1
         self.stats.sessions_opened += 1
+
+    def _check_len(self, length: int, sid, seq) -> None:
+        limit = self.backend.max_len
+        if limit is not None and length > limit:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{length} positions exceed the draft model's context of {limit}",
+                                sid, seq)
 
     def _check_ids(self, ids: list[int], sid, seq) -> None:
         vocab = self.backend.vocab_size
@@ -349,6 +369,7 @@ class DraftServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"depth {h['depth']} is outside 1..{self.config.max_depth}",
                                 sid, seq)
         self._check_ids(h["new"], sid, seq)
+        self._check_len(h["pos"] + h["depth"], sid, seq)
         features = self._check_features(session, msg, h["pos"])
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:

@@ -58,12 +58,13 @@ class SessionTable:
     entry; sessions untouched for ``ttl_s`` and peers silent for ``peer_ttl_s`` expire."""
 
     def __init__(self, max_sessions: int, max_sessions_per_peer: int, ttl_s: float,
-                 peer_ttl_s: float = 60.0, max_peers: int = 4096):
+                 peer_ttl_s: float = 60.0, max_peers: int = 4096, evict_idle_s: float = 10.0):
         self.max_sessions = max_sessions
         self.max_per_peer = max_sessions_per_peer
         self.ttl_s = ttl_s
         self.peer_ttl_s = peer_ttl_s
         self.max_peers = max_peers
+        self.evict_idle_s = evict_idle_s
         self.peers: dict[bytes, Peer] = {}
         self.sessions: dict[tuple[bytes, int], Session] = {}
 
@@ -83,15 +84,25 @@ class SessionTable:
             p.identity, p.seen = identity, time.monotonic()
         return p
 
-    def open(self, principal: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object) -> Session:
+    def open(self, principal: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object,
+             evicted: list | None = None) -> Session:
+        """Add (or replace) a session. When the table is full, the least recently used session
+        idle for ``evict_idle_s`` makes room (appended to ``evicted`` so its state can be freed);
+        otherwise the request gets BUSY."""
         peer = self.peers[principal]
         key = (principal, sid)
         old = self.sessions.pop(key, None)  # re-opening replaces the session
         if old is None:
-            if len(self.sessions) >= self.max_sessions:
-                raise ProtocolError(ErrorCode.BUSY, f"the draft daemon holds its maximum of {self.max_sessions} sessions", sid)
             if len(peer.sessions) >= self.max_per_peer:
                 raise ProtocolError(ErrorCode.BUSY, f"this peer already holds {self.max_per_peer} sessions", sid)
+            if len(self.sessions) >= self.max_sessions:
+                lru = min(self.sessions.values(), key=lambda s: s.touched)
+                if time.monotonic() - lru.touched < self.evict_idle_s:
+                    raise ProtocolError(ErrorCode.BUSY,
+                                        f"the draft daemon holds its maximum of {self.max_sessions} sessions", sid)
+                self.close(*lru.key)
+                if evicted is not None:
+                    evicted.append(lru)
         s = Session(key, params, state, list(prompt))
         self.sessions[key] = s
         peer.sessions.add(sid)

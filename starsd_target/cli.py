@@ -148,11 +148,23 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise click.BadParameter(f"expected HOST:PORT, got {addr!r}", param_hint="--http")
-    control = threading.Thread(target=daemon.serve_forever, name="starsd-control", daemon=True)
+    from common.sdnotify import notify
+
+    control = threading.Thread(target=daemon.serve_forever, kwargs={"notify_ready": False}, name="starsd-control",
+                               daemon=True)
     control.start()
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # listening now: tell systemd
+                notify("READY=1", f"STATUS=serving HTTP on {addr}")
+
     config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=30)
-    uvicorn.Server(config).run()
+    # uvicorn takes SIGTERM/SIGINT while it runs, drains HTTP, then re-raises the signal: our
+    # handler then stops the job socket and the scheduler instead of the default kill.
+    daemon.install_signal_handlers()
+    Server(config).run()
     daemon.stop()
     control.join(90)
 

@@ -286,6 +286,7 @@ class RemoteDraftSession:
         self.features_sent = 0
         self.instance: str | None = None  # the daemon instance holding this session
         self.errors = 0
+        self.disabled = False  # the sequence outgrew the drafter's context: no more drafts for it
 
     @property
     def feature_size(self) -> int:
@@ -295,7 +296,7 @@ class RemoteDraftSession:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link down, no features): the round then runs without drafts."""
         client = self.client
-        if not client.ready(probe_timeout_s=min(self.timeout_s, 0.5)):
+        if self.disabled or not client.ready(probe_timeout_s=min(self.timeout_s, 0.5)):
             return None
         welcome = client.welcome
         if self.instance != welcome.instance:
@@ -329,6 +330,11 @@ class RemoteDraftSession:
             return None
         if isinstance(reply, RemoteError):
             self.errors += 1
+            if reply.code == ErrorCode.TOO_LARGE:
+                log.info("session %d outgrew the drafter (%s); the rest runs on the target alone", self.session,
+                         reply.message)
+                self.disabled = True
+                return None
             log.debug("draft request failed (%s); re-opening session %d", reply, self.session)
             self.instance = None
             return None

@@ -19,6 +19,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
 from common.metrics import serve_metrics
+from common.sdnotify import Watchdog, notify
 from common.security import client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout, RemoteDraftSession
 from starsd_target.engine import GenerationResult, TargetEngine
@@ -145,7 +146,7 @@ class TargetDaemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
 
-    def serve_forever(self, ready: threading.Event | None = None) -> None:
+    def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
         """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
         in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
         sched = self.scheduler()
@@ -158,14 +159,20 @@ class TargetDaemon:
         log.info("target daemon taking jobs on %s", self.endpoint)
         if ready is not None:
             ready.set()
+        if notify_ready:
+            notify("READY=1", f"STATUS=taking jobs on {self.endpoint}")
+        watchdog = Watchdog()
         replies: queue.Queue[list] = queue.Queue()  # filled by job callbacks, sent by this thread
         pending = 0
         try:
             while not self._stop.is_set():
+                if watchdog.due() and sched.healthy():
+                    watchdog.tick()
                 if sock.poll(20, zmq.POLLIN):
                     frames = sock.recv_multipart(copy=False)
                     pending += self._on_control(frames, replies)
                 pending -= self._send_replies(sock, replies)
+            notify("STOPPING=1", "STATUS=finishing jobs in progress")
             sched.stop()  # queued jobs fail with SHUTTING_DOWN, running ones finish
             while sock.poll(0, zmq.POLLIN):  # requests that arrived meanwhile are refused
                 pending += self._on_control(sock.recv_multipart(copy=False), replies)

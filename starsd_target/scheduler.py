@@ -75,6 +75,7 @@ class Scheduler:
         self.active: list[_Active] = []
         self.completed = 0
         self.failed = 0
+        self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
         self.metrics: TargetMetrics | None = None
@@ -107,6 +108,10 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout_s)
 
+    def healthy(self, stall_s: float = 20.0) -> bool:
+        """The loop is running and has made a pass recently (a hung forward or thread fails this)."""
+        return self.thread is not None and self.thread.is_alive() and time.monotonic() - self.last_pass < stall_s
+
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
                 "failed": self.failed}
@@ -115,6 +120,7 @@ class Scheduler:
     def run(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
         while True:
+            self.last_pass = time.monotonic()
             self._admit()
             if not self.active:
                 client = self.link()

@@ -277,3 +277,35 @@ def test_stop_says_goodbye_to_every_peer_and_refuses_new_sessions():
         for p in (a, b):
             bye = p.recv()
             assert bye.type is MsgType.GOODBYE and bye.header["instance"] == server.instance
+
+
+def test_full_table_evicts_the_least_recently_used_idle_session():
+    backend = CountingBackend()
+    with running_server(backend, max_sessions=2, evict_idle_s=0.3) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        a.hello(), b.hello()
+        a.open(1, [1]), a.open(2, [2])
+        a.send(Message(MsgType.STATS))
+        assert a.recv().header["stats"]["live_sessions"] == 2  # a's OPENs are in
+        b.open(1, [3])
+        assert code_of(b.recv()) == "BUSY"  # both sessions are fresh
+        time.sleep(0.4)
+        assert a.draft(2, 1, 0, [], 1, depth=1).header["tokens"] == [3]  # session 2 is used again
+        b.open(1, [3])  # session 1 of a, idle the longest, makes room
+        assert b.draft(1, 1, 0, [], 1, depth=1).header["tokens"] == [4]
+        assert code_of(a.draft(1, 1, 0, [], 1)) == "UNKNOWN_SESSION"
+        assert server.snapshot()["sessions_evicted"] == 1 and backend.released == 1
+
+
+def test_sequences_beyond_the_drafters_context_are_refused():
+    backend = CountingBackend()
+    backend.max_len = 8
+    with running_server(backend) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, list(range(3, 12)))
+        r = peer.recv()
+        assert code_of(r) == "TOO_LARGE" and "8" in r.header["message"]
+        peer.open(2, [3, 4, 5])
+        assert peer.draft(2, 1, 0, [], 3, depth=4).type is MsgType.DRAFTED
+        assert code_of(peer.draft(2, 2, 4, [9], 8, depth=4)) == "TOO_LARGE"

@@ -68,6 +68,7 @@ class DraftBackend(abc.ABC):
     vocab_size: int
     fingerprint: str
     feature_size: int = 0  # >0: each request must bring target features of this width
+    max_len: int | None = None  # longest sequence (verified + drafts) the drafter can attend over
 
     @abc.abstractmethod
     def new_state(self, params: SamplingParams) -> object:

@@ -302,6 +302,7 @@ class EagleBackend(DraftBackend):
             raise ValueError("tokenizer_dir is required when the head was not loaded from a target directory")
         self.vocab_size, self.fingerprint = tokenizer_identity(tok_dir, head.logits_size)
         self.q_topk = min(q_topk, self.vocab_size)
+        self.max_len = getattr(head.config, "max_position_embeddings", None)
 
     @classmethod
     def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",

@@ -32,6 +32,8 @@ class ModelBackend(DraftBackend):
         self.vocab_size = loaded.vocab_size
         self.fingerprint = loaded.fingerprint
         self.q_topk = min(q_topk, loaded.vocab_size)
+        cfg = loaded.model.config
+        self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), new_cache(self.model))
