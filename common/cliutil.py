@@ -47,3 +47,22 @@ def fail_cleanly(*errors: type[BaseException]):
         return inner
 
     return wrap
+
+
+def status_command(group: click.Group, option, default_endpoint: str, what: str, describe) -> None:
+    """Register ``status``: ask a running daemon for its STATS and print ``describe(endpoint,
+    stats)`` (a list of lines), or the raw numbers with --json."""
+
+    @group.command(help=f"Print a running {what}'s live numbers.")
+    @option("--connect", default=default_endpoint, help=f"Endpoint of the {what} to ask.")
+    @option("--timeout", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for the answer.")
+    @option("--json", "as_json", is_flag=True, help="Print the raw numbers as JSON.")
+    @fail_cleanly(TimeoutError)
+    def status(connect, timeout, as_json) -> None:
+        import json
+
+        from common.control import ControlClient
+
+        with ControlClient(connect) as cc:
+            stats = cc.stats(timeout)
+        click.echo(json.dumps(stats, indent=2) if as_json else "\n".join(describe(connect, stats)))

@@ -63,6 +63,35 @@ def tokenizer_fingerprint(tokenizer, fallback_vocab: int) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer saved in a model directory, or None (with a warning) when it has none."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+def vocab_size(tokenizer, logits_size: int) -> int:
+    """Token ids both sides may exchange: those the tokenizer knows, within the output layer."""
+    return min(len(tokenizer) if tokenizer is not None else logits_size, logits_size)
+
+
+def tokenizer_identity(model_dir: Path, logits_size: int) -> tuple[int, str]:
+    """(vocabulary size, fingerprint) of a model directory without loading its weights: what the
+    handshake compares, computed as load_causal_lm computes it."""
+    tokenizer = load_tokenizer(Path(model_dir))
+    vocab = vocab_size(tokenizer, logits_size)
+    return vocab, tokenizer_fingerprint(tokenizer, vocab)
+
+
 def _eos_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     gen_cfg = getattr(model, "generation_config", None)
@@ -79,7 +108,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", progress: bool = True) -> LoadedModel:
     """Load a Hugging Face causal LM (and its tokenizer, when the directory has one) from a
     local directory, or one of the built-in demo names ``demo`` / ``demo-draft``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from common.demo_models import resolve_model_path
 
@@ -98,18 +127,10 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
     model.to(dev).eval()
-    tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
-    else:
-        log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
+    tokenizer = load_tokenizer(path)
     head = model.get_output_embeddings().weight
     logits_size, feature_size = int(head.shape[0]), int(head.shape[1])
-    vocab = len(tokenizer) if tokenizer is not None else logits_size
-    vocab = min(vocab, logits_size)
+    vocab = vocab_size(tokenizer, logits_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

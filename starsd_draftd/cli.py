@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import zmq
 
-from common.cliutil import env_options, fail_cleanly, logging_options
+from common.cliutil import env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import ModelLoadError, load_causal_lm, set_torch_threads
 from common.security import keygen as keygen_pair
@@ -142,26 +142,16 @@ def keygen(directory, name) -> None:
     click.echo(f"public key: {public}\nsecret key: {secret} (keep it private)")
 
 
-@main.command()
-@option("--connect", default=_s.bind, help="Endpoint of the draft daemon to ask.")
-@option("--timeout", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for the answer.")
-@option("--json", "as_json", is_flag=True, help="Print the raw counters as JSON.")
-@fail_cleanly(TimeoutError)
-def status(connect, timeout, as_json) -> None:
-    """Print a running draft daemon's sessions, queue, rates and error counts."""
-    from common.control import ControlClient
-
-    with ControlClient(connect) as cc:
-        s = cc.stats(timeout)
-    if as_json:
-        click.echo(json.dumps(s, indent=2))
-        return
+def _describe(connect: str, s: dict) -> list[str]:
     up = max(s["uptime_s"], 1e-9)
-    click.echo(f"draft daemon at {connect}: up {s['uptime_s']:.0f}s, busy {100 * s['busy_s'] / up:.1f}% since start")
-    click.echo(f"  peers {s['peers']}, live sessions {s['live_sessions']}, queue {s['queue_depth']}")
-    click.echo(f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
-               f"batches {s['batches']}")
-    click.echo(f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}")
+    return [f"draft daemon at {connect}: up {s['uptime_s']:.0f}s, busy {100 * s['busy_s'] / up:.1f}% since start",
+            f"  peers {s['peers']}, live sessions {s['live_sessions']}, queue {s['queue_depth']}",
+            f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
+            f"batches {s['batches']}",
+            f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"]
+
+
+status_command(main, option, _s.bind, "draft daemon", _describe)
 
 
 @main.command("train-eagle")

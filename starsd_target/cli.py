@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import zmq
 
-from common.cliutil import env_options, fail_cleanly, logging_options
+from common.cliutil import env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import ModelLoadError
 from common.verify import SamplingParams
@@ -169,23 +169,13 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
     control.join(90)
 
 
-@main.command()
-@option("--connect", default=_d.listen, help="Job endpoint of the target daemon to ask.")
-@option("--timeout", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for the answer.")
-@option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-@fail_cleanly(TimeoutError)
-def status(connect, timeout, as_json) -> None:
-    """Print a running target daemon's generations, queue and draft link."""
-    from common.control import ControlClient
+def _describe(connect: str, s: dict) -> list[str]:
+    return [f"target daemon at {connect}: model {s['model']}",
+            f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
+            f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}"]
 
-    with ControlClient(connect) as cc:
-        s = cc.stats(timeout)
-    if as_json:
-        click.echo(json.dumps(s, indent=2))
-        return
-    click.echo(f"target daemon at {connect}: model {s['model']}")
-    click.echo(f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
-               f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}")
+
+status_command(main, option, _d.listen, "target daemon", _describe)
 
 
 if __name__ == "__main__":

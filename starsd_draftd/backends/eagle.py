@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_fingerprint
+from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_identity
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend
 from starsd_draftd.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
@@ -39,7 +39,6 @@ EMBED_TENSOR_NAMES = (
 )
 LM_HEAD_TENSOR_NAMES = ("lm_head.weight", "embed_out.weight")
 HEAD_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _EMBED_KEY = "embed_tokens.weight"
 _IGNORED_HEAD_KEY_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older heads saved; rebuilt on load
 
@@ -250,24 +249,6 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
     return EagleHead(module=module, embed_weight=module.embed_tokens.weight, lm_head_weight=lm_weight,
                      hidden_size=hidden, vocab_size=vocab, config=config, device=dev, dtype=torch_dtype,
                      path=head_dir, base_path=base)
-
-
-def tokenizer_identity(base_model_dir: str | Path, logits_size: int) -> tuple[int, str]:
-    """(vocab_size, fingerprint) exactly as ``common.models.load_causal_lm`` computes them for the
-    same directory, so the handshake with that target succeeds."""
-    from transformers import AutoTokenizer
-
-    path = Path(base_model_dir)
-    tokenizer = None
-    if any((path / f).is_file() for f in TOKENIZER_FILES):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
-    else:
-        log.warning("%s has no tokenizer; the handshake can only compare vocabulary sizes", path)
-    vocab = min(len(tokenizer) if tokenizer is not None else logits_size, logits_size)
-    return vocab, tokenizer_fingerprint(tokenizer, vocab)
 
 
 # ---------------------------------------------------------------- the backend
