@@ -43,7 +43,7 @@ from common.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, 
 
 logger = logging.getLogger("starsd.demo_models")
 
-RECIPE_VERSION = "v4"
+RECIPE_VERSION = "v5"
 DEMO_TARGET_NAME = "demo"
 DEMO_DRAFT_NAME = "demo-draft"
 REPORT_NAME = "train_report.json"
@@ -167,6 +167,7 @@ def ensure_demo_pair(progress: bool = True) -> tuple[Path, Path]:
             shutil.rmtree(final)
 
         tmp = Path(tempfile.mkdtemp(prefix=f".demo-{RECIPE_VERSION}.tmp-", dir=root))
+        tmp.chmod(0o755)
         try:
             logger.info("training the demo model pair (one-time, a few minutes) into %s", final)
             report = train_demo_pair(
