@@ -49,7 +49,11 @@ def peer(ctx, endpoint, curve=None):
 
 
 def ask(sock, msg, timeout_ms=1500):
-    sock.send_multipart(P.encode(msg))
+    try:
+        # never block: a peer whose CURVE handshake failed has no connection to queue on
+        sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        return None
     if not sock.poll(timeout_ms):
         return None
     return P.decode(sock.recv_multipart())
