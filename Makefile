@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_TARGETS ?= 2
 
-.PHONY: install demo test clean ensure-systemd-analyze install-systemd
+.PHONY: install demo test bench clean ensure-systemd-analyze install-systemd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ EAGLE_SPEC ?= eagle-llm==1.2.1
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
 	$(if $(TORCH_SPEC),$(BIN)/pip install --disable-pip-version-check '$(TORCH_SPEC)')
-	$(BIN)/pip install --disable-pip-version-check -e '.[test,eagle]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[test,eagle,bench]'
 	$(BIN)/pip install --disable-pip-version-check --no-deps '$(EAGLE_SPEC)'
 	touch $@
 
@@ -27,6 +27,10 @@ install: $(VENV)/.installed
 
 demo: install
 	$(BIN)/starsd-draftd demo --targets $(DEMO_TARGETS)
+
+# The standard benchmark set (under 10 minutes here): JSON, a Markdown table and a PNG in results/.
+bench: install
+	$(BIN)/starsd-draftd bench --out results
 
 test: install ensure-systemd-analyze
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -199,5 +199,15 @@ def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, d
         click.echo(f"(daemon logs in {report['logs']})")
 
 
+def _register_bench() -> None:
+    from starsd_draftd.bench_cli import bench, plan
+
+    main.add_command(bench)
+    main.add_command(plan)
+
+
+_register_bench()
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,102 @@
+"""`starsd-draftd bench` and `starsd-draftd plan`: thin click commands over starsd_draftd.bench and
+starsd_draftd.plan (registered on the main group with ``main.add_command``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from common.cliutil import env_options, fail_cleanly, logging_options
+from common.logs import setup_logging
+from common.models import ModelLoadError
+from starsd_draftd.bench import SECTIONS, BenchConfig, format_report, run_bench
+from starsd_draftd.plan import Plan, format_plan
+
+option = env_options("STARSD_DRAFTD")
+_b = BenchConfig()
+
+
+@click.command()
+@option("--quick", is_flag=True, help="A few seconds of measurement, N up to 3, tiny random models (CI).")
+@option("--out", type=click.Path(file_okay=False, path_type=Path), default=_b.out,
+        help="Results folder: bench.json, bench.png, bench.md.")
+@option("--sections", default=",".join(SECTIONS), help="Comma-separated subset of: " + ", ".join(SECTIONS) + ".")
+@option("--n-max", type=click.IntRange(1, 64), default=None,
+        help=f"Most targets in the emulation sweep [default: {_b.n_max}; quick: 3].")
+@option("--real-n-max", type=click.IntRange(1, 32), default=None,
+        help=f"Most real target daemons [default: {_b.real_n_max}; quick: 2].")
+@option("--depth", type=click.IntRange(1, 16), default=_b.depth, help="Draft tokens per round.")
+@option("--draft-base-ms", type=click.FloatRange(0), default=_b.draft_base_ms,
+        help="Emulation: S(d) = base + per-token * d, the fixed part.")
+@option("--draft-per-token-ms", type=click.FloatRange(0), default=_b.draft_per_token_ms,
+        help="Emulation: S(d), the part per drafted token.")
+@option("--verify-ms", type=click.FloatRange(0), default=_b.verify_ms, help="Emulation: target verification V.")
+@option("--rtt-ms", type=click.FloatRange(0), default=_b.rtt_ms,
+        help="Emulation: network round trip R added per round (on top of the real loopback).")
+@option("--single-ms", type=click.FloatRange(0, min_open=True), default=None,
+        help="Emulation: the target's single-token forward V1 (standalone baseline) [default: V].")
+@option("--acceptance", type=click.FloatRange(0, 1), default=_b.acceptance,
+        help="Emulation: i.i.d. acceptance probability of each draft token.")
+@option("--models", type=click.Choice(["demo", "tiny"]), default=None,
+        help="Real section: the trained demo pair, or tiny random checkpoints [default: demo; quick: tiny].")
+@option("--max-tokens", type=click.IntRange(1), default=None,
+        help=f"Real section: tokens per job [default: {_b.max_tokens}; quick: 24].")
+@option("--jobs", type=click.IntRange(1), default=None,
+        help=f"Real section: jobs per target [default: {_b.jobs_per_target}; quick: 1].")
+@option("--batch-max", type=click.IntRange(2, 64), default=_b.batch_max,
+        help="Batched section: batch_max compared with one session at a time.")
+@option("--seed", type=int, default=_b.seed, help="Seed of the emulated acceptance chains.")
+@option("--no-plot", is_flag=True, help="Skip the PNG (and the matplotlib requirement).")
+@option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the tables.")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
+def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
+          single_ms, acceptance, models, max_tokens, jobs, batch_max, seed, no_plot, no_progress, as_json, log_level,
+          log_format) -> None:
+    """Measure the star on this machine: wire cost, accelerator emulation beside the analytic model,
+    real models beside the target alone and co-located speculative decoding, batched drafting."""
+    setup_logging(log_level, log_format)
+    given = {"n_max": n_max, "real_n_max": real_n_max, "models": models, "max_tokens": max_tokens,
+             "jobs_per_target": jobs}
+    kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
+              draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
+              acceptance=acceptance, batch_max=batch_max, seed=seed, plot=not no_plot, progress=not no_progress,
+              sections=tuple(s.strip() for s in sections.split(",") if s.strip()))
+    cfg = BenchConfig.quick_config(**kw) if quick else BenchConfig(**kw)
+    report = run_bench(cfg)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_report(report))
+        click.echo(f"(results in {cfg.out}; daemon logs in {report['logs']})")
+
+
+@click.command()
+@option("--draft-ms", type=click.FloatRange(0, min_open=True), default=None,
+        help="S(d): service time of one depth-d draft request. Without it, S(d) = --draft-base-ms + "
+             "--draft-per-token-ms * d.")
+@option("--draft-base-ms", type=click.FloatRange(0), default=0.0, help="S(d) = base + per-token * d: the fixed part.")
+@option("--draft-per-token-ms", type=click.FloatRange(0), default=0.0, help="S(d): the part per drafted token.")
+@option("--verify-ms", type=click.FloatRange(0), required=True, help="V: one verification forward on a target.")
+@option("--rtt-ms", type=click.FloatRange(0), default=0.0, help="R: network round trip and serialization per round.")
+@option("--depth", type=click.IntRange(1, 64), default=4, help="d: draft tokens per round.")
+@option("--acceptance", type=click.FloatRange(0, 1), required=True,
+        help="a: acceptance probability of each draft token (i.i.d. assumed).")
+@option("--single-ms", type=click.FloatRange(0, min_open=True), default=None,
+        help="V1: the target's single-token forward, for the standalone baseline [default: V].")
+@option("--n-max", type=click.IntRange(1, 1024), default=16, help="Largest N in the table.")
+@option("--json", "as_json", is_flag=True, help="Print the model as JSON.")
+@fail_cleanly(ValueError)
+def plan(draft_ms, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms, depth, acceptance, single_ms, n_max,
+         as_json) -> None:
+    """The analytic model: round time T = N * S(d) + T_idle, N_full, and per-target and system
+    throughput versus N, beside the target alone."""
+    p = Plan(verify_ms=verify_ms, rtt_ms=rtt_ms, depth=depth, acceptance=acceptance, draft_ms=draft_ms,
+             draft_base_ms=draft_base_ms, draft_per_token_ms=draft_per_token_ms, single_ms=single_ms)
+    if as_json:
+        click.echo(json.dumps(dict(p.summary(), table=p.table(n_max)), indent=2))
+    else:
+        click.echo(format_plan(p, n_max))
