@@ -996,7 +996,7 @@ def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], ma
                              [j["wall_s"] / j["tokens"] for j in jobs if j["tokens"]], 1e3),
                          "token_ids": [j["token_ids"] for j in jobs]}
         gc = draft.generation_config
-        out["assistant_settings"] = {k: getattr(gc, k, None)
+        out["assistant_settings"] = {k: getattr(gc, k, None) or "transformers default"
                                      for k in ("num_assistant_tokens", "num_assistant_tokens_schedule")}
         return out
     finally:
