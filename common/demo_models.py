@@ -40,6 +40,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
+from common.models import torch_threads
 
 logger = logging.getLogger("starsd.demo_models")
 
@@ -507,7 +508,7 @@ def _bf16_speedup() -> float:
                 F.linear(a, w)
         return time.perf_counter() - start
 
-    with _torch_threads(1):
+    with torch_threads(1):
         try:
             run(False)
             run(True)
@@ -715,16 +716,6 @@ def _expected_tokens_per_verify(agreement: float, k: int) -> float:
     return (1.0 - agreement ** (k + 1)) / (1.0 - agreement)
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _save(model: LlamaForCausalLM, out: Path) -> None:
     model.to(torch.float32)
     model.config.pad_token_id = PAD_ID
@@ -796,7 +787,7 @@ def train_demo_pair(
         target_deadline = t0 + target_share * (time_budget_s - reserve)
         draft_deadline = t0 + time_budget_s - reserve
 
-    with _torch_threads(num_threads), torch.random.fork_rng(devices=[]):
+    with torch_threads(num_threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         train_bytes, heldout_bytes, corpus_info = load_corpus(byte_budget=corpus_bytes, seed=seed)
         train_ids, heldout_ids = _to_ids(train_bytes), _to_ids(heldout_bytes)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,3 +179,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 def set_torch_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with ``n`` torch CPU threads, restoring the previous count afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -15,7 +15,6 @@ dict only) + ``train_report.json``, into a temporary directory renamed into plac
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -24,14 +23,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common.models import ModelLoadError, load_causal_lm
+from common.models import ModelLoadError, load_causal_lm, torch_threads
 from common.verify import SamplingParams
 from starsd_draftd.backends.eagle import EagleBackend, EagleHead
 from starsd_draftd.eagle_compat import build_head
@@ -120,16 +118,6 @@ def _windows(ids: torch.Tensor, seq_len: int, count: int, gen: torch.Generator |
     else:
         starts = torch.randint(0, hi, (count,), generator=gen)
     return ids[starts[:, None] + torch.arange(seq_len)[None, :]]
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 # ---------------------------------------------------------------- evaluation
@@ -259,7 +247,7 @@ def train_eagle_head(
     t0 = time.monotonic()
     base = resolve_model_path(str(base_model_dir), progress=progress)
     out = Path(out_dir)
-    with _threads(num_threads), torch.random.fork_rng(devices=[]):
+    with torch_threads(num_threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         loaded = load_causal_lm(str(base), device="cpu", dtype="float32", progress=progress)
         if loaded.tokenizer is None:
@@ -349,7 +337,7 @@ def train_eagle_head(
         in_memory = EagleHead(module=head, embed_weight=head.embed_tokens.weight, lm_head_weight=lm_w,
                               hidden_size=hidden, vocab_size=vocab, config=config, device=torch.device("cpu"),
                               dtype=torch.float32, base_path=base)
-        with _threads(1):  # one-token forwards: a second thread only adds synchronisation
+        with torch_threads(1):  # one-token forwards: a second thread only adds synchronisation
             path_eval = _path_eval(target, EagleBackend(in_memory, base), heldout_ids, eval_prompts, 64,
                                    eval_tokens, eval_depth)
         eval_wall = time.monotonic() - eval_start
