@@ -101,6 +101,8 @@ def main() -> None:
         help="Seconds after which a silent session is dropped and its cache freed.")
 @option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
         help="Seconds after which a silent target is forgotten with all its sessions.")
+@option("--evict-idle", type=click.FloatRange(0), default=_s.evict_idle_s,
+        help="When the session table is full, its least recently used session idle this long makes room.")
 @option("--drain-timeout", type=click.FloatRange(0), default=_s.drain_s,
         help="On SIGTERM, seconds to keep answering queued requests before exiting.")
 @option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -114,7 +116,7 @@ def main() -> None:
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
-          peer_ttl, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, log_level,
+          peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, log_level,
           log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
@@ -123,7 +125,8 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
     setup_logging(log_level, log_format)
     server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
-                          session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, drain_s=drain_timeout,
+                          session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle,
+                          drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
                           metrics_port=metrics_port)
     run_serve(ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))

@@ -89,6 +89,7 @@ def live(tiny_target, near_draft, loaded_target, tmp_path_factory):
         proc = d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", ep,
                        "--depth", str(MAX_DEPTH), "--max-sessions", str(MAX_SESSIONS),
                        "--max-sessions-per-peer", str(PER_PEER), "--peer-ttl", str(PEER_TTL_S),
+                       "--evict-idle", "3600",  # a full table answers BUSY (eviction is tested in test_server)
                        "--session-ttl", str(SESSION_TTL_S), "--log-level", "warning")
         d.wait_ready("draftd", ep)
         engine = TargetEngine(loaded_target, depth=MAX_DEPTH)
