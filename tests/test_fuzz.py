@@ -538,7 +538,9 @@ def test_garbage_session_traffic_after_a_valid_hello(live):
     finally:
         ctx.destroy(linger=0)
     assert totals["drafted"] > 0, "the fuzz never reached the drafting path"
-    assert {"BAD_REQUEST", "DESYNC", "UNKNOWN_SESSION", "BUSY"} <= set(totals["errors"]), totals
+    # BUSY is reached here only when the session table happens to be full at the right moment (it
+    # depends on how fast earlier peers expire); the limits themselves are tested in test_server
+    assert {"BAD_REQUEST", "DESYNC", "UNKNOWN_SESSION"} <= set(totals["errors"]), totals
     check_daemon_healthy(live, "garbage_sessions")
 
 
