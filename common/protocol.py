@@ -199,29 +199,29 @@ SAMPLING_SCHEMA: dict[str, tuple[str, bool]] = {
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, int) and x.__class__ is not bool
+
+
+_U63 = (1 << 63) - 1
+
+# One check per field kind (a table rather than an if-chain: this runs for every field of
+# every message).
+_CHECKS: dict[str, Any] = {
+    "int": _is_int,
+    "uint": lambda v: _is_int(v) and 0 <= v <= _U63,
+    "opt_uint": lambda v: v is None or (_is_int(v) and 0 <= v <= _U63),
+    "float": lambda v: (isinstance(v, float) or _is_int(v)) and v == v,  # rejects NaN
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "ids": lambda v: isinstance(v, list) and all(_is_int(i) and 0 <= i <= _U31 for i in v),
+    "strs": lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+    "map": lambda v: isinstance(v, dict),
+    "any": lambda v: True,
+}
 
 
 def _check_kind(kind: str, value: Any) -> bool:
-    if kind == "int":
-        return _is_int(value)
-    if kind == "uint":
-        return _is_int(value) and 0 <= value <= (1 << 63) - 1
-    if kind == "opt_uint":
-        return value is None or (_is_int(value) and 0 <= value <= (1 << 63) - 1)
-    if kind == "float":
-        return (isinstance(value, float) or _is_int(value)) and value == value  # rejects NaN
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "ids":
-        return isinstance(value, list) and all(_is_int(v) and 0 <= v <= _U31 for v in value)
-    if kind == "strs":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if kind == "map":
-        return isinstance(value, dict)
-    return True
+    return _CHECKS[kind](value)
 
 
 def validate_fields(schema: dict[str, tuple[str, bool]], header: dict, what: str,
@@ -231,7 +231,7 @@ def validate_fields(schema: dict[str, tuple[str, bool]], header: dict, what: str
             if required:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what}: missing field {name!r}", session, seq)
             continue
-        if not _check_kind(kind, header[name]):
+        if not _CHECKS[kind](header[name]):
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"{what}: field {name!r} must be {kind}, got {header[name]!r:.80}", session, seq
             )
@@ -313,16 +313,16 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
 
 
 def _nesting(obj: Any) -> int:
-    """How deep lists and maps nest in ``obj``; iterative, so hostile input cannot exhaust the stack."""
+    """How deep lists and maps nest in ``obj``; iterative, so hostile input cannot exhaust the stack.
+    (msgpack builds exact lists and dicts, so exact type tests suffice.)"""
     deepest, stack = 0, [(obj, 1)]
     while stack:
         o, d = stack.pop()
-        if isinstance(o, dict):
-            o = o.values()
-        elif not isinstance(o, list):
-            continue
-        deepest = max(deepest, d)
-        stack.extend((v, d + 1) for v in o if isinstance(v, (list, dict)))
+        if d > deepest:
+            deepest = d
+        for v in (o.values() if o.__class__ is dict else o):
+            if v.__class__ is list or v.__class__ is dict:
+                stack.append((v, d + 1))
     return deepest
 
 

@@ -6,7 +6,7 @@ import torch
 
 from common import protocol as P
 from common.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError
-from common.tensors import decode_tensor, encode_tensor
+from common.tensors import all_finite, decode_tensor, encode_tensor
 
 
 def roundtrip(msg: Message) -> Message:
@@ -45,6 +45,31 @@ def test_contiguous_cpu_tensor_is_not_copied():
     _, buf = encode_tensor(t)
     t[0] = 42.0
     assert torch.frombuffer(bytearray(buf), dtype=torch.float32)[0] == 42.0
+
+
+def test_tensors_needing_grad_or_scalar_shapes_travel():
+    t = torch.randn(2, 3, requires_grad=True)
+    spec, buf = encode_tensor(t)
+    assert torch.equal(decode_tensor(spec, bytes(buf)), t.detach())
+    spec, buf = encode_tensor(torch.tensor(2.5))
+    out = decode_tensor(spec, bytes(buf))
+    assert out.shape == () and out.item() == 2.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_all_finite_matches_isfinite(dtype, bad):
+    t = torch.randn(3, 257).to(dtype)
+    t[1, 7] = torch.finfo(dtype).max  # the largest finite values are finite
+    t[2, 9] = -torch.finfo(dtype).max
+    t[0, 3] = -0.0
+    if bad is not None:
+        t[2, 256] = bad
+    expected = bool(torch.isfinite(t).all())
+    assert expected is (bad is None)
+    assert all_finite(t) is expected
+    assert all_finite(t.t()) is expected  # non-contiguous: the general path
+    assert all_finite(t[:0])
 
 
 def test_header_fields_roundtrip():
