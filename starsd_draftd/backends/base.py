@@ -55,6 +55,11 @@ class ChainDrafter:
         self.tokens.append(tok)
         return tok
 
+    def take(self, tok: int) -> int:
+        """Record a greedy pick made outside (e.g. one argmax over a whole batch)."""
+        self.tokens.append(tok)
+        return tok
+
     def result(self) -> Draft:
         if not self._ids:
             return Draft(self.tokens)

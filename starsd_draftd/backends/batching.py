@@ -14,7 +14,7 @@ positions; new tokens get explicit position ids.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 
 def _layer_tensors(cache, n_layers: int, like: tuple[torch.Tensor, torch.Tensor] | None):
@@ -29,6 +29,22 @@ def _layer_tensors(cache, n_layers: int, like: tuple[torch.Tensor, torch.Tensor]
     return out
 
 
+def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make a cache layer hold exactly these keys and values. A plain DynamicLayer takes the
+    tensors as they are (its ``update`` would copy them once more, onto an empty tensor);
+    other layer kinds go through ``update`` and keep their own semantics."""
+    from transformers.cache_utils import DynamicLayer
+
+    if type(layer) is DynamicLayer:
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    else:
+        if layer.is_initialized:
+            layer.reset()
+        layer.update(keys, values)
+
+
 class BatchedCaches:
     def __init__(self, model, caches: list, feeds: list[list[int]], device: torch.device):
         from transformers import DynamicCache
@@ -40,29 +56,29 @@ class BatchedCaches:
         self.P = max(self.lengths)
         self.N = max(len(f) for f in feeds)
         B = len(caches)
+        self.cache = DynamicCache(config=model.config)
         if self.P > 0:
+            # one zeroed tensor per layer, each row's cache copied right-aligned into it
             ref = next(c for c, n in zip(caches, self.lengths) if n > 0)
             n_layers = len(ref.layers)
             like = (ref.layers[0].keys, ref.layers[0].values)
             per_row = [_layer_tensors(c, n_layers, like) for c in caches]
-            data = []
             for li in range(n_layers):
-                ks = [F.pad(row[li][0], (0, 0, self.P - row[li][0].shape[2], 0)) for row in per_row]
-                vs = [F.pad(row[li][1], (0, 0, self.P - row[li][1].shape[2], 0)) for row in per_row]
-                data.append((torch.cat(ks), torch.cat(vs)))
-            self.cache = DynamicCache(ddp_cache_data=data, config=model.config)
-        else:
-            self.cache = DynamicCache(config=model.config)
-        self.mask = torch.zeros(B, self.P + self.N, dtype=torch.long, device=device)
-        ids = torch.zeros(B, self.N, dtype=torch.long, device=device)
-        pos = torch.zeros(B, self.N, dtype=torch.long, device=device)
-        for b, (c_b, feed) in enumerate(zip(self.lengths, feeds)):
-            n_b = len(feed)
-            self.mask[b, self.P - c_b: self.P + n_b] = 1
-            ids[b, :n_b] = torch.tensor(feed, dtype=torch.long, device=device)
-            pos[b] = c_b + torch.arange(self.N, device=device)
-        self.next_pos = torch.tensor([c + len(f) for c, f in zip(self.lengths, feeds)], device=device)
+                # [1, H, c_b, D] per row -> [B, H, P, D], right-aligned, zeros (finite) on the left
+                ks = pad_sequence([row[li][0][0].transpose(0, 1) for row in per_row], batch_first=True,
+                                  padding_side="left").transpose(1, 2)
+                vs = pad_sequence([row[li][1][0].transpose(0, 1) for row in per_row], batch_first=True,
+                                  padding_side="left").transpose(1, 2)
+                _set_layer(self.cache.layers[li], ks, vs)
+        cached = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        fed = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=device)
+        cols = torch.arange(self.P + self.N, device=device)
+        self.mask = ((cols >= self.P - cached[:, None]) & (cols < self.P + fed[:, None])).long()
+        ids = torch.tensor([f + [0] * (self.N - len(f)) for f in feeds], dtype=torch.long, device=device)
+        pos = cached[:, None] + torch.arange(self.N, device=device)
+        self.next_pos = cached + fed
         self._first = (ids, pos)
+        self.live_steps = [0] * B  # steps whose token each row keeps (a prefix of the steps)
         self.steps = 0
 
     def first(self) -> torch.Tensor:
@@ -73,20 +89,34 @@ class BatchedCaches:
         return out.logits[torch.arange(len(self.feeds), device=self.device), last]
 
     def step(self, tokens: list[int], live: list[bool]) -> torch.Tensor:
-        """Feed one token per row (rows not ``live`` feed a masked filler); logits [B, V]."""
+        """Feed one token per row (rows not ``live`` feed a masked filler; a row, once not live,
+        stays so); logits [B, V]."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         col = torch.tensor(live, dtype=torch.long, device=self.device).unsqueeze(1)
         self.mask = torch.cat([self.mask, col], dim=1)
         pos = self.next_pos.unsqueeze(1).clone()
         self.next_pos = self.next_pos + 1
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
+        for b, keep in enumerate(live):
+            if keep:
+                self.live_steps[b] += 1
         self.steps += 1
         return out.logits[:, -1]
 
-    def split(self, row: int):
-        """Session ``row``'s own cache: its real slots only, in order."""
-        from transformers import DynamicCache
-
-        idx = torch.nonzero(self.mask[row], as_tuple=False).flatten()
-        data = [(layer.keys[row: row + 1, :, idx], layer.values[row: row + 1, :, idx]) for layer in self.cache.layers]
-        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+    def split(self, row: int, into) -> None:
+        """Give session ``row``'s own cache ``into`` its real slots only, in order: its cached
+        positions and new tokens, then the steps it kept (copies, so the batch can be freed)."""
+        if len(into.layers) != len(self.cache.layers):
+            raise RuntimeError(f"a session cache with {len(into.layers)} layers cannot take a batch row of "
+                               f"{len(self.cache.layers)}")
+        c_b, n_b, s_b = self.lengths[row], len(self.feeds[row]), self.live_steps[row]
+        a, e = self.P - c_b, self.P + n_b
+        for layer, own in zip(self.cache.layers, into.layers):
+            k, v = layer.keys[row: row + 1], layer.values[row: row + 1]
+            if n_b == self.N:  # new tokens and kept steps are adjacent: one slice
+                k, v = k[:, :, a: e + s_b].clone(), v[:, :, a: e + s_b].clone()
+            else:
+                t0, t1 = self.P + self.N, self.P + self.N + s_b
+                k = torch.cat([k[:, :, a:e], k[:, :, t0:t1]], dim=2)
+                v = torch.cat([v[:, :, a:e], v[:, :, t0:t1]], dim=2)
+            _set_layer(own, k, v)

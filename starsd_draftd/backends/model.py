@@ -82,16 +82,23 @@ class ModelBackend(DraftBackend):
         batch = BatchedCaches(self.model, [st.cache for st in sessions], feeds, self.device)
         logits = batch.first()[:, : self.vocab_size].float()
         chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
+        greedy = [st.params.greedy for st in sessions]
         depth = max(r.depth for r in requests)
         for j in range(depth):
+            best = logits.argmax(-1).tolist() if any(greedy) else None  # every greedy row in one op
             picks = []
             for b, (chain, r) in enumerate(zip(chains, requests)):
-                picks.append(chain.pick(logits[b]) if j < r.depth else 0)
+                if j >= r.depth:
+                    picks.append(0)
+                elif greedy[b]:
+                    picks.append(chain.take(best[b]))
+                else:
+                    picks.append(chain.pick(logits[b]))
             if j + 1 < depth:
                 live = [j + 1 < r.depth for r in requests]
                 logits = batch.step(picks, live)[:, : self.vocab_size].float()
         for b, (st, r, feed) in enumerate(zip(sessions, requests, feeds)):
-            st.cache = batch.split(b)
+            batch.split(b, st.cache)
             st.cached.extend(feed)
             st.cached.extend(chains[b].tokens[: r.depth - 1])
         return [c.result() for c in chains]
