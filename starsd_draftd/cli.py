@@ -91,6 +91,10 @@ def main() -> None:
         help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA).")
 @option("--batch-max", type=click.IntRange(1), default=_s.batch_max,
         help="Draft up to this many waiting sessions together, one batched forward per step (1: one at a time).")
+@option("--batch-window-ms", type=click.FloatRange(0), default=_s.batch_window_s * 1000,
+        help="With requests waiting and room in the batch, wait up to this long for sessions whose targets "
+             "usually answer within it (learned per session); 0 never waits (strictly work-conserving). "
+             "Millisecond granularity.")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
@@ -115,7 +119,7 @@ def main() -> None:
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
+def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
           peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, log_level,
           log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
@@ -123,7 +127,8 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
     to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
-    server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, max_sessions=max_sessions,
+    server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
+                          max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle,
                           drain_s=drain_timeout,

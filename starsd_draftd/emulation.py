@@ -400,13 +400,14 @@ def server_config(**kw):
 
 
 def run_traced_server(backend: DraftBackend, bind: str, depth: int, batch_max: int, trace_path: Path | None,
-                      name: str) -> None:
+                      name: str, batch_window_s: float = 0.0) -> None:
     """Serve until SIGTERM, then write the trace."""
     from starsd_draftd.server import DraftServer
 
     traced = TracingBackend(backend)
     ctx = zmq.Context()
-    server = DraftServer(traced, server_config(bind=bind, max_depth=depth, batch_max=batch_max, name=name), ctx)
+    server = DraftServer(traced, server_config(bind=bind, max_depth=depth, batch_max=batch_max, name=name,
+                                               batch_window_s=batch_window_s), ctx)
     server.install_signal_handlers()
     server.serve_forever()
     if trace_path is not None:
@@ -434,6 +435,8 @@ def main() -> None:
 @_option("--depth", type=click.IntRange(1, 64), default=8, help="Most draft tokens per request.")
 @_option("--batch-max", type=click.IntRange(1), default=1,
          help="Sessions drafted together (1: one at a time, the paper's loop and the analytic model's).")
+@_option("--batch-window-ms", type=click.FloatRange(0), default=0.0,
+         help="Wait up to this long for sessions due back soon before drafting a batch (see starsd-draftd serve).")
 @_option("--q-topk", type=click.IntRange(1), default=32, help="Entries of the sparse q sent in sampling mode.")
 @_option("--feature-size", type=click.IntRange(0), default=0,
          help="Emulated backend only: take target features of this width with each request.")
@@ -442,8 +445,8 @@ def main() -> None:
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
-def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, q_topk, feature_size, model, device,
-          threads, trace, log_level) -> None:
+def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
+          model, device, threads, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -460,7 +463,7 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, q_
         inner = build_backend(ServeConfig(server=server_config(), model=model, device=device, q_topk=q_topk,
                                           threads=threads))
         name = "starsd-draftd-traced"
-    run_traced_server(inner, bind, depth, batch_max, trace, name)
+    run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ class ServerConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_depth: int = 5
     batch_max: int = 8  # requests of different sessions drafted together; 1 serves one at a time
+    # Longest wait, with requests queued, for sessions predicted to send their next request within
+    # it (each session's reply-to-request turnaround is tracked). 0 keeps the loop strictly
+    # work-conserving; a few ms fills batches when targets answer fast (many targets, short V).
+    batch_window_s: float = 0.0
     max_sessions: int = 1024
     max_sessions_per_peer: int = 64
     max_peers: int = 4096
@@ -70,6 +74,8 @@ class Stats:
         self.key_reloads = 0
         self.batches = 0
         self.batched_requests = 0
+        self.batch_waits = 0  # passes that waited for a batch to fill (batch window)
+        self.batch_wait_s = 0.0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -89,6 +95,8 @@ class Stats:
             "key_reloads": self.key_reloads,
             "batches": self.batches,
             "batched_requests": self.batched_requests,
+            "batch_waits": self.batch_waits,
+            "batch_wait_s": self.batch_wait_s,
             "errors": dict(self.errors),
         }
 
@@ -178,6 +186,7 @@ class DraftServer:
                 if poller.poll(timeout):
                     self._drain_socket()
                 if self.q_in:
+                    self._fill_batch()
                     self._serve_batch()
                 self._flush_out()
                 now = time.monotonic()
@@ -274,11 +283,12 @@ class DraftServer:
         if msg.type is MsgType.OPEN:
             self._open(principal, h)
         elif msg.type is MsgType.DRAFT:
-            self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
+            session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             if len(self.q_in) >= self.config.max_queue:
                 raise ProtocolError(ErrorCode.BUSY, f"request queue is full ({self.config.max_queue})",
                                     h["session"], h["seq"])
             self.q_in.append((identity, principal, msg))
+            session.returned(time.monotonic())
         elif msg.type is MsgType.CLOSE:
             s = self.sessions.close(principal, h["session"])
             if s is not None:
@@ -345,6 +355,37 @@ class DraftServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {max(ids)} is outside the vocabulary ({vocab})",
                                 sid, seq)
 
+    def _fill_batch(self) -> None:
+        """With a batch window, wait (at most the window) while the batch has room and some
+        session is predicted to send its next request within the window; otherwise return at
+        once. Replies to a batch go out together, so targets that answer fast come back
+        together: a short wait turns their trickle of arrivals into one full batch."""
+        window = self.config.batch_window_s
+        if window <= 0 or self.config.batch_max <= 1:
+            return
+        start = time.monotonic()
+        deadline = start + window
+        waited = False
+        while True:
+            waiting = {(item[1], item[2].header["session"]) for item in self.q_in}
+            if len(waiting) >= self.config.batch_max:
+                break
+            now = time.monotonic()
+            # sessions replied to and not back yet, due (by their usual turnaround) within the window
+            due = [s.replied_at + s.turnaround_s for key, s in self.sessions.sessions.items()
+                   if s.replied_at is not None and s.turnaround_s is not None and key not in waiting]
+            due = [t for t in due if now - window <= t <= deadline]
+            if not due or now >= deadline:
+                break
+            waited = True
+            if self.sock.poll(max(1, int(1000 * (deadline - now))), zmq.POLLIN):
+                self._drain_socket()
+            else:
+                break
+        if waited:
+            self.stats.batch_waits += 1
+            self.stats.batch_wait_s += time.monotonic() - start
+
     def _take_batch(self) -> list[tuple[bytes, bytes, Message]]:
         """The oldest waiting requests, at most batch_max, one per session (a session's later
         request waits for the next pass, so each session's requests stay in order)."""
@@ -407,10 +448,12 @@ class DraftServer:
                                                            "tokens": draft.tokens}, tensors))
         self._flush_out()
         tokens = 0
+        sent = time.monotonic()
         for (_, _, key, _), draft in zip(admitted, drafts):
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)
+                session.replied_at = sent
             tokens += len(draft.tokens)
         self.stats.requests += len(admitted)
         self.stats.drafted_tokens += tokens

@@ -20,6 +20,16 @@ class Session:
     features: int = 0  # target features held (feature backends): one per verified token but the last
     last_seq: int = -1
     touched: float = field(default_factory=time.monotonic)
+    replied_at: float | None = None  # when its last draft went out, until its next request arrives
+    turnaround_s: float | None = None  # smoothed time from a reply to the session's next request
+
+    def returned(self, now: float) -> None:
+        """A request of this session arrived: learn how long the target took to come back."""
+        if self.replied_at is not None:
+            sample = now - self.replied_at
+            t = self.turnaround_s
+            self.turnaround_s = sample if t is None else t + 0.25 * (sample - t)
+            self.replied_at = None
 
     def advance(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
         """Apply a DRAFT request's report of what the target verified."""

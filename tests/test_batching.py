@@ -2,14 +2,17 @@
 and leave the same caches behind, as drafting them one at a time."""
 
 import random
+import time
 
 import pytest
 import torch
 
 from common.models import load_causal_lm
+from common.protocol import Message, MsgType
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftRequest
 from starsd_draftd.backends.model import ModelBackend
+from fakes import CountingBackend, RawPeer, running_server
 from tiny_models import make_tiny_checkpoint
 
 
@@ -68,3 +71,90 @@ def test_batched_sampling_keeps_each_sessions_own_generator(backend):
     one, _ = _run(backend, script, params, batched=False)
     many, _ = _run(backend, script, params, batched=True)
     assert one == many
+
+
+# ---------------------------------------------------------------- the batch window (server loop)
+class BatchRecorder(CountingBackend):
+    """Records the size of every batch the server drafts."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[int] = []
+
+    def draft_many(self, requests):
+        self.batches.append(len(requests))
+        return super().draft_many(requests)
+
+
+def _round(peer: RawPeer, sid: int, seq: int, pos: int) -> None:
+    peer.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": 0, "new": [] if seq == 1 else [7],
+                                      "pos": pos, "depth": 2}))
+
+
+def _reply(peer: RawPeer) -> Message:
+    msg = peer.recv(10.0)
+    assert msg is not None and msg.type is MsgType.DRAFTED, msg
+    return msg
+
+
+@pytest.mark.parametrize("window_s", [0.0, 3.0])
+def test_batch_window_waits_only_for_sessions_due_back(window_s):
+    """Two targets that always answer at once: with a window, the one that comes back 0.2 s
+    late is waited for (one batch of 2); without, the loop drafts at once (two batches)."""
+    be = BatchRecorder()
+    with running_server(be, batch_max=8, batch_window_s=window_s) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        for p in (a, b):
+            p.hello()
+        a.open(1, [3, 4])
+        b.open(1, [5, 6])
+        pos = 2
+        for seq in (1, 2, 3):  # the daemon learns that both come back at once
+            _round(a, 1, seq, pos)
+            _round(b, 1, seq, pos)
+            _reply(a)
+            _reply(b)
+            pos += 1
+        before = len(be.batches)
+        _round(a, 1, 4, pos)
+        time.sleep(0.2)
+        _round(b, 1, 4, pos)
+        _reply(a)
+        _reply(b)
+        last = be.batches[before:]
+        if window_s:
+            assert last == [2]
+            assert server.snapshot()["batch_waits"] >= 1
+        else:
+            assert last == [1, 1]
+            assert server.snapshot()["batch_waits"] == 0
+
+
+def test_batch_window_never_holds_a_lone_session():
+    be = BatchRecorder()
+    with running_server(be, batch_max=8, batch_window_s=3.0) as (server, ctx):
+        a = RawPeer(ctx, server.endpoint)
+        a.hello()
+        a.open(1, [3, 4])
+        for seq in range(1, 6):
+            _round(a, 1, seq, 1 + seq)
+            _reply(a)
+        assert server.snapshot()["batch_waits"] == 0  # nobody else is due: no pass waited
+
+
+def test_batch_window_gives_up_on_a_session_that_does_not_come_back():
+    be = BatchRecorder()
+    with running_server(be, batch_max=8, batch_window_s=0.3) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        for p in (a, b):
+            p.hello()
+        a.open(1, [3, 4])
+        b.open(1, [5, 6])
+        for seq in (1, 2):
+            for p in (a, b):
+                _round(p, 1, seq, 1 + seq)
+            for p in (a, b):
+                _reply(p)
+        _round(a, 1, 3, 4)  # b has stopped for good: a is served alone once the window passes
+        assert _reply(a).header["seq"] == 3
+        assert be.batches[-1] == 1 and server.snapshot()["batch_waits"] >= 1

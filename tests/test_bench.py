@@ -415,7 +415,10 @@ def test_quick_bench_batched_fields(quick_report):
         return
     assert b["available"] and b["batch_max"] == 8
     assert [x["k"] for x in b["one_at_a_time"]] == [8] and [x["k"] for x in b["batched"]] == [1, 8]
+    assert [x["k"] for x in b["windowed"]] == [1, 8] and b["batch_window_ms"] > 0
     assert _num(b["capacity_gain"]) and b["n_full"]["batched"] >= 1 and b["n_full"]["one_at_a_time"] >= 1
-    assert b["batched"][-1]["mean_batch"] >= 1.0
+    assert _num(b["capacity_gain_work_conserving"])
+    assert b["batched"][-1]["mean_batch"] >= 1.0 and b["windowed"][-1]["mean_batch"] >= 1.0
+    assert "batch window" in b["target"]["measured_with"]
     assert set(r["targets"]) == {"overhead_ratio_p50_le_1_5", "emulation_busy_ge_95_from_n_full",
                                  "emulation_throughput_within_10pct", "batched_capacity_ge_3x"}
