@@ -257,6 +257,17 @@ def encode(msg: Message) -> list:
     return frames
 
 
+# Below this size a frame is cheaper to copy than to hand to ZeroMQ without copying (pyzmq's own
+# zero-copy threshold): pass ``copy=needs_copy(frames)`` when sending.
+ZERO_COPY_MIN_BYTES = 1 << 16
+
+
+def needs_copy(frames: list) -> bool:
+    """True when every frame is small: sending with ``copy=True`` is then the cheaper path."""
+    return all(len(f) < ZERO_COPY_MIN_BYTES if isinstance(f, bytes) else memoryview(f).nbytes < ZERO_COPY_MIN_BYTES
+               for f in frames)
+
+
 def _frame_bytes(frame) -> memoryview:
     # zmq.Frame exposes .buffer; bytes and memoryviews are taken as they are.
     buf = getattr(frame, "buffer", frame)

@@ -230,7 +230,7 @@ class DraftServer:
         while self.q_out:
             frames = self.q_out.popleft()
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=P.needs_copy(frames))
             except zmq.Again:
                 self.stats.dropped_replies += 1
             except zmq.ZMQError as exc:

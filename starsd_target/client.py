@@ -91,7 +91,8 @@ class DraftClient:
     def _send(self, msg: Message) -> bool:
         """False when the message cannot go out now (not connected, or the pipe is full)."""
         try:
-            self.sock.send_multipart(P.encode(msg), zmq.NOBLOCK, copy=False)
+            frames = P.encode(msg)
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=P.needs_copy(frames))
             return True
         except zmq.Again:
             return False
@@ -99,7 +100,7 @@ class DraftClient:
     def _recv(self, timeout_s: float) -> Message | None:
         if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return None
-        frames = self.sock.recv_multipart(copy=False)
+        frames = self.sock.recv_multipart()  # replies are small: bytes are cheaper than zmq.Frame objects
         try:
             msg = P.decode(frames)
         except ProtocolError as exc:
