@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class BenchConfig:
     wire_rounds: int = 2000
     wire_paced_rounds: int = 200
     wire_gap_ms: float = 10.0
+    wire_blocks: int = 10  # the paths compared alternate in this many blocks
     feature_size: int = 4096  # EAGLE drafting for a 7B-class target
     feature_rows: int = 3
     q_topk: int = 32
@@ -491,73 +493,69 @@ def run_wire_server(spec: list[dict], q_topk: int, feature_size: int, feature_ro
         ctx.term()
 
 
-def _raw_rtts(endpoint: str, frames: list[bytes], n: int, warmup: int, gap_s: float, ctx: zmq.Context) -> list[float]:
+def _raw_loop(endpoint: str, frames: list[bytes], gap_s: float, ctx: zmq.Context) -> Iterator[float]:
+    """Round trips (seconds) of ``frames`` against a raw echo, one per ``next()``."""
     sock = make_socket(ctx, zmq.DEALER, SocketOptions())
     sock.connect(endpoint)
-    out = []
     try:
-        for i in range(warmup + n):
+        while True:
             t0 = time.perf_counter()
             sock.send_multipart(frames, copy=False)
             if not sock.poll(30000):
                 raise RuntimeError(f"no echo from {endpoint}")
             sock.recv_multipart(copy=False)
-            t1 = time.perf_counter()
-            if i >= warmup:
-                out.append(t1 - t0)
+            yield time.perf_counter() - t0
             if gap_s:
                 time.sleep(gap_s)
     finally:
         sock.close(linger=0)
-    return out
 
 
-def _torch_rtts(endpoint: str, request: Message, n: int, warmup: int, gap_s: float, ctx: zmq.Context) -> list[float]:
+def _torch_loop(endpoint: str, request: Message, gap_s: float, ctx: zmq.Context) -> Iterator[float]:
+    """Round trips of ``request`` as a torch.save blob, answered with one, one per ``next()``."""
     sock = make_socket(ctx, zmq.DEALER, SocketOptions())
     sock.connect(endpoint)
-    out = []
     try:
-        for i in range(warmup + n):
+        while True:
             t0 = time.perf_counter()
             sock.send(_torch_blob(request), copy=False)
             if not sock.poll(30000):
                 raise RuntimeError(f"no reply from {endpoint}")
             _torch_unblob(sock.recv(copy=False).buffer)
-            t1 = time.perf_counter()
-            if i >= warmup:
-                out.append(t1 - t0)
+            yield time.perf_counter() - t0
             if gap_s:
                 time.sleep(gap_s)
     finally:
         sock.close(linger=0)
-    return out
 
 
-def framework_rtts(endpoint: str, case: str, n: int, warmup: int, gap_s: float, ctx: zmq.Context,
-                   feature_size: int = 0, feature_rows: int = 3, depth: int = 5) -> list[float]:
-    """Round trips of the full path against a draft daemon with a zero-time backend: the real
-    target-side client encodes a DRAFT, the daemon decodes, validates, advances the session,
-    drafts, encodes the DRAFTED; the client decodes it. Each round keeps 2 drafts plus one own
-    token, so requests carry exactly the bookkeeping (and feature rows) of a real target."""
+def framework_loop(endpoint: str, case: str, gap_s: float, ctx: zmq.Context, feature_size: int = 0,
+                   feature_rows: int = 3, depth: int = 5) -> Iterator[float]:
+    """Round trips of the full path against a draft daemon with a zero-time backend, one per
+    ``next()``: the real target-side client encodes a DRAFT, the daemon decodes, validates,
+    advances the session, drafts, encodes the DRAFTED; the client decodes it. Each round keeps
+    2 drafts plus one own token, so requests carry exactly the bookkeeping (and feature rows)
+    of a real target."""
     from starsd_target.client import DraftClient, DraftReply
 
     _, with_q, rows = WIRE_CASES[case]
     client = DraftClient(endpoint, EMU_VOCAB, EMU_FINGERPRINT, f"wire-{case}", ctx,
                          feature_size=feature_size if rows else 0)
-    out = []
     try:
         client.handshake(30.0)
         prompt = [3 + i for i in range(16)]
-        verified = list(prompt)
-        client.open(1, verified, SamplingParams(temperature=1.0 if with_q else 0.0, seed=1))
+        params = SamplingParams(temperature=1.0 if with_q else 0.0, seed=1)
         feats = torch.randn(max(len(prompt), feature_rows), feature_size).to(torch.float16) if rows else None
-        accepted, new, sent = 0, [], 0
-        for i in range(warmup + n):
+        verified = list(prompt)
+        client.open(1, verified, params)
+        accepted, new, sent, i = 0, [], 0, 0
+        while True:
+            i += 1
             pos = len(verified)
             f = None if feats is None else feats[: pos - 1 - sent]
             t0 = time.perf_counter()
-            ok = client.request(1, i + 1, accepted, new, pos, depth, f)
-            reply = client.wait_draft(1, i + 1, 30.0) if ok else None
+            ok = client.request(1, i, accepted, new, pos, depth, f)
+            reply = client.wait_draft(1, i, 30.0) if ok else None
             t1 = time.perf_counter()
             if not isinstance(reply, DraftReply):
                 raise RuntimeError(f"wire run against {endpoint}: no draft ({reply})")
@@ -565,13 +563,39 @@ def framework_rtts(endpoint: str, case: str, n: int, warmup: int, gap_s: float, 
             own = 3 + (i * 7919) % (EMU_VOCAB - 3)
             verified += list(reply.tokens[:keep]) + [own]
             accepted, new, sent = keep, [own], pos - 1
-            if i >= warmup:
-                out.append(t1 - t0)
+            yield t1 - t0
             if gap_s:
                 time.sleep(gap_s)
-        client.close_session(1)
     finally:
         client.close()
+
+
+def _take(loop: Iterator[float], n: int) -> list[float]:
+    return [next(loop) for _ in range(n)]
+
+
+def framework_rtts(endpoint: str, case: str, n: int, warmup: int, gap_s: float, ctx: zmq.Context,
+                   feature_size: int = 0, feature_rows: int = 3, depth: int = 5) -> list[float]:
+    """``n`` round trips of ``framework_loop`` after ``warmup`` unrecorded ones."""
+    loop = framework_loop(endpoint, case, gap_s, ctx, feature_size, feature_rows, depth)
+    try:
+        _take(loop, warmup)
+        return _take(loop, n)
+    finally:
+        loop.close()
+
+
+def interleaved(loops: dict[str, Iterator[float]], n: int, warmup: int, blocks: int) -> dict[str, list[float]]:
+    """``n`` round trips of each loop, taken in ``blocks`` alternating blocks (after ``warmup``
+    each), so that a change of load on the host during the run affects every path alike."""
+    out: dict[str, list[float]] = {name: [] for name in loops}
+    for loop in loops.values():
+        _take(loop, warmup)
+    blocks = max(1, min(blocks, n))
+    for b in range(blocks):
+        size = n // blocks + (1 if b < n % blocks else 0)
+        for name, loop in loops.items():
+            out[name] += _take(loop, size)
     return out
 
 
@@ -631,9 +655,15 @@ def wire_section(cfg: BenchConfig, pool: Pool, step) -> dict:
         req_frames, rep_frames = _frames_bytes(request), _frames_bytes(reply)
         _wait_echo(eps[("raw", case)], req_frames, cfg.startup_timeout_s, ctx, pool.procs)
         daemon = feat_ep if WIRE_CASES[case][2] else plain_ep
-        raw = _raw_rtts(eps[("raw", case)], req_frames, n, warm, 0.0, ctx)
-        fw = framework_rtts(daemon, case, n, warm, 0.0, ctx, cfg.feature_size, cfg.feature_rows)
-        ts = _torch_rtts(eps[("torch", case)], request, n, warm, 0.0, ctx)
+        loops = {"raw": _raw_loop(eps[("raw", case)], req_frames, 0.0, ctx),
+                 "framework": framework_loop(daemon, case, 0.0, ctx, cfg.feature_size, cfg.feature_rows),
+                 "torch": _torch_loop(eps[("torch", case)], request, 0.0, ctx)}
+        try:
+            rtts = interleaved(loops, n, warm, cfg.wire_blocks)
+        finally:
+            for loop in loops.values():
+                loop.close()
+        raw, fw, ts = rtts["raw"], rtts["framework"], rtts["torch"]
         raw_s, fw_s, ts_s = summarize(raw, 1e6), summarize(fw, 1e6), summarize(ts, 1e6)
         cases.append({
             "case": case,
@@ -655,9 +685,16 @@ def wire_section(cfg: BenchConfig, pool: Pool, step) -> dict:
     request, _ = wire_messages("sampling_q", cfg.q_topk, cfg.feature_size, cfg.feature_rows)
     pn = cfg.wire_paced_rounds
     paced = {"case": "sampling_q", "gap_ms": cfg.wire_gap_ms,
-             "raw_zmq_us": summarize(_raw_rtts(eps[("raw", "sampling_q")], _frames_bytes(request), pn, 3, gap, ctx),
-                                     1e6),
-             "framework_us": summarize(framework_rtts(plain_ep, "sampling_q", pn, 3, gap, ctx), 1e6)}
+             "raw_zmq_us": None, "framework_us": None}
+    loops = {"raw": _raw_loop(eps[("raw", "sampling_q")], _frames_bytes(request), gap, ctx),
+             "framework": framework_loop(plain_ep, "sampling_q", gap, ctx)}
+    try:
+        rtts = interleaved(loops, pn, 3, cfg.wire_blocks)
+    finally:
+        for loop in loops.values():
+            loop.close()
+    paced["raw_zmq_us"] = summarize(rtts["raw"], 1e6)
+    paced["framework_us"] = summarize(rtts["framework"], 1e6)
     paced["overhead_ratio_p50"] = paced["framework_us"]["p50"] / paced["raw_zmq_us"]["p50"]
     step("wire paced")
     pool.stop("wire-server")

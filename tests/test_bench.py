@@ -422,3 +422,18 @@ def test_quick_bench_batched_fields(quick_report):
     assert "batch window" in b["target"]["measured_with"]
     assert set(r["targets"]) == {"overhead_ratio_p50_le_1_5", "emulation_busy_ge_95_from_n_full",
                                  "emulation_throughput_within_10pct", "batched_capacity_ge_3x"}
+
+
+def test_interleaved_takes_n_after_warmup_in_alternating_blocks():
+    order = []
+
+    def loop(name):
+        i = 0
+        while True:
+            i += 1
+            order.append(name)
+            yield float(i)
+
+    out = B.interleaved({"a": loop("a"), "b": loop("b")}, n=7, warmup=2, blocks=3)
+    assert out["a"] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0] and out["b"] == out["a"]  # warm-up rounds dropped
+    assert "".join(order) == "aabb" + "aaabbb" + "aabb" + "aabb"  # blocks of 3, 2, 2, alternating
