@@ -439,7 +439,12 @@ class DraftServer:
         finally:
             elapsed = time.perf_counter() - t0
             self.stats.busy_s += elapsed
-        # the replies leave first: the bookkeeping below is off the targets' critical path
+        tokens = sum(len(d.tokens) for d in drafts)
+        self.stats.requests += len(admitted)
+        self.stats.drafted_tokens += tokens
+        self.stats.batches += 1
+        self.stats.batched_requests += len(admitted)
+        # the replies leave next: the rest of the bookkeeping is off the targets' critical path
         for (identity, h, _, _), draft in zip(admitted, drafts):
             tensors = {}
             if draft.q_ids is not None:
@@ -447,18 +452,12 @@ class DraftServer:
             self._send(identity, Message(MsgType.DRAFTED, {"session": h["session"], "seq": h["seq"],
                                                            "tokens": draft.tokens}, tensors))
         self._flush_out()
-        tokens = 0
         sent = time.monotonic()
         for (_, _, key, _), draft in zip(admitted, drafts):
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)
                 session.replied_at = sent
-            tokens += len(draft.tokens)
-        self.stats.requests += len(admitted)
-        self.stats.drafted_tokens += tokens
-        self.stats.batches += 1
-        self.stats.batched_requests += len(admitted)
         self.metrics.on_batch(len(admitted), tokens, elapsed)
 
     def _check_features(self, session, msg: Message, pos: int):
