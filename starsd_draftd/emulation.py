@@ -401,16 +401,17 @@ def server_config(**kw):
 
 def run_traced_server(backend: DraftBackend, bind: str, depth: int, batch_max: int, trace_path: Path | None,
                       name: str, batch_window_s: float = 0.0) -> None:
-    """Serve until SIGTERM, then write the trace."""
+    """Serve until SIGTERM, then write the trace. Without a trace path the backend is served as it
+    is, as in production (the wire measurements want exactly that path)."""
     from starsd_draftd.server import DraftServer
 
-    traced = TracingBackend(backend)
+    traced = TracingBackend(backend) if trace_path is not None else None
     ctx = zmq.Context()
-    server = DraftServer(traced, server_config(bind=bind, max_depth=depth, batch_max=batch_max, name=name,
+    server = DraftServer(traced or backend, server_config(bind=bind, max_depth=depth, batch_max=batch_max, name=name,
                                                batch_window_s=batch_window_s), ctx)
     server.install_signal_handlers()
     server.serve_forever()
-    if trace_path is not None:
+    if traced is not None:
         traced.trace.dump(trace_path)
     ctx.term()
 
