@@ -22,9 +22,9 @@ def env_options(prefix: str):
     return option
 
 
-def logging_options(option):
+def logging_options(option, default_level: str = "info"):
     def decorate(f):
-        f = option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+        f = option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=default_level,
                    help="Logging threshold.")(f)
         f = option("--log-format", type=click.Choice(["text", "json"]), default="text",
                    help="Log lines as text or as one JSON object per line.")(f)

@@ -51,7 +51,7 @@ _b = BenchConfig()
 @option("--no-plot", is_flag=True, help="Skip the PNG (and the matplotlib requirement).")
 @option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the tables.")
-@logging_options(option)
+@logging_options(option, default_level="warning")  # the progress bar is the bench's running report
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
 def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
           single_ms, acceptance, models, max_tokens, jobs, batch_max, seed, no_plot, no_progress, as_json, log_level,
