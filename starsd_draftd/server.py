@@ -29,7 +29,7 @@ from common.tensors import all_finite
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend, DraftRequest
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.sessions import SessionTable
+from starsd_draftd.sessions import Session, SessionTable
 
 log = logging.getLogger("starsd.draftd")
 
@@ -117,6 +117,7 @@ class DraftServer:
                                      config.peer_ttl_s, config.max_peers, config.evict_idle_s)
         self.q_in: collections.deque[tuple[bytes, bytes, Message]] = collections.deque()
         self.q_out: collections.deque[list] = collections.deque()
+        self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
         self.metrics = DraftMetrics()
         self._busy_mark = (time.monotonic(), 0.0)
@@ -289,6 +290,7 @@ class DraftServer:
                                     h["session"], h["seq"])
             self.q_in.append((identity, principal, msg))
             session.returned(time.monotonic())
+            self._awaited.pop(session.key, None)
         elif msg.type is MsgType.CLOSE:
             s = self.sessions.close(principal, h["session"])
             if s is not None:
@@ -372,9 +374,13 @@ class DraftServer:
                 break
             now = time.monotonic()
             # sessions replied to and not back yet, due (by their usual turnaround) within the window
-            due = [s.replied_at + s.turnaround_s for key, s in self.sessions.sessions.items()
-                   if s.replied_at is not None and s.turnaround_s is not None and key not in waiting]
-            due = [t for t in due if now - window <= t <= deadline]
+            due = False
+            for key, s in list(self._awaited.items()):
+                t = None if s.replied_at is None or s.turnaround_s is None else s.replied_at + s.turnaround_s
+                if t is None or t < now - window or self.sessions.sessions.get(key) is not s:
+                    del self._awaited[key]  # unpredictable, long overdue, or gone: never waited for again
+                elif t <= deadline and key not in waiting:
+                    due = True
             if not due or now >= deadline:
                 break
             waited = True
@@ -458,6 +464,8 @@ class DraftServer:
             if session is not None:
                 session.last_draft = list(draft.tokens)
                 session.replied_at = sent
+                if self.config.batch_window_s > 0:
+                    self._awaited[key] = session
         self.metrics.on_batch(len(admitted), tokens, elapsed)
 
     def _check_features(self, session, msg: Message, pos: int):
