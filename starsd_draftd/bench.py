@@ -574,17 +574,6 @@ def _take(loop: Iterator[float], n: int) -> list[float]:
     return [next(loop) for _ in range(n)]
 
 
-def framework_rtts(endpoint: str, case: str, n: int, warmup: int, gap_s: float, ctx: zmq.Context,
-                   feature_size: int = 0, feature_rows: int = 3, depth: int = 5) -> list[float]:
-    """``n`` round trips of ``framework_loop`` after ``warmup`` unrecorded ones."""
-    loop = framework_loop(endpoint, case, gap_s, ctx, feature_size, feature_rows, depth)
-    try:
-        _take(loop, warmup)
-        return _take(loop, n)
-    finally:
-        loop.close()
-
-
 def interleaved(loops: dict[str, Iterator[float]], n: int, warmup: int, blocks: int) -> dict[str, list[float]]:
     """``n`` round trips of each loop, taken in ``blocks`` alternating blocks (after ``warmup``
     each), so that a change of load on the host during the run affects every path alike."""

@@ -232,7 +232,11 @@ def test_emulation_calibration_takes_medians_of_the_calibration_windows():
 # ---------------------------------------------------------------- sockets, no timing assertions
 def test_capacity_and_framework_round_trips_against_an_in_process_server():
     with running_server(EmulatedBackend(ServiceModel(0.0, 0.0), feature_size=32)) as (server, ctx):
-        rtts = B.framework_rtts(server.endpoint, "features_q", 6, 2, 0.0, ctx, feature_size=32, feature_rows=3)
+        loop = B.framework_loop(server.endpoint, "features_q", 0.0, ctx, feature_size=32, feature_rows=3)
+        try:
+            rtts = B.interleaved({"framework": loop}, n=6, warmup=2, blocks=1)["framework"]
+        finally:
+            loop.close()
         assert len(rtts) == 6 and all(x > 0 for x in rtts)
     with running_server(EmulatedBackend(ServiceModel(0.0, 0.0))) as (server, ctx):
         cap = B.measure_capacity(server.endpoint, 3, 4, 0.2, ctx, max_len=40)
