@@ -220,10 +220,6 @@ _CHECKS: dict[str, Any] = {
 }
 
 
-def _check_kind(kind: str, value: Any) -> bool:
-    return _CHECKS[kind](value)
-
-
 def validate_fields(schema: dict[str, tuple[str, bool]], header: dict, what: str,
                     session: int | None = None, seq: int | None = None) -> None:
     for name, (kind, required) in schema.items():
@@ -361,8 +357,8 @@ def _decode_tensors(specs: Any, buffers: list[memoryview], session, seq) -> dict
 # ---------------------------------------------------------------- constructors
 def error(code: ErrorCode, message: str, session: int | None = None, seq: int | None = None) -> Message:
     # echo the request's session and seq only when they are valid: the reply must pass the schema
-    session = session if _check_kind("uint", session) else None
-    seq = seq if _check_kind("uint", seq) else None
+    session = session if _CHECKS["uint"](session) else None
+    seq = seq if _CHECKS["uint"](seq) else None
     return Message(MsgType.ERROR, {"code": int(code), "message": message, "session": session, "seq": seq})
 
 
