@@ -56,6 +56,17 @@ class Phase:
     draft_busy: float | None = None
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the daemons drain on it), then SIGKILL if it is still running after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Processes:
     """Children that are always terminated, whatever happens to the parent."""
 
@@ -73,13 +84,8 @@ class Processes:
 
     def stop(self, name: str, timeout_s: float = 10.0) -> None:
         for n, proc in self.procs:
-            if n == name and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if n == name:
+                stop_process(proc, timeout_s)
 
     def check_alive(self) -> None:
         for name, proc in self.procs:

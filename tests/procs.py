@@ -11,6 +11,7 @@ from pathlib import Path
 import zmq
 
 from common.control import ControlClient, ControlTimeout
+from starsd_draftd.demo import stop_process
 
 
 class Daemons:
@@ -45,13 +46,7 @@ class Daemons:
 
     def stop(self, name: str, timeout_s: float = 15.0) -> int:
         proc = self.procs.pop(name)
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, timeout_s)
         return proc.returncode
 
     def close(self) -> None:
