@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import msgpack
 import torch
 
-from common.tensors import TensorCodecError, decode_tensor, encode_tensor
+from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 1
 
@@ -204,6 +204,12 @@ def _is_int(x: Any) -> bool:
 
 _U63 = (1 << 63) - 1
 
+
+def _ids(v: Any) -> bool:
+    # map(type, ...) runs at C speed over long prompts; exact int excludes bool
+    return v.__class__ is list and (not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= _U31))
+
+
 # One check per field kind (a table rather than an if-chain: this runs for every field of
 # every message).
 _CHECKS: dict[str, Any] = {
@@ -213,43 +219,71 @@ _CHECKS: dict[str, Any] = {
     "float": lambda v: (isinstance(v, float) or _is_int(v)) and v == v,  # rejects NaN
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
-    "ids": lambda v: isinstance(v, list) and all(_is_int(i) and 0 <= i <= _U31 for i in v),
+    "ids": _ids,
     "strs": lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
     "map": lambda v: isinstance(v, dict),
     "any": lambda v: True,
 }
+# Kinds whose values may hold nested maps and lists: only these are measured against
+# Limits.max_depth (every other kind is a scalar or a flat list by its check).
+_NESTED_KINDS = frozenset({"map", "any"})
+
+_MISSING = object()
+
+
+def _compile(schema: dict[str, tuple[str, bool]]) -> tuple:
+    return tuple((name, kind, required, _CHECKS[kind]) for name, (kind, required) in schema.items())
+
+
+_COMPILED = {mtype: _compile(fields) for mtype, fields in SCHEMA.items()}
+_NESTED = {mtype: tuple(n for n, (kind, _) in fields.items() if kind in _NESTED_KINDS)
+           for mtype, fields in SCHEMA.items()}
+
+
+def _check(compiled: tuple, header: dict, what: str, session, seq) -> int:
+    """Validate ``header`` against a compiled schema; the number of schema fields present."""
+    present = 0
+    for name, kind, required, check in compiled:
+        v = header.get(name, _MISSING)
+        if v is _MISSING:
+            if required:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what}: missing field {name!r}", session, seq)
+            continue
+        present += 1
+        if not check(v):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what}: field {name!r} must be {kind}, got {brief(v)}",
+                                session, seq)
+    return present
 
 
 def validate_fields(schema: dict[str, tuple[str, bool]], header: dict, what: str,
                     session: int | None = None, seq: int | None = None) -> None:
-    for name, (kind, required) in schema.items():
-        if name not in header:
-            if required:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what}: missing field {name!r}", session, seq)
-            continue
-        if not _CHECKS[kind](header[name]):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"{what}: field {name!r} must be {kind}, got {header[name]!r:.80}", session, seq
-            )
+    _check(_compile(schema), header, what, session, seq)
 
 
 # ---------------------------------------------------------------- encode / decode
+_TYPE_OF = {t.value: t for t in MsgType}
+_FRAME_OF = {t: t.value for t in MsgType}  # Enum.value is a descriptor call; a dict is cheaper
+
+
 def encode(msg: Message) -> list:
     """Frames for ``msg`` (tensors as zero-copy buffers). Unknown types fail here, loudly."""
-    if not isinstance(msg.type, MsgType):
+    frame = _FRAME_OF.get(msg.type) if isinstance(msg.type, MsgType) else None
+    if frame is None:
         raise TypeError(f"not a protocol message type: {msg.type!r}")
     header = dict(msg.header)
     header["v"] = PROTOCOL_VERSION
-    frames: list = [msg.type.value, None]
-    if msg.tensors:
-        specs = {}
-        for i, (name, t) in enumerate(msg.tensors.items()):
-            spec, buf = encode_tensor(t)
-            spec["frame"] = i
-            specs[name] = spec
-            frames.append(buf)
-        header["tensors"] = specs
-    frames[1] = msgpack.packb(header, use_bin_type=True)
+    if not msg.tensors:
+        return [frame, msgpack.packb(header)]
+    frames: list = [frame, None]
+    specs = {}
+    for name, t in msg.tensors.items():
+        spec, buf = encode_tensor(t)
+        spec["frame"] = len(frames) - 2
+        specs[name] = spec
+        frames.append(buf)
+    header["tensors"] = specs
+    frames[1] = msgpack.packb(header)
     return frames
 
 
@@ -260,62 +294,74 @@ ZERO_COPY_MIN_BYTES = 1 << 16
 
 def needs_copy(frames: list) -> bool:
     """True when every frame is small: sending with ``copy=True`` is then the cheaper path."""
-    return all(len(f) < ZERO_COPY_MIN_BYTES if isinstance(f, bytes) else memoryview(f).nbytes < ZERO_COPY_MIN_BYTES
-               for f in frames)
+    for f in frames:
+        if (len(f) if f.__class__ is bytes else memoryview(f).nbytes) >= ZERO_COPY_MIN_BYTES:
+            return False
+    return True
 
 
-def _frame_bytes(frame) -> memoryview:
-    # zmq.Frame exposes .buffer; bytes and memoryviews are taken as they are.
-    buf = getattr(frame, "buffer", frame)
-    return memoryview(buf)
+def _view(frame) -> memoryview:
+    """A flat byte view of a zmq.Frame (its .buffer) or any other buffer."""
+    v = memoryview(getattr(frame, "buffer", frame))
+    if v.ndim != 1 or v.format != "B":
+        try:
+            v = v.cast("B")
+        except TypeError:  # not C-contiguous: copy it
+            v = memoryview(v.tobytes())
+    return v
 
 
 def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Parse frames from an untrusted peer; every failure is a ProtocolError."""
+    """Parse frames from an untrusted peer; every failure is a ProtocolError.
+
+    The header keeps only the fields of the type's schema (others are ignored, for forward
+    compatibility), each checked against its kind."""
     if len(frames) < 2:
         raise ProtocolError(ErrorCode.MALFORMED, f"a message needs at least 2 frames, got {len(frames)}")
     if len(frames) > limits.max_frames:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
-    views = [_frame_bytes(f) for f in frames]
-    total = sum(v.nbytes for v in views)
+    # zmq.Frame exposes .buffer; bytes are taken as they are, other buffers through a memoryview
+    bufs = [f if f.__class__ is bytes else _view(f) for f in frames]
+    total = sum(map(len, bufs))
     if total > limits.max_message_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {total} bytes exceeds {limits.max_message_bytes}")
-    raw_type = views[0].tobytes()
+    raw_type = bytes(bufs[0])
+    mtype = _TYPE_OF.get(raw_type)
+    if mtype is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {raw_type[:32]!r}")
+    if len(bufs[1]) > limits.max_header_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {len(bufs[1])} bytes exceeds {limits.max_header_bytes}")
     try:
-        mtype = MsgType(raw_type)
-    except ValueError:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {raw_type[:32]!r}") from None
-    if views[1].nbytes > limits.max_header_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {views[1].nbytes} bytes exceeds {limits.max_header_bytes}")
-    try:
-        header = msgpack.unpackb(
-            views[1],
-            raw=False,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=0,
-            max_ext_len=0,
-            max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len,
-        )
+        header = msgpack.unpackb(bufs[1], raw=False, strict_map_key=True, max_str_len=limits.max_str_len,
+                                 max_bin_len=0, max_ext_len=0, max_array_len=limits.max_array_len,
+                                 max_map_len=limits.max_map_len)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {exc}") from None
-    if not isinstance(header, dict):
+    if header.__class__ is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
-    if _nesting(header) > limits.max_depth:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header nests deeper than {limits.max_depth} levels")
-    session = header.get("session") if _is_int(header.get("session")) else None
-    seq = header.get("seq") if _is_int(header.get("seq")) else None
+    session = header.get("session")
+    session = session if _is_int(session) else None
+    seq = header.get("seq")
+    seq = seq if _is_int(seq) else None
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.VERSION_MISMATCH,
-            f"protocol version {version!r} is not supported; this side speaks version {PROTOCOL_VERSION}",
+            f"protocol version {brief(version)} is not supported; this side speaks version {PROTOCOL_VERSION}",
             session,
             seq,
         )
-    validate_fields(SCHEMA[mtype], header, mtype.name, session, seq)
-    tensors = _decode_tensors(header.pop("tensors", None), views[2:], session, seq)
+    specs = header.pop("tensors", None)
+    present = _check(_COMPILED[mtype], header, mtype.name, session, seq)
+    for name in _NESTED[mtype]:
+        v = header.get(name)
+        if (v.__class__ is dict or v.__class__ is list) and _nesting(v) > limits.max_depth:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{mtype.name}: field {name!r} nests deeper than "
+                                                     f"{limits.max_depth} levels", session, seq)
+    if present + 1 != len(header):  # drop fields outside the schema: nothing downstream reads them
+        header = {name: header[name] for name, *_ in _COMPILED[mtype] if name in header}
+        header["v"] = version
+    tensors = _decode_tensors(specs, bufs, session, seq) if specs is not None or len(bufs) > 2 else {}
     return Message(mtype, header, tensors)
 
 
@@ -333,24 +379,24 @@ def _nesting(obj: Any) -> int:
     return deepest
 
 
-def _decode_tensors(specs: Any, buffers: list[memoryview], session, seq) -> dict[str, torch.Tensor]:
+def _decode_tensors(specs: Any, frames: list, session, seq) -> dict[str, torch.Tensor]:
+    """The tensors described by ``specs`` in ``frames[2:]`` (the frames after type and header)."""
+    n = len(frames) - 2
     if specs is None:
-        if buffers:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{len(buffers)} tensor frames but no tensor specs", session, seq)
-        return {}
-    if not isinstance(specs, dict) or len(specs) != len(buffers):
+        raise ProtocolError(ErrorCode.MALFORMED, f"{n} tensor frames but no tensor specs", session, seq)
+    if specs.__class__ is not dict or len(specs) != n:
         raise ProtocolError(ErrorCode.MALFORMED, "tensor specs do not match the trailing frames", session, seq)
     out: dict[str, torch.Tensor] = {}
-    used: set[int] = set()
+    used = 0  # bit mask of the frames taken
     for name, spec in specs.items():
-        idx = spec.get("frame") if isinstance(spec, dict) else None
-        if not _is_int(idx) or not 0 <= idx < len(buffers) or idx in used:
-            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r} has a bad frame index", session, seq)
-        used.add(idx)
+        idx = spec.get("frame") if spec.__class__ is dict else None
+        if not _is_int(idx) or not 0 <= idx < n or used >> idx & 1:
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {brief(name)} has a bad frame index", session, seq)
+        used |= 1 << idx
         try:
-            out[name] = decode_tensor(spec, buffers[idx])
+            out[name] = decode_tensor(spec, frames[idx + 2])
         except TensorCodecError as exc:
-            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r}: {exc}", session, seq) from None
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor {brief(name)}: {exc}", session, seq) from None
     return out
 
 

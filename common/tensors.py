@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 # Only plain numeric dtypes cross the wire; names are torch's own.
@@ -24,13 +25,16 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 
-# Float bit patterns: a value is NaN or infinite exactly when its magnitude bits reach the
-# all-ones exponent. Testing the integer view is an order of magnitude cheaper than
-# torch.isfinite on CPU half precision, which matters on the per-request path.
+# Float bit patterns: a value is NaN or infinite exactly when its exponent bits are all ones.
+# Read as signed integers, the positive ones are the largest values; read as unsigned, the
+# negative ones are. So two max-reductions over integer views of the same bytes find any NaN
+# or infinity, with no temporary array: an order of magnitude cheaper than torch.isfinite on
+# CPU half precision, which matters on the per-request path.
 _FLOAT_BITS = {
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    # dtype: (signed view, unsigned view, smallest positive non-finite, smallest negative non-finite as unsigned)
+    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float32: (np.int32, np.uint32, 0x7F800000, 0xFF800000),
 }
 
 MAX_TENSOR_DIMS = 8
@@ -50,10 +54,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 def encode_tensor(t: torch.Tensor) -> tuple[dict, memoryview]:
     """Return (spec, buffer). The buffer aliases the tensor's memory when it is
     already contiguous on the CPU, so sending it with ``copy=False`` copies nothing."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    spec = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-    try:  # the common case, a contiguous CPU tensor numpy can view: three calls, no copy
+    name = _NAMES.get(getattr(t, "dtype", None))
+    if name is None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        dtype_name(t.dtype)  # raises the TypeError naming the allowed dtypes
+    spec = {"dtype": name, "shape": list(t.shape)}
+    try:  # the common case, a contiguous CPU tensor numpy can view: no copy
         return spec, memoryview(t.numpy()).cast("B")
     except (TypeError, RuntimeError):  # needs grad, not on the CPU, not contiguous, or bfloat16
         pass
@@ -69,43 +76,51 @@ def encode_tensor(t: torch.Tensor) -> tuple[dict, memoryview]:
 def all_finite(t: torch.Tensor) -> bool:
     """True when no element of a floating tensor is NaN or infinite."""
     bits = _FLOAT_BITS.get(t.dtype)
-    if bits is None or not t.is_cpu or not t.is_contiguous():
+    if bits is None or not t.is_cpu or not t.is_contiguous() or t.requires_grad:
         return bool(torch.isfinite(t).all())
     if t.numel() == 0:
         return True
-    as_int, magnitude, exponent = bits
-    return int((t.view(as_int).numpy() & magnitude).max()) < exponent
+    signed, unsigned, pos_bad, neg_bad = bits
+    # numpy has no bfloat16: torch makes that integer view
+    raw = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy().view(signed)
+    return int(raw.max()) < pos_bad and int(raw.view(unsigned).max()) < neg_bad
+
+
+def brief(v: object, width: int = 80) -> str:
+    """A short description of untrusted input for an error message: containers by type and
+    size (a repr of hostile nesting could exhaust the stack), anything else by a clipped repr."""
+    if isinstance(v, (list, tuple, dict, set)):
+        return f"a {type(v).__name__} of {len(v)}"
+    return f"{v!r:.{width}}"
 
 
 def decode_tensor(spec: object, buf) -> torch.Tensor:
     """Rebuild a tensor from its spec and a buffer-protocol object, validating both.
 
     The result shares memory with ``buf`` (read-only); clone it before writing."""
-    if not isinstance(spec, dict):
+    if spec.__class__ is not dict:
         raise TensorCodecError("tensor spec must be a map")
     name = spec.get("dtype")
+    dtype = WIRE_DTYPES.get(name) if name.__class__ is str else None
+    if dtype is None:
+        raise TensorCodecError(f"unknown tensor dtype {brief(name)}")
     shape = spec.get("shape")
-    if not isinstance(name, str) or name not in WIRE_DTYPES:
-        raise TensorCodecError(f"unknown tensor dtype {name!r}")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_TENSOR_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise TensorCodecError(f"bad tensor shape {shape!r}")
-    dtype = WIRE_DTYPES[name]
+    if shape.__class__ is not list or len(shape) > MAX_TENSOR_DIMS:
+        raise TensorCodecError(f"bad tensor shape {brief(shape)}")
     numel = 1
     for d in shape:
+        if d.__class__ is not int or d < 0:
+            raise TensorCodecError(f"bad tensor shape: dimension {brief(d)}")
         numel *= d
-    mv = memoryview(buf)
-    if mv.nbytes != numel * dtype.itemsize:
-        raise TensorCodecError(
-            f"tensor frame holds {mv.nbytes} bytes, spec {name}{shape} needs {numel * dtype.itemsize}"
-        )
+    nbytes = len(buf) if buf.__class__ is bytes else memoryview(buf).nbytes
+    if nbytes != numel * dtype.itemsize:
+        raise TensorCodecError(f"tensor frame holds {nbytes} bytes, spec {name}{shape} needs {numel * dtype.itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(mv, dtype=dtype)
-    return flat if len(shape) == 1 else flat.view(shape)
+    flat = torch.frombuffer(buf, dtype=dtype)
+    if len(shape) == 1:
+        return flat
+    return flat.view(*shape) if shape else flat.view(())  # view(*shape) parses faster than view(list)
 
 
 def _accept_read_only_buffers() -> None:

@@ -14,6 +14,14 @@ from starsd_draftd.backends.base import Draft, DraftBackend
 from starsd_draftd.server import DraftServer, ServerConfig
 
 
+def nested(depth: int) -> object:
+    """A value nested ``depth`` lists deep: hostile input for anything that walks headers."""
+    v: object = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
 class CountingBackend(DraftBackend):
     """Drafts last_token+1, +2, ...: the reply reveals which prefix the session held."""
 

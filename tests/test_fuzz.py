@@ -27,7 +27,7 @@ from common.control import ControlClient
 from common.protocol import ErrorCode, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
-from fakes import running_server
+from fakes import nested as nested_list, running_server
 from procs import Daemons
 from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
 from starsd_target.engine import TargetEngine
@@ -584,18 +584,11 @@ def test_many_connections_are_forgotten(live):
 
 
 # ---------------------------------------------------------------- bugs found by the fuzzer
-def _nested(depth: int):
-    v: object = 1
-    for _ in range(depth):
-        v = [v]
-    return v
-
-
 def test_deeply_nested_header_is_rejected_as_bad_input():
     with running_server() as (server, ctx):
         peer = Peer(ctx, None, server.endpoint)
         peer.send([b"DRAFT", msgpack.packb({"v": 1, "session": 1, "seq": 1, "accepted": 0, "pos": 1, "depth": 1,
-                                            "new": _nested(1000)})])
+                                            "new": nested_list(1000)})])
         t, h = peer.recv(5)
         assert ErrorCode(h["code"]).name in {"MALFORMED", "TOO_LARGE", "BAD_REQUEST"}, h
         assert "INTERNAL" not in server.snapshot()["errors"]

@@ -7,6 +7,7 @@ import torch
 from common import protocol as P
 from common.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError
 from common.tensors import all_finite, decode_tensor, encode_tensor
+from fakes import nested
 
 
 def roundtrip(msg: Message) -> Message:
@@ -115,6 +116,26 @@ def test_decode_errors_are_typed(frames, code):
     with pytest.raises(ProtocolError) as info:
         P.decode(frames)
     assert info.value.code == code
+
+
+def test_fields_outside_the_schema_are_dropped():
+    msg = P.decode([b"DRAFT", hdr(**GOOD_DRAFT, later_field={"x": [1, 2]}, other=nested(500))])
+    assert msg.header == {**GOOD_DRAFT, "v": P.PROTOCOL_VERSION}
+
+
+def test_deep_nesting_is_refused_in_map_fields_and_described_briefly_elsewhere():
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"OPEN", hdr(session=1, prompt=[1], sampling={"temperature": 1.0, "x": nested(100)})])
+    assert info.value.code == ErrorCode.MALFORMED and "nests deeper" in info.value.message
+    # a nested value where a scalar belongs fails its check; the message names it without a repr
+    for field in ("seq", "new"):
+        with pytest.raises(ProtocolError) as info:
+            P.decode([b"DRAFT", hdr(**{**GOOD_DRAFT, field: nested(900)})])
+        assert info.value.code == ErrorCode.BAD_REQUEST and "a list of 1" in info.value.message
+    for spec in ({"dtype": nested(900), "shape": [1], "frame": 0}, {"dtype": "uint8", "shape": [nested(900)], "frame": 0}):
+        with pytest.raises(ProtocolError) as info:
+            P.decode([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": spec}), b"a"])
+        assert info.value.code == ErrorCode.MALFORMED
 
 
 def test_size_limits():
