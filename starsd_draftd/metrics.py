@@ -1,35 +1,76 @@
-"""The draft daemon's Prometheus series (starsd_draftd_*)."""
+"""The draft daemon's Prometheus series (starsd_draftd_*).
+
+The serving loop never touches prometheus_client: it bumps the plain counters it keeps anyway
+(``Stats``) and two lock-free histograms, and a scrape reads them (a custom collector). A
+prometheus_client Counter or Histogram takes a lock per update, which cost the loop more per
+request than the rest of its bookkeeping together.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import bisect
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+SERVICE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class Buckets:
+    """A histogram updated by one thread and read by another without a lock: a scrape copies
+    the counts, so it sees each observation in the buckets or not at all; the sum may lead or
+    trail the counts by the observation being made."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last counts values above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
 class DraftMetrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.live_sessions = Gauge("starsd_draftd_live_sessions", "Draft sessions held", registry=r)
-        self.queue_depth = Gauge("starsd_draftd_queue_depth", "Draft requests waiting (Q_in)", registry=r)
-        self.peers = Gauge("starsd_draftd_peers", "Targets that completed the handshake", registry=r)
-        self.busy_fraction = Gauge("starsd_draftd_busy_fraction",
-                                   "Share of the last interval spent drafting (1.0 = never idle)", registry=r)
-        self.requests = Counter("starsd_draftd_requests", "Draft requests served", registry=r)
-        self.drafted_tokens = Counter("starsd_draftd_drafted_tokens", "Draft tokens sent", registry=r)
-        self.errors = Counter("starsd_draftd_errors", "Errors answered, by code", ["code"], registry=r)
-        self.service_seconds = Histogram(
-            "starsd_draftd_service_seconds", "Time to serve one batch of draft requests",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
-        self.batch_size = Histogram("starsd_draftd_batch_size", "Sessions drafted together",
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+    """A prometheus collector over the daemon's counters. ``snapshot`` returns the daemon's
+    stats (``DraftServer.snapshot()``); it is called from the scrape thread and only reads."""
 
-    def on_batch(self, requests: int, tokens: int, seconds: float) -> None:
-        self.requests.inc(requests)
-        self.drafted_tokens.inc(tokens)
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+        self.busy_fraction = 0.0  # of the last sampling interval, set by the serving loop
+        self.service_seconds = Buckets(SERVICE_BUCKETS)
+        self.batch_size = Buckets(BATCH_BUCKETS)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def on_batch(self, requests: int, seconds: float) -> None:
         self.service_seconds.observe(seconds)
         self.batch_size.observe(requests)
 
-    def sample(self, live_sessions: int, queue_depth: int, peers: int, busy_fraction: float) -> None:
-        self.live_sessions.set(live_sessions)
-        self.queue_depth.set(queue_depth)
-        self.peers.set(peers)
-        self.busy_fraction.set(busy_fraction)
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        yield GaugeMetricFamily("starsd_draftd_live_sessions", "Draft sessions held", value=s["live_sessions"])
+        yield GaugeMetricFamily("starsd_draftd_queue_depth", "Draft requests waiting (Q_in)", value=s["queue_depth"])
+        yield GaugeMetricFamily("starsd_draftd_peers", "Targets that completed the handshake", value=s["peers"])
+        yield GaugeMetricFamily("starsd_draftd_busy_fraction",
+                                "Share of the last interval spent drafting (1.0 = never idle)",
+                                value=self.busy_fraction)
+        yield CounterMetricFamily("starsd_draftd_requests", "Draft requests served", value=s["requests"])
+        yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
+        errors = CounterMetricFamily("starsd_draftd_errors", "Errors answered, by code", labels=["code"])
+        for code, n in sorted(s["errors"].items()):
+            errors.add_metric([code], n)
+        yield errors
+        yield self.service_seconds.family("starsd_draftd_service_seconds", "Time to serve one batch of draft requests")
+        yield self.batch_size.family("starsd_draftd_batch_size", "Sessions drafted together")

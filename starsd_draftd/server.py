@@ -119,7 +119,7 @@ class DraftServer:
         self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
-        self.metrics = DraftMetrics()
+        self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
         self.instance = secrets.token_hex(8)
         self._stop = threading.Event()
@@ -241,7 +241,6 @@ class DraftServer:
 
     def _error(self, identity: bytes | None, exc: ProtocolError) -> None:
         self.stats.errors[exc.code.name] += 1
-        self.metrics.errors.labels(code=exc.code.name).inc()
         log.debug("protocol error from %r: %s", identity, exc)
         if identity is not None:
             self._send(identity, P.error_from(exc))
@@ -267,36 +266,41 @@ class DraftServer:
 
     def _on_message(self, identity: bytes, principal: bytes, msg: Message) -> None:
         h = msg.header
-        if msg.type is MsgType.STATS:
-            self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
-            return
-        peer = self.sessions.touch(principal, identity)
-        if msg.type is MsgType.PING:
-            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
-            return
-        if self.draining and msg.type in (MsgType.HELLO, MsgType.OPEN):
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the draft daemon is shutting down", h.get("session"))
-        if msg.type is MsgType.HELLO:
-            self._hello(identity, principal, h)
-            return
-        if peer is None:
-            raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
-        if msg.type is MsgType.OPEN:
-            self._open(principal, h)
-        elif msg.type is MsgType.DRAFT:
+        mtype = msg.type
+        if mtype is MsgType.DRAFT:  # the hot path first
+            if self.sessions.touch(principal, identity) is None:
+                raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             if len(self.q_in) >= self.config.max_queue:
                 raise ProtocolError(ErrorCode.BUSY, f"request queue is full ({self.config.max_queue})",
                                     h["session"], h["seq"])
             self.q_in.append((identity, principal, msg))
-            session.returned(time.monotonic())
-            self._awaited.pop(session.key, None)
-        elif msg.type is MsgType.CLOSE:
+            if self.config.batch_window_s > 0:
+                session.returned(time.monotonic())
+                self._awaited.pop(session.key, None)
+            return
+        if mtype is MsgType.STATS:
+            self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
+            return
+        peer = self.sessions.touch(principal, identity)
+        if mtype is MsgType.PING:
+            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
+            return
+        if self.draining and mtype in (MsgType.HELLO, MsgType.OPEN):
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the draft daemon is shutting down", h.get("session"))
+        if mtype is MsgType.HELLO:
+            self._hello(identity, principal, h)
+            return
+        if peer is None:
+            raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
+        if mtype is MsgType.OPEN:
+            self._open(principal, h)
+        elif mtype is MsgType.CLOSE:
             s = self.sessions.close(principal, h["session"])
             if s is not None:
                 self.backend.release(s.state)
         else:
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a request")
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
 
     def _hello(self, identity: bytes, principal: bytes, h: dict) -> None:
         mine = (self.backend.vocab_size, self.backend.fingerprint)
@@ -395,6 +399,8 @@ class DraftServer:
     def _take_batch(self) -> list[tuple[bytes, bytes, Message]]:
         """The oldest waiting requests, at most batch_max, one per session (a session's later
         request waits for the next pass, so each session's requests stay in order)."""
+        if len(self.q_in) <= 1 or self.config.batch_max == 1:
+            return [self.q_in.popleft()] if self.q_in else []
         batch, seen, rest = [], set(), collections.deque()
         while self.q_in and len(batch) < self.config.batch_max:
             item = self.q_in.popleft()
@@ -445,28 +451,29 @@ class DraftServer:
         finally:
             elapsed = time.perf_counter() - t0
             self.stats.busy_s += elapsed
-        tokens = sum(len(d.tokens) for d in drafts)
-        self.stats.requests += len(admitted)
-        self.stats.drafted_tokens += tokens
-        self.stats.batches += 1
-        self.stats.batched_requests += len(admitted)
-        # the replies leave next: the rest of the bookkeeping is off the targets' critical path
+        stats = self.stats  # counted before the replies leave, so a target that saw its reply sees it counted
+        stats.requests += len(admitted)
+        stats.drafted_tokens += sum(len(d.tokens) for d in drafts)
+        stats.batches += 1
+        stats.batched_requests += len(admitted)
         for (identity, h, _, _), draft in zip(admitted, drafts):
-            tensors = {}
-            if draft.q_ids is not None:
-                tensors = {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
-            self._send(identity, Message(MsgType.DRAFTED, {"session": h["session"], "seq": h["seq"],
-                                                           "tokens": draft.tokens}, tensors))
+            reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens}
+            if draft.q_ids is None:
+                self._send(identity, Message(MsgType.DRAFTED, reply))
+            else:
+                self._send(identity, Message(MsgType.DRAFTED, reply, {"q_ids": draft.q_ids, "q_probs": draft.q_probs}))
         self._flush_out()
+        # the rest of the bookkeeping is off the targets' critical path
+        window = self.config.batch_window_s > 0
         sent = time.monotonic()
         for (_, _, key, _), draft in zip(admitted, drafts):
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)
-                session.replied_at = sent
-                if self.config.batch_window_s > 0:
+                if window:
+                    session.replied_at = sent
                     self._awaited[key] = session
-        self.metrics.on_batch(len(admitted), tokens, elapsed)
+        self.metrics.on_batch(len(admitted), elapsed)
 
     def _check_features(self, session, msg: Message, pos: int):
         """The features a feature backend needs with this request, validated; None otherwise."""
@@ -496,7 +503,7 @@ class DraftServer:
         t0, busy0 = self._busy_mark
         busy = (self.stats.busy_s - busy0) / max(1e-9, now - t0)
         self._busy_mark = (now, self.stats.busy_s)
-        self.metrics.sample(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers), min(1.0, busy))
+        self.metrics.busy_fraction = min(1.0, busy)
 
     def _expire(self, now: float) -> None:
         for s in self.sessions.expire(now):

@@ -1,0 +1,45 @@
+"""The draft daemon's Prometheus series, read from its counters at scrape time."""
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from starsd_draftd.metrics import Buckets, DraftMetrics
+
+
+def samples(metrics: DraftMetrics) -> dict:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_buckets_count_values_at_or_below_each_bound():
+    b = Buckets((1, 2, 4))
+    for v in (0.5, 1, 1.5, 2, 3, 4, 9):
+        b.observe(v)
+    family = b.family("h", "doc")
+    got = {s.labels["le"]: s.value for s in family.samples if s.name == "h_bucket"}
+    assert got == {"1.0": 2, "2.0": 4, "4.0": 6, "+Inf": 7}
+    assert {s.name: s.value for s in family.samples if s.name != "h_bucket"} == {"h_count": 7, "h_sum": 21.0}
+
+
+def test_series_follow_the_daemons_counters():
+    stats = {"live_sessions": 3, "queue_depth": 1, "peers": 2, "requests": 10, "drafted_tokens": 50,
+             "errors": {"BAD_REQUEST": 2, "DESYNC": 1}}
+    m = DraftMetrics(lambda: stats)
+    m.busy_fraction = 0.75
+    m.on_batch(2, 0.003)
+    m.on_batch(1, 0.0004)
+    got = samples(m)
+    assert got[("starsd_draftd_live_sessions", ())] == 3
+    assert got[("starsd_draftd_queue_depth", ())] == 1
+    assert got[("starsd_draftd_peers", ())] == 2
+    assert got[("starsd_draftd_busy_fraction", ())] == 0.75
+    assert got[("starsd_draftd_requests_total", ())] == 10
+    assert got[("starsd_draftd_drafted_tokens_total", ())] == 50
+    assert got[("starsd_draftd_errors_total", (("code", "BAD_REQUEST"),))] == 2
+    assert got[("starsd_draftd_errors_total", (("code", "DESYNC"),))] == 1
+    assert got[("starsd_draftd_service_seconds_count", ())] == 2
+    assert got[("starsd_draftd_service_seconds_bucket", (("le", "0.0005"),))] == 1
+    assert got[("starsd_draftd_batch_size_sum", ())] == 3
+    stats["requests"] = 11  # read at scrape time, not copied at start
+    assert samples(m)[("starsd_draftd_requests_total", ())] == 11
