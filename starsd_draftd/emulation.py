@@ -104,7 +104,8 @@ class EmulatedBackend(DraftBackend):
         self.feature_size = feature_size
         self._sleep = sleep or PacedSleep()
         weights = torch.arange(self.q_topk, 0, -1, dtype=torch.float32)
-        self._q_probs = (weights / weights.sum()).expand(64, -1).contiguous()  # a fixed, decreasing proposal
+        q_probs = (weights / weights.sum()).expand(64, -1).contiguous()  # a fixed, decreasing proposal
+        self._q_probs = [q_probs[:d] for d in range(65)]  # by depth, sliced once
         # The proposal row for draft token t is (t + 0..K-1) mod V. This backend stands in for a
         # zero-cost accelerator, so its per-request CPU cost should be next to nothing: all rows
         # are built once (row r for token r mod V; 64 extra rows for drafts that wrap around)
@@ -127,7 +128,11 @@ class EmulatedBackend(DraftBackend):
         if delay > 0:
             self._sleep(delay)
         st.calls += 1
-        tokens = [(verified[-1] + 1 + i) % self.vocab_size for i in range(depth)]
+        start = verified[-1] + 1
+        if start + depth <= self.vocab_size:
+            tokens = list(range(start, start + depth))
+        else:
+            tokens = [(start + i) % self.vocab_size for i in range(depth)]
         if st.params.greedy:
             return Draft(tokens)
         start = tokens[0]
@@ -136,7 +141,7 @@ class EmulatedBackend(DraftBackend):
         else:
             ids = ((torch.arange(start, start + depth)[:, None] + torch.arange(self.q_topk)) % self.vocab_size).to(
                 torch.int32)
-        return Draft(tokens, ids, self._q_probs[:depth])
+        return Draft(tokens, ids, self._q_probs[depth])
 
 
 # ---------------------------------------------------------------- the trace
