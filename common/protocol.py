@@ -302,7 +302,9 @@ def needs_copy(frames: list) -> bool:
 
 def _view(frame) -> memoryview:
     """A flat byte view of a zmq.Frame (its .buffer) or any other buffer."""
-    v = memoryview(getattr(frame, "buffer", frame))
+    v = getattr(frame, "buffer", frame)
+    if v.__class__ is not memoryview:
+        v = memoryview(v)
     if v.ndim != 1 or v.format != "B":
         try:
             v = v.cast("B")

@@ -487,14 +487,15 @@ class DraftServer:
         if f is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend needs target features",
                                 sid, seq)
-        if f.dtype not in FEATURE_DTYPES or f.dim() != 2 or f.shape[1] != need:
+        dtype, shape = f.dtype, f.shape
+        if dtype not in FEATURE_DTYPES or len(shape) != 2 or shape[1] != need:
             raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"features must be float [m, {need}], got {str(f.dtype)} {list(f.shape)}", sid, seq)
-        if session.features + f.shape[0] != pos - 1:
+                                f"features must be float [m, {need}], got {str(dtype)} {list(shape)}", sid, seq)
+        if session.features + shape[0] != pos - 1:
             raise ProtocolError(
                 ErrorCode.DESYNC,
-                f"the session holds {session.features} features; {f.shape[0]} more make "
-                f"{session.features + f.shape[0]}, but {pos - 1} are needed; re-open the session", sid, seq)
+                f"the session holds {session.features} features; {shape[0]} more make "
+                f"{session.features + shape[0]}, but {pos - 1} are needed; re-open the session", sid, seq)
         if not all_finite(f):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
         return f
