@@ -24,6 +24,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_NP_DTYPES = {dtype: np.dtype(name) for name, dtype in WIRE_DTYPES.items() if name != "bfloat16"}
 
 # Float bit patterns: a value is NaN or infinite exactly when its exponent bits are all ones.
 # Read as signed integers, the positive ones are the largest values; read as unsigned, the
@@ -116,6 +117,9 @@ def decode_tensor(spec: object, buf) -> torch.Tensor:
     nbytes = len(buf) if buf.__class__ is bytes else memoryview(buf).nbytes
     if nbytes != numel * dtype.itemsize:
         raise TensorCodecError(f"tensor frame holds {nbytes} bytes, spec {name}{shape} needs {numel * dtype.itemsize}")
+    np_dtype = _NP_DTYPES.get(dtype)
+    if np_dtype is not None:  # one call into torch: numpy builds the shaped view
+        return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).reshape(shape))
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(buf, dtype=dtype)
@@ -131,6 +135,7 @@ def _accept_read_only_buffers() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         torch.frombuffer(b"\0", dtype=torch.uint8)
+        torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 
 _accept_read_only_buffers()
