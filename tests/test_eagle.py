@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common.models import ModelLoadError, load_causal_lm
 from common.verify import SamplingParams, logits_to_probs
+from starsd_draftd.backends.base import DraftRequest
 from starsd_draftd.backends.eagle import EagleBackend, load_eagle_head
 from starsd_draftd.eagle_compat import build_head, cnets_config, restore_rotary_precision
 from starsd_draftd.eagle_train import head_config_for, save_eagle_head, train_eagle_head
@@ -268,6 +269,44 @@ def _run_rounds(backend, target, seed, rounds=10, depth=4):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_incremental_drafts_equal_a_fresh_session(backend, loaded_target, seed):
     _run_rounds(backend, loaded_target, seed)
+
+
+def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=5):
+    """Several sessions (ragged prompts, one of a single token) through rounds that keep a random
+    part of each draft; every round's requests served together or one at a time."""
+    rng = random.Random(seed)
+    verified = [[rng.randrange(3, 259) for _ in range(1 if i == 0 else rng.randint(2, 12))] for i in range(n_sessions)]
+    states = [backend.new_state(params) for _ in range(n_sessions)]
+    sent = [0] * n_sessions
+    log = []
+    for _ in range(rounds):
+        reqs = []
+        for i in range(n_sessions):
+            feats = _features(target.model, verified[i][:-1])[sent[i]:].half() if len(verified[i]) > 1 \
+                else torch.zeros(0, HIDDEN)
+            sent[i] = len(verified[i]) - 1
+            reqs.append(DraftRequest(states[i], list(verified[i]), rng.randint(1, 5), feats))
+        drafts = backend.draft_many(reqs) if batched else \
+            [backend.draft(r.state, r.verified, r.depth, r.new_features) for r in reqs]
+        log.append([d.tokens for d in drafts])
+        for i, d in enumerate(drafts):
+            verified[i] += d.tokens[: rng.randint(0, len(d.tokens))] + [rng.randrange(3, 259)]
+    return log, states
+
+
+@pytest.mark.parametrize("seed, params", [(0, SamplingParams()), (1, SamplingParams()),
+                                          (2, SamplingParams(temperature=0.9, top_k=30, seed=4))])
+def test_batched_drafts_and_caches_equal_one_at_a_time(backend, loaded_target, seed, params):
+    one, s1 = _run_sessions(backend, loaded_target, seed, params, batched=False)
+    many, s2 = _run_sessions(backend, loaded_target, seed, params, batched=True)
+    assert one == many
+    assert any(len(round_) > 1 and all(round_) for round_ in many)  # real batches were drafted
+    for a, b in zip(s1, s2):
+        assert a.pairs == b.pairs
+        assert torch.allclose(a.last_hidden, b.last_hidden, atol=1e-5)
+        for (ka, va), (kb, vb) in zip(a.past, b.past):
+            assert ka.shape == kb.shape and va.shape == vb.shape
+            assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
 
 
 def test_feature_count_must_match_the_verified_tokens(backend, loaded_target):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_identity
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
 from starsd_draftd.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
@@ -333,10 +333,10 @@ class EagleBackend(DraftBackend):
             raise ValueError("the verified tokens changed under features the session already holds")
         return m
 
-    # ------------------------------------------------------------ the interface
-    @torch.inference_mode()
-    def draft(self, state: object, verified: list[int], depth: int, new_features: torch.Tensor | None = None) -> Draft:
-        st: EagleSession = state  # type: ignore[assignment]
+    def _absorb(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> torch.Tensor | None:
+        """Take a request's new features into the session's cache (after dropping the pairs of the
+        previous draft's predicted features); the head's output at the last real pair, or None
+        while the session has no feature yet (a one-token prompt)."""
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
         m = self._check_features(st, verified, new_features)
@@ -348,12 +348,92 @@ class EagleBackend(DraftBackend):
             out = self._step(st, feats, ids)
             st.pairs.extend(ids)
             st.last_hidden = out[:, -1:]
-        if st.last_hidden is None or depth < 1:
-            return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
-        hidden = st.last_hidden
+        return st.last_hidden
+
+    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int) -> Draft:
         chain = ChainDrafter(st.params, st.generator, self.q_topk)
         for j in range(depth):
             tok = chain.pick(self._logits(hidden))
             if j + 1 < depth:
                 hidden = self._step(st, hidden, [tok])
         return chain.result()
+
+    def _chains(self, sessions: list[EagleSession], hiddens: list[torch.Tensor], depths: list[int]) -> list[Draft]:
+        """Several sessions' chains with one head step per draft position for all of them: their
+        caches are merged for the steps (left-padded to the longest, the padding masked out, each
+        row at its own positions) and split back after, each keeping exactly the positions its own
+        chain would have added. Rows whose chain is shorter run on; what they add is dropped."""
+        k, steps = len(sessions), max(depths) - 1
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
+        lengths = [st.past[0][0].shape[2] for st in sessions]
+        longest = max(lengths)
+        past = _merge_past([st.past for st in sessions], lengths, longest) if steps else None
+        mask = torch.zeros(k, longest, dtype=torch.long, device=self.device)
+        for i, n in enumerate(lengths):
+            mask[i, longest - n:] = 1
+        hidden = torch.cat(hiddens)  # [k, 1, H]
+        toks = [0] * k
+        for j in range(steps + 1):
+            logits = F.linear(hidden[:, -1], self.head.lm_head_weight)[:, : self.vocab_size].float()
+            for i, chain in enumerate(chains):
+                if j < depths[i]:
+                    toks[i] = chain.pick(logits[i])
+            if j < steps:
+                mask = torch.cat([mask, mask.new_ones(k, 1)], dim=1)
+                ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=self.device)
+                pos = torch.tensor([[n + j] for n in lengths], dtype=torch.long, device=self.device)
+                hidden, past = self.module(hidden, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                           past_key_values=past, use_cache=True)
+        if steps:
+            for i, st in enumerate(sessions):
+                lo, hi = longest - lengths[i], longest + depths[i] - 1
+                st.past = tuple((kk[i:i + 1, :, lo:hi].contiguous(), vv[i:i + 1, :, lo:hi].contiguous())
+                                for kk, vv in past)
+        return [c.result() for c in chains]
+
+    # ------------------------------------------------------------ the interface
+    @torch.inference_mode()
+    def draft(self, state: object, verified: list[int], depth: int, new_features: torch.Tensor | None = None) -> Draft:
+        st: EagleSession = state  # type: ignore[assignment]
+        hidden = self._absorb(st, verified, new_features)
+        if hidden is None or depth < 1:
+            return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
+        return self._chain(st, hidden, depth)
+
+    @torch.inference_mode()
+    def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Each session takes its new features on its own (their counts differ); the chains then
+        run batched, one head step per draft position for every session."""
+        drafts: list[Draft | None] = [None] * len(requests)
+        ready = []  # (index, session, the head's output at its last real pair, depth)
+        for i, r in enumerate(requests):
+            st: EagleSession = r.state  # type: ignore[assignment]
+            hidden = self._absorb(st, r.verified, r.new_features)
+            if hidden is None or r.depth < 1:
+                drafts[i] = Draft([])
+            else:
+                ready.append((i, st, hidden, r.depth))
+        if len(ready) == 1:
+            i, st, hidden, depth = ready[0]
+            drafts[i] = self._chain(st, hidden, depth)
+        elif ready:
+            done = self._chains([x[1] for x in ready], [x[2] for x in ready], [x[3] for x in ready])
+            for (i, *_), d in zip(ready, done):
+                drafts[i] = d
+        return drafts  # type: ignore[return-value]
+
+
+def _merge_past(pasts: list[tuple], lengths: list[int], longest: int) -> tuple:
+    """Per layer, the sessions' cached (k, v) [1, kv_heads, n_i, head_dim] as one batch
+    [sessions, kv_heads, longest, head_dim], each row right-aligned (left padding)."""
+    merged = []
+    for layer in zip(*pasts):
+        pair = []
+        for which in (0, 1):
+            first = layer[0][which]
+            out = first.new_zeros((len(layer), first.shape[1], longest, first.shape[3]))
+            for i, (kv, n) in enumerate(zip(layer, lengths)):
+                out[i, :, longest - n:] = kv[which][0]
+            pair.append(out)
+        merged.append(tuple(pair))
+    return tuple(merged)
