@@ -335,11 +335,13 @@ class Pool:
 
 def measure_capacity(endpoint: str, k: int, depth: int, duration_s: float, ctx: zmq.Context, *,
                      vocab_size: int = EMU_VOCAB, fingerprint: str = EMU_FINGERPRINT, acceptance: float = 0.7,
-                     seed: int = 0, prompt_len: int = 16, max_len: int = 320, warmup_rounds: int = 2) -> dict:
+                     seed: int = 0, prompt_len: int = 16, max_len: int = 320, warmup_rounds: int = 2,
+                     feature_size: int = 0) -> dict:
     """Requests per second a draft daemon serves with ``k`` sessions always waiting: k targets
     (one DraftClient each, the real target-side client) in a closed loop that re-sends as soon
     as its drafts arrive, keeping its prefix bookkeeping exact (a Bernoulli(acceptance) prefix
-    of each draft kept, plus one token of its own)."""
+    of each draft kept, plus one token of its own). With ``feature_size`` (a feature backend)
+    each request carries random float16 features for the positions verified since the last."""
     from starsd_target.client import DraftClient, DraftReply
 
     rng = random.Random(seed)
@@ -347,24 +349,30 @@ def measure_capacity(endpoint: str, k: int, depth: int, duration_s: float, ctx: 
     poller = zmq.Poller()
     try:
         for i in range(k):
-            c = DraftClient(endpoint, vocab_size, fingerprint, f"capacity{i}", ctx)
+            c = DraftClient(endpoint, vocab_size, fingerprint, f"capacity{i}", ctx, feature_size=feature_size)
             c.handshake(30.0)
             clients.append(c)
             poller.register(c.sock, zmq.POLLIN)
         prompts = [[3 + (seed * 7 + 13 * i + j) % 200 for j in range(prompt_len)] for i in range(k)]
+        g = torch.Generator().manual_seed(seed)
+        features = torch.randn(max_len + 2 * depth + 8, feature_size, generator=g).half() if feature_size else None
 
         def send(i: int) -> None:
             st = state[i]
             if len(st["verified"]) > max_len:  # keep contexts bounded: start the session over
                 clients[i].open(1, prompts[i], SamplingParams(seed=i))
-                st.update(verified=list(prompts[i]), accepted=0, new=[])
+                st.update(verified=list(prompts[i]), accepted=0, new=[], sent=0)
             st["seq"] += 1
-            if not clients[i].request(1, st["seq"], st["accepted"], st["new"], len(st["verified"]), depth):
+            f = None
+            if features is not None:
+                f = features[: len(st["verified"]) - 1 - st["sent"]]
+                st["sent"] = len(st["verified"]) - 1
+            if not clients[i].request(1, st["seq"], st["accepted"], st["new"], len(st["verified"]), depth, f):
                 raise RuntimeError(f"capacity client {i} cannot reach {endpoint}")
 
         for i, c in enumerate(clients):
             c.open(1, prompts[i], SamplingParams(seed=i))
-            state.append({"verified": list(prompts[i]), "accepted": 0, "new": [], "seq": 0, "done": 0})
+            state.append({"verified": list(prompts[i]), "accepted": 0, "new": [], "seq": 0, "done": 0, "sent": 0})
         by_sock = {c.sock: i for i, c in enumerate(clients)}
         for i in range(k):
             send(i)
@@ -1177,9 +1185,72 @@ def start_batched(cfg: BenchConfig, pool: Pool, draft_dir: Path) -> tuple[str, d
                       "windowed": pool.start(f"batch{b}-window-draftd", args(b, cfg.batch_window_ms))}
 
 
-def batched_section(cfg: BenchConfig, pool: Pool, step, draft_dir: Path) -> dict:
+def random_eagle_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An EAGLE head with random weights, shaped for ``target_dir`` and written in EAGLE's layout:
+    enough to time the EAGLE backend (not to draft well)."""
+    from transformers import AutoConfig
+
+    from starsd_draftd.eagle_compat import build_head
+    from starsd_draftd.eagle_train import head_config_for, save_eagle_head
+
+    if (out / "config.json").is_file():
+        return out
+    target = AutoConfig.from_pretrained(str(target_dir))
+    config = head_config_for(target, int(target.hidden_size), int(target.vocab_size))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = build_head(config, bias=True)
+    return save_eagle_head(head, config, out)
+
+
+def eagle_capacity(cfg: BenchConfig, pool: Pool, step, target_dir: Path) -> dict:
+    """The EAGLE backend's capacity with batch_max sessions waiting, one session at a time and
+    batched (with the batch window), each request carrying the target features it needs."""
+    if importlib.util.find_spec("eagle") is None:
+        step("batched eagle (not installed)")
+        step("batched eagle (not installed)")
+        return {"available": False, "reason": "eagle-llm is not installed (pip install --no-deps eagle-llm==1.2.1)"}
+    from starsd_draftd.backends.eagle import EagleBackend
+
+    with quiet_transformers():
+        head_dir = random_eagle_head(target_dir, pool.workdir / "eagle-head", cfg.seed)
+        probe = EagleBackend.from_dirs(head_dir, target_dir, dtype="float32")
+    vocab, fingerprint, hidden = probe.vocab_size, probe.fingerprint, probe.feature_size
+    del probe
+    b = cfg.batch_max
+
+    def args(batch: int, window_ms: float):
+        return lambda ep: ["starsd_draftd.emulation", "serve", "--backend", "eagle", "--eagle-head", str(head_dir),
+                           "--model", str(target_dir), "--bind", ep, "--depth", str(cfg.depth), "--batch-max",
+                           str(batch), "--batch-window-ms", str(window_ms), "--q-topk", str(cfg.q_topk),
+                           "--threads", "1", "--log-level", "warning"]
+
+    runs = {}
+    for label, batch, window in (("one", 1, 0.0), ("windowed", b, cfg.batch_window_ms)):
+        name = f"eagle-batch{batch}-draftd"
+        ep = pool.start(name, args(batch, window))
+        pool.ready(name)
+        runs[label] = measure_capacity(ep, b, cfg.depth, cfg.capacity_s, pool.ctx, vocab_size=vocab,
+                                       fingerprint=fingerprint, seed=cfg.seed + b, feature_size=hidden)
+        pool.stop(name)
+        step(f"batched eagle {label} k={b}")
+    one, win = runs["one"], runs["windowed"]
+    return {
+        "available": True,
+        "label": ("EAGLE head with random weights shaped for the target (timing only), k sessions always waiting, "
+                  "each request carrying its float16 target features"),
+        "hidden_size": hidden,
+        "one_at_a_time": one,
+        "windowed": win,
+        "capacity_gain": win["requests_per_s"] / one["requests_per_s"],
+        "service_ms_per_request_one_at_a_time": 1000.0 / one["requests_per_s"],
+        "service_ms_per_request_batched": 1000.0 / win["requests_per_s"],
+    }
+
+
+def batched_section(cfg: BenchConfig, pool: Pool, step, draft_dir: Path, target_dir: Path) -> dict:
     """Capacity of the real draft model one session at a time and with batch_max (without and
-    with a batch window)."""
+    with a batch window), and of the EAGLE backend for the target."""
     if not batch_max_supported():
         step("batched (not available)")
         return {"available": False,
@@ -1215,6 +1286,7 @@ def batched_section(cfg: BenchConfig, pool: Pool, step, draft_dir: Path) -> dict
         return at_k(label)["requests_per_s"] / one["requests_per_s"]
 
     best = max(runs["windowed"] + runs["batched"], key=lambda r: r["requests_per_s"])
+    eagle = eagle_capacity(cfg, pool, step, target_dir)
     return {
         "available": True,
         "label": "real draft model on this CPU, k sessions always waiting (closed loop, real client and protocol)",
@@ -1231,6 +1303,7 @@ def batched_section(cfg: BenchConfig, pool: Pool, step, draft_dir: Path) -> dict
         "service_ms_per_request_batched": 1000.0 / at_k("windowed")["requests_per_s"],
         "target": {"capacity_gain_min": 3.0, "met": gain("windowed") >= 3.0,
                    "measured_with": f"batch_max {b}, batch window {cfg.batch_window_ms:g} ms"},
+        "eagle": eagle,
     }
 
 
@@ -1250,7 +1323,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(1)
     n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
                "real": min(cfg.real_n_max, cfg.n_max) + 3,
-               "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 1}
+               "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -1310,7 +1383,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         if "real" in cfg.sections:
             real_raw = timed("real", lambda: real_measure(cfg, pool, step, models))
         if "batched" in cfg.sections:
-            report["batched"] = timed("batched", lambda: batched_section(cfg, pool, step, models[1]))
+            report["batched"] = timed("batched", lambda: batched_section(cfg, pool, step, models[1], models[0]))
         if real_raw is not None:
             report["real"] = timed("real", lambda: real_finish(cfg, pool, real_raw, step))
     finally:
@@ -1354,6 +1427,12 @@ def _derive(report: dict, cfg: BenchConfig) -> None:
             "verify_plus_rtt_ms": v_r[0], "from": v_r[1],
             "note": "capacity-equivalent: S = 1 / requests per second with k = batch_max waiting",
         }
+        eagle = batched.get("eagle", {})
+        if eagle.get("available"):
+            eagle["n_full"] = {
+                "one_at_a_time": plan_mod.n_full(eagle["service_ms_per_request_one_at_a_time"], v_r[0], 0.0),
+                "batched": plan_mod.n_full(eagle["service_ms_per_request_batched"], v_r[0], 0.0),
+                "verify_plus_rtt_ms": v_r[0], "from": v_r[1]}
     summary = {}
     if "wire" in report:
         summary["overhead_ratio_p50_le_1_5"] = report["wire"]["target"]
@@ -1469,6 +1548,17 @@ def format_report(report: dict) -> str:
                           f"{_fmt(best['mean_batch'], '.1f')}); N_full "
                           f"{nf.get('one_at_a_time', '-')} -> {nf.get('batched', '-')} (V + R = "
                           f"{_fmt(nf.get('verify_plus_rtt_ms'), '.2f')} ms, {nf.get('from', '-')})."]
+            e = b.get("eagle", {})
+            if e.get("available"):
+                enf = e.get("n_full", {})
+                lines += ["", f"EAGLE backend ({e['label']}; hidden size {e['hidden_size']}): "
+                              f"{e['one_at_a_time']['requests_per_s']:.0f} requests/s one at a time, "
+                              f"{e['windowed']['requests_per_s']:.0f} with batch_max {b['batch_max']} and the "
+                              f"{window:g} ms window (mean batch {_fmt(e['windowed']['mean_batch'], '.2f')}): "
+                              f"{e['capacity_gain']:.2f}x; N_full {enf.get('one_at_a_time', '-')} -> "
+                              f"{enf.get('batched', '-')}."]
+            elif e:
+                lines += ["", f"EAGLE backend: not measured ({e.get('reason')})."]
         lines.append("")
     if report.get("targets"):
         lines += ["## Targets", ""]

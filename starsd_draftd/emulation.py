@@ -434,8 +434,9 @@ def main() -> None:
 
 @main.command()
 @_option("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback unless you add CURVE).")
-@_option("--backend", type=click.Choice(["emulated", "model"]), default="emulated",
-         help="emulated: sleep S(d) per request (accelerator emulation). model: a real draft model (--model).")
+@_option("--backend", type=click.Choice(["emulated", "model", "eagle"]), default="emulated",
+         help="emulated: sleep S(d) per request (accelerator emulation). model: a real draft model (--model). "
+              "eagle: an EAGLE head (--eagle-head) drafting for the target checkpoint --model.")
 @_option("--draft-base-ms", type=click.FloatRange(0), default=1.0, help="Emulated S(d) = base + per-token * d: base.")
 @_option("--draft-per-token-ms", type=click.FloatRange(0), default=1.0, help="Emulated S(d): cost per drafted token.")
 @_option("--depth", type=click.IntRange(1, 64), default=8, help="Most draft tokens per request.")
@@ -446,13 +447,14 @@ def main() -> None:
 @_option("--q-topk", type=click.IntRange(1), default=32, help="Entries of the sparse q sent in sampling mode.")
 @_option("--feature-size", type=click.IntRange(0), default=0,
          help="Emulated backend only: take target features of this width with each request.")
-@_option("--model", default="demo-draft", help="--backend model: the draft checkpoint.")
+@_option("--model", default="demo-draft", help="--backend model: the draft checkpoint; eagle: the target's.")
+@_option("--eagle-head", default=None, help="--backend eagle: the head directory.")
 @_option("--device", default="cpu", help="--backend model: device.")
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
 def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
-          model, device, threads, trace, log_level) -> None:
+          model, eagle_head, device, threads, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -466,8 +468,8 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
     else:
         from starsd_draftd.cli import ServeConfig, build_backend
 
-        inner = build_backend(ServeConfig(server=server_config(), model=model, device=device, q_topk=q_topk,
-                                          threads=threads))
+        inner = build_backend(ServeConfig(server=server_config(), model=model, backend=backend, eagle_head=eagle_head,
+                                          base_model=model, device=device, q_topk=q_topk, threads=threads))
         name = "starsd-draftd-traced"
     run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
 

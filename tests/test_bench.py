@@ -424,6 +424,11 @@ def test_quick_bench_batched_fields(quick_report):
     assert _num(b["capacity_gain_work_conserving"])
     assert b["batched"][-1]["mean_batch"] >= 1.0 and b["windowed"][-1]["mean_batch"] >= 1.0
     assert "batch window" in b["target"]["measured_with"]
+    e = b["eagle"]  # eagle-llm is part of the install, so the EAGLE backend is measured too
+    assert e["available"] and e["hidden_size"] > 0 and "random weights" in e["label"]
+    assert e["one_at_a_time"]["k"] == e["windowed"]["k"] == 8
+    assert e["one_at_a_time"]["mean_batch"] == 1.0 and e["windowed"]["mean_batch"] >= 1.0
+    assert _num(e["capacity_gain"]) and e["n_full"]["one_at_a_time"] >= 1 and e["n_full"]["batched"] >= 1
     assert set(r["targets"]) == {"overhead_ratio_p50_le_1_5", "emulation_busy_ge_95_from_n_full",
                                  "emulation_throughput_within_10pct", "batched_capacity_ge_3x"}
 
