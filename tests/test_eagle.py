@@ -271,9 +271,10 @@ def test_incremental_drafts_equal_a_fresh_session(backend, loaded_target, seed):
     _run_rounds(backend, loaded_target, seed)
 
 
-def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=5):
+def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=6):
     """Several sessions (ragged prompts, one of a single token) through rounds that keep a random
-    part of each draft; every round's requests served together or one at a time."""
+    part of each draft, or now and then repeat a request (no new features); every round's
+    requests served together or one at a time."""
     rng = random.Random(seed)
     verified = [[rng.randrange(3, 259) for _ in range(1 if i == 0 else rng.randint(2, 12))] for i in range(n_sessions)]
     states = [backend.new_state(params) for _ in range(n_sessions)]
@@ -290,6 +291,8 @@ def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=5
             [backend.draft(r.state, r.verified, r.depth, r.new_features) for r in reqs]
         log.append([d.tokens for d in drafts])
         for i, d in enumerate(drafts):
+            if rng.random() < 0.2:
+                continue  # the same request again next round: no new features for this session
             verified[i] += d.tokens[: rng.randint(0, len(d.tokens))] + [rng.randrange(3, 259)]
     return log, states
 

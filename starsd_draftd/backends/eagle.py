@@ -358,38 +358,65 @@ class EagleBackend(DraftBackend):
                 hidden = self._step(st, hidden, [tok])
         return chain.result()
 
-    def _chains(self, sessions: list[EagleSession], hiddens: list[torch.Tensor], depths: list[int]) -> list[Draft]:
-        """Several sessions' chains with one head step per draft position for all of them: their
-        caches are merged for the steps (left-padded to the longest, the padding masked out, each
-        row at its own positions) and split back after, each keeping exactly the positions its own
-        chain would have added. Rows whose chain is shorter run on; what they add is dropped."""
-        k, steps = len(sessions), max(depths) - 1
-        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
-        lengths = [st.past[0][0].shape[2] for st in sessions]
-        longest = max(lengths)
-        past = _merge_past([st.past for st in sessions], lengths, longest) if steps else None
-        mask = torch.zeros(k, longest, dtype=torch.long, device=self.device)
-        for i, n in enumerate(lengths):
-            mask[i, longest - n:] = 1
-        hidden = torch.cat(hiddens)  # [k, 1, H]
-        toks = [0] * k
-        for j in range(steps + 1):
-            logits = F.linear(hidden[:, -1], self.head.lm_head_weight)[:, : self.vocab_size].float()
-            for i, chain in enumerate(chains):
-                if j < depths[i]:
-                    toks[i] = chain.pick(logits[i])
-            if j < steps:
-                mask = torch.cat([mask, mask.new_ones(k, 1)], dim=1)
-                ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=self.device)
-                pos = torch.tensor([[n + j] for n in lengths], dtype=torch.long, device=self.device)
-                hidden, past = self.module(hidden, input_ids=ids, attention_mask=mask, position_ids=pos,
-                                           past_key_values=past, use_cache=True)
-        if steps:
-            for i, st in enumerate(sessions):
-                lo, hi = longest - lengths[i], longest + depths[i] - 1
-                st.past = tuple((kk[i:i + 1, :, lo:hi].contiguous(), vv[i:i + 1, :, lo:hi].contiguous())
-                                for kk, vv in past)
-        return [c.result() for c in chains]
+    def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]]) -> list[Draft]:
+        """Several sessions' requests in one head forward for their new features and one head
+        step per draft position, for all of them. ``jobs``: (session, cropped and checked; the
+        token ids of its new pairs; their features [m, H]; depth).
+
+        The caches are merged for the forwards: each row holds its session's P cached positions
+        right-aligned under a left padding, then M columns for new pairs (its own m, then
+        padding), then one column per draft step. Padding is masked out, each row runs at its own
+        positions, and causality keeps a row's real pairs from seeing the padding after them.
+        Each session then keeps exactly the positions drafting alone would have given it."""
+        k = len(jobs)
+        lengths = [0 if st.past is None else st.past[0][0].shape[2] for st, *_ in jobs]
+        news = [len(ids) for _, ids, _, _ in jobs]
+        depths = [d for *_, d in jobs]
+        drafting = [(m > 0 or st.last_hidden is not None) and d >= 1 for (st, *_), m, d in zip(jobs, news, depths)]
+        steps = max((d - 1 for d, ok in zip(depths, drafting) if ok), default=0)
+        longest, wide = max(lengths), max(news)
+        dev = self.device
+        past = _merge_past([st.past for st, *_ in jobs], lengths, longest) if longest else None
+        mask = torch.zeros(k, longest + wide, dtype=torch.long, device=dev)
+        for i, (n, m) in enumerate(zip(lengths, news)):
+            mask[i, longest - n: longest + m] = 1
+        if wide:  # every session's new pairs in one forward
+            feats = torch.zeros(k, wide, self.feature_size, dtype=self.head.dtype, device=dev)
+            ids = torch.zeros(k, wide, dtype=torch.long, device=dev)
+            for i, (_, new_ids, f, _) in enumerate(jobs):
+                if news[i]:
+                    feats[i, : news[i]] = f.to(device=dev, dtype=self.head.dtype)
+                    ids[i, : news[i]] = torch.tensor(new_ids, dtype=torch.long)
+            pos = torch.tensor([[n + j for j in range(wide)] for n in lengths], dtype=torch.long, device=dev)
+            out, past = self.module(feats, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                    past_key_values=past, use_cache=True)
+            for i, (st, new_ids, _, _) in enumerate(jobs):
+                if news[i]:
+                    st.pairs.extend(new_ids)
+                    st.last_hidden = out[i:i + 1, news[i] - 1: news[i]].clone()
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st, *_ in jobs]
+        if any(drafting):
+            filler = torch.zeros(1, 1, self.feature_size, dtype=self.head.dtype, device=dev)
+            x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]
+            toks = [0] * k
+            for j in range(steps + 1):
+                logits = F.linear(x[:, -1], self.head.lm_head_weight)[:, : self.vocab_size].float()
+                for i, chain in enumerate(chains):
+                    if drafting[i] and j < depths[i]:
+                        toks[i] = chain.pick(logits[i])
+                if j < steps:
+                    mask = torch.cat([mask, mask.new_ones(k, 1)], dim=1)
+                    ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=dev)
+                    pos = torch.tensor([[n + m + j] for n, m in zip(lengths, news)], dtype=torch.long, device=dev)
+                    x, past = self.module(x, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                          past_key_values=past, use_cache=True)
+        if wide or steps:  # split the merged cache back: each session keeps what drafting alone adds
+            for i, (st, *_) in enumerate(jobs):
+                own = (longest - lengths[i], longest + news[i])
+                chain = (longest + wide, longest + wide + (depths[i] - 1 if drafting[i] else 0))
+                if own[1] > own[0] or chain[1] > chain[0]:
+                    st.past = tuple((_rows(kk, i, own, chain), _rows(vv, i, own, chain)) for kk, vv in past)
+        return [c.result() if ok else Draft([]) for c, ok in zip(chains, drafting)]
 
     # ------------------------------------------------------------ the interface
     @torch.inference_mode()
@@ -402,38 +429,45 @@ class EagleBackend(DraftBackend):
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
-        """Each session takes its new features on its own (their counts differ); the chains then
-        run batched, one head step per draft position for every session."""
-        drafts: list[Draft | None] = [None] * len(requests)
-        ready = []  # (index, session, the head's output at its last real pair, depth)
-        for i, r in enumerate(requests):
+        """The sessions' new features in one head forward, then their chains batched: one head
+        step per draft position for every session."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self.draft(r.state, r.verified, r.depth, r.new_features)]
+        jobs = []
+        for r in requests:
             st: EagleSession = r.state  # type: ignore[assignment]
-            hidden = self._absorb(st, r.verified, r.new_features)
-            if hidden is None or r.depth < 1:
-                drafts[i] = Draft([])
-            else:
-                ready.append((i, st, hidden, r.depth))
-        if len(ready) == 1:
-            i, st, hidden, depth = ready[0]
-            drafts[i] = self._chain(st, hidden, depth)
-        elif ready:
-            done = self._chains([x[1] for x in ready], [x[2] for x in ready], [x[3] for x in ready])
-            for (i, *_), d in zip(ready, done):
-                drafts[i] = d
-        return drafts  # type: ignore[return-value]
+            if not r.verified:
+                raise ValueError("cannot draft after an empty sequence")
+            m = self._check_features(st, r.verified, r.new_features)
+            held = st.features
+            self._crop(st, held)  # forget the pairs built from the previous draft's predicted features
+            jobs.append((st, r.verified[held + 1: held + 1 + m], r.new_features if m else None, r.depth))
+        return self._batched(jobs)
 
 
-def _merge_past(pasts: list[tuple], lengths: list[int], longest: int) -> tuple:
+def _merge_past(pasts: list[tuple | None], lengths: list[int], longest: int) -> tuple:
     """Per layer, the sessions' cached (k, v) [1, kv_heads, n_i, head_dim] as one batch
-    [sessions, kv_heads, longest, head_dim], each row right-aligned (left padding)."""
+    [sessions, kv_heads, longest, head_dim], each row right-aligned (left padding); a session
+    without a cache yet is all padding."""
+    some = next(p for p in pasts if p is not None)
     merged = []
-    for layer in zip(*pasts):
+    for layer, ref in enumerate(some):
         pair = []
         for which in (0, 1):
-            first = layer[0][which]
-            out = first.new_zeros((len(layer), first.shape[1], longest, first.shape[3]))
-            for i, (kv, n) in enumerate(zip(layer, lengths)):
-                out[i, :, longest - n:] = kv[which][0]
+            t = ref[which]
+            out = t.new_zeros((len(pasts), t.shape[1], longest, t.shape[3]))
+            for i, (p, n) in enumerate(zip(pasts, lengths)):
+                if n:
+                    out[i, :, longest - n:] = p[layer][which][0]
             pair.append(out)
         merged.append(tuple(pair))
     return tuple(merged)
+
+
+def _rows(t: torch.Tensor, i: int, own: tuple[int, int], chain: tuple[int, int]) -> torch.Tensor:
+    """Row ``i`` of a merged cache tensor: its own positions and then its chain's, as a new tensor."""
+    a = t[i:i + 1, :, own[0]:own[1]]
+    if chain[1] <= chain[0]:
+        return a.contiguous()
+    return torch.cat([a, t[i:i + 1, :, chain[0]:chain[1]]], dim=2)
