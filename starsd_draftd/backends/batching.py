@@ -29,6 +29,24 @@ def _layer_tensors(cache, n_layers: int, like: tuple[torch.Tensor, torch.Tensor]
     return out
 
 
+def left_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Cached keys or values [1, H, n_b, D] of several sessions as one batch [B, H, max n_b, D],
+    each row right-aligned with zeros (finite) on the left, for the attention mask to hide."""
+    return pad_sequence([t[0].transpose(0, 1) for t in rows], batch_first=True, padding_side="left").transpose(1, 2)
+
+
+def row_slots(t: torch.Tensor, row: int, own: tuple[int, int], kept: tuple[int, int]) -> torch.Tensor:
+    """Row ``row`` of a batched cache tensor [B, H, T, D] as a session's own [1, H, n, D]: the
+    column range ``own`` (its cached positions and new tokens), then ``kept`` (the steps it
+    keeps), copied so that the batch can be freed."""
+    r = t[row: row + 1]
+    if kept[1] <= kept[0]:
+        return r[:, :, own[0]: own[1]].clone()
+    if kept[0] == own[1]:  # adjacent: one slice
+        return r[:, :, own[0]: kept[1]].clone()
+    return torch.cat([r[:, :, own[0]: own[1]], r[:, :, kept[0]: kept[1]]], dim=2)
+
+
 def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Make a cache layer hold exactly these keys and values. A plain DynamicLayer takes the
     tensors as they are (its ``update`` would copy them once more, onto an empty tensor);
@@ -64,12 +82,8 @@ class BatchedCaches:
             like = (ref.layers[0].keys, ref.layers[0].values)
             per_row = [_layer_tensors(c, n_layers, like) for c in caches]
             for li in range(n_layers):
-                # [1, H, c_b, D] per row -> [B, H, P, D], right-aligned, zeros (finite) on the left
-                ks = pad_sequence([row[li][0][0].transpose(0, 1) for row in per_row], batch_first=True,
-                                  padding_side="left").transpose(1, 2)
-                vs = pad_sequence([row[li][1][0].transpose(0, 1) for row in per_row], batch_first=True,
-                                  padding_side="left").transpose(1, 2)
-                _set_layer(self.cache.layers[li], ks, vs)
+                _set_layer(self.cache.layers[li], left_padded([row[li][0] for row in per_row]),
+                           left_padded([row[li][1] for row in per_row]))
         cached = torch.tensor(self.lengths, dtype=torch.long, device=device)
         fed = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=device)
         cols = torch.arange(self.P + self.N, device=device)
@@ -110,13 +124,6 @@ class BatchedCaches:
             raise RuntimeError(f"a session cache with {len(into.layers)} layers cannot take a batch row of "
                                f"{len(self.cache.layers)}")
         c_b, n_b, s_b = self.lengths[row], len(self.feeds[row]), self.live_steps[row]
-        a, e = self.P - c_b, self.P + n_b
-        for layer, own in zip(self.cache.layers, into.layers):
-            k, v = layer.keys[row: row + 1], layer.values[row: row + 1]
-            if n_b == self.N:  # new tokens and kept steps are adjacent: one slice
-                k, v = k[:, :, a: e + s_b].clone(), v[:, :, a: e + s_b].clone()
-            else:
-                t0, t1 = self.P + self.N, self.P + self.N + s_b
-                k = torch.cat([k[:, :, a:e], k[:, :, t0:t1]], dim=2)
-                v = torch.cat([v[:, :, a:e], v[:, :, t0:t1]], dim=2)
-            _set_layer(own, k, v)
+        own, kept = (self.P - c_b, self.P + n_b), (self.P + self.N, self.P + self.N + s_b)
+        for layer, mine in zip(self.cache.layers, into.layers):
+            _set_layer(mine, row_slots(layer.keys, row, own, kept), row_slots(layer.values, row, own, kept))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_identity
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.batching import left_padded, row_slots
 from starsd_draftd.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
@@ -333,18 +334,22 @@ class EagleBackend(DraftBackend):
             raise ValueError("the verified tokens changed under features the session already holds")
         return m
 
-    def _absorb(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> torch.Tensor | None:
-        """Take a request's new features into the session's cache (after dropping the pairs of the
-        previous draft's predicted features); the head's output at the last real pair, or None
-        while the session has no feature yet (a one-token prompt)."""
+    def _prepare(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> list[int]:
+        """Check a request against the session and drop the pairs of the previous draft's
+        predicted features; the token ids of the request's new pairs (one per new feature)."""
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
         m = self._check_features(st, verified, new_features)
         held = st.features
-        self._crop(st, held)  # forget the pairs built from the previous draft's predicted features
-        if m:
+        self._crop(st, held)
+        return verified[held + 1: held + 1 + m]
+
+    def _absorb(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> torch.Tensor | None:
+        """Take a request's new features into the session's cache; the head's output at the last
+        real pair, or None while the session has no feature yet (a one-token prompt)."""
+        ids = self._prepare(st, verified, new_features)
+        if ids:
             feats = new_features.to(device=self.device, dtype=self.head.dtype).unsqueeze(0)
-            ids = verified[held + 1: held + 1 + m]
             out = self._step(st, feats, ids)
             st.pairs.extend(ids)
             st.last_hidden = out[:, -1:]
@@ -376,7 +381,7 @@ class EagleBackend(DraftBackend):
         steps = max((d - 1 for d, ok in zip(depths, drafting) if ok), default=0)
         longest, wide = max(lengths), max(news)
         dev = self.device
-        past = _merge_past([st.past for st, *_ in jobs], lengths, longest) if longest else None
+        past = _merge_past([st.past for st, *_ in jobs]) if longest else None
         mask = torch.zeros(k, longest + wide, dtype=torch.long, device=dev)
         for i, (n, m) in enumerate(zip(lengths, news)):
             mask[i, longest - n: longest + m] = 1
@@ -415,7 +420,7 @@ class EagleBackend(DraftBackend):
                 own = (longest - lengths[i], longest + news[i])
                 chain = (longest + wide, longest + wide + (depths[i] - 1 if drafting[i] else 0))
                 if own[1] > own[0] or chain[1] > chain[0]:
-                    st.past = tuple((_rows(kk, i, own, chain), _rows(vv, i, own, chain)) for kk, vv in past)
+                    st.past = tuple((row_slots(kk, i, own, chain), row_slots(vv, i, own, chain)) for kk, vv in past)
         return [c.result() if ok else Draft([]) for c, ok in zip(chains, drafting)]
 
     # ------------------------------------------------------------ the interface
@@ -436,38 +441,15 @@ class EagleBackend(DraftBackend):
             return [self.draft(r.state, r.verified, r.depth, r.new_features)]
         jobs = []
         for r in requests:
-            st: EagleSession = r.state  # type: ignore[assignment]
-            if not r.verified:
-                raise ValueError("cannot draft after an empty sequence")
-            m = self._check_features(st, r.verified, r.new_features)
-            held = st.features
-            self._crop(st, held)  # forget the pairs built from the previous draft's predicted features
-            jobs.append((st, r.verified[held + 1: held + 1 + m], r.new_features if m else None, r.depth))
+            ids = self._prepare(r.state, r.verified, r.new_features)  # type: ignore[arg-type]
+            jobs.append((r.state, ids, r.new_features if ids else None, r.depth))
         return self._batched(jobs)
 
 
-def _merge_past(pasts: list[tuple | None], lengths: list[int], longest: int) -> tuple:
-    """Per layer, the sessions' cached (k, v) [1, kv_heads, n_i, head_dim] as one batch
-    [sessions, kv_heads, longest, head_dim], each row right-aligned (left padding); a session
-    without a cache yet is all padding."""
+def _merge_past(pasts: list[tuple | None]) -> tuple:
+    """Per layer, the sessions' cached (k, v) [1, kv_heads, n_i, head_dim] as one left-padded
+    batch; a session without a cache yet is all padding."""
     some = next(p for p in pasts if p is not None)
-    merged = []
-    for layer, ref in enumerate(some):
-        pair = []
-        for which in (0, 1):
-            t = ref[which]
-            out = t.new_zeros((len(pasts), t.shape[1], longest, t.shape[3]))
-            for i, (p, n) in enumerate(zip(pasts, lengths)):
-                if n:
-                    out[i, :, longest - n:] = p[layer][which][0]
-            pair.append(out)
-        merged.append(tuple(pair))
-    return tuple(merged)
-
-
-def _rows(t: torch.Tensor, i: int, own: tuple[int, int], chain: tuple[int, int]) -> torch.Tensor:
-    """Row ``i`` of a merged cache tensor: its own positions and then its chain's, as a new tensor."""
-    a = t[i:i + 1, :, own[0]:own[1]]
-    if chain[1] <= chain[0]:
-        return a.contiguous()
-    return torch.cat([a, t[i:i + 1, :, chain[0]:chain[1]]], dim=2)
+    return tuple(tuple(left_padded([p[layer][w] if p is not None else some[layer][w][:, :, :0] for p in pasts])
+                       for w in (0, 1))
+                 for layer in range(len(some)))
