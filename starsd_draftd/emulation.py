@@ -449,7 +449,7 @@ def main() -> None:
          help="Emulated backend only: take target features of this width with each request.")
 @_option("--model", default="demo-draft", help="--backend model: the draft checkpoint; eagle: the target's.")
 @_option("--eagle-head", default=None, help="--backend eagle: the head directory.")
-@_option("--device", default="cpu", help="--backend model: device.")
+@_option("--device", default="cpu", help="--backend model or eagle: device.")
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
