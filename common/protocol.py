@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
-import torch
+import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
@@ -100,7 +100,7 @@ DEFAULT_LIMITS = Limits()
 class Message:
     type: MsgType
     header: dict = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)  # numpy arrays or torch tensors to send; decoded: numpy
 
 
 class ProtocolError(Exception):
@@ -381,14 +381,14 @@ def _nesting(obj: Any) -> int:
     return deepest
 
 
-def _decode_tensors(specs: Any, frames: list, session, seq) -> dict[str, torch.Tensor]:
+def _decode_tensors(specs: Any, frames: list, session, seq) -> dict[str, np.ndarray]:
     """The tensors described by ``specs`` in ``frames[2:]`` (the frames after type and header)."""
     n = len(frames) - 2
     if specs is None:
         raise ProtocolError(ErrorCode.MALFORMED, f"{n} tensor frames but no tensor specs", session, seq)
     if specs.__class__ is not dict or len(specs) != n:
         raise ProtocolError(ErrorCode.MALFORMED, "tensor specs do not match the trailing frames", session, seq)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, np.ndarray] = {}
     used = 0  # bit mask of the frames taken
     for name, spec in specs.items():
         idx = spec.get("frame") if spec.__class__ is dict else None

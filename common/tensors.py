@@ -1,8 +1,15 @@
-"""Tensor codec: torch tensors as zero-copy trailing frames described by a msgpack-able spec.
+"""Array codec: tensors as zero-copy trailing frames described by a msgpack-able spec.
 
-A tensor travels as one raw frame holding its bytes (C order) and a spec
+An array travels as one raw frame holding its bytes (C order) and a spec
 ``{"dtype": "bfloat16", "shape": [2, 3]}`` in the message header. The dtype is a
 string so that bfloat16 and other types numpy lacks survive the trip.
+
+The wire side speaks numpy, not torch: decoding gives read-only numpy views of the frames,
+and encoding takes numpy arrays or torch tensors. Torch stays in the model code, which
+converts with ``as_torch`` where it computes. A first call into torch after a wait for the
+network costs tens of microseconds on a busy host, more than the bytes themselves; the
+protocol path makes none. numpy has no bfloat16, so bfloat16 arrays are numpy arrays of
+``BFLOAT16``, a one-field 2-byte dtype holding the bits.
 """
 
 from __future__ import annotations
@@ -12,30 +19,33 @@ import warnings
 import numpy as np
 import torch
 
+BFLOAT16 = np.dtype([("bfloat16", "=u2")])
+
 # Only plain numeric dtypes cross the wire; names are torch's own.
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": BFLOAT16,
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
 }
-_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
-_NP_DTYPES = {dtype: np.dtype(name) for name, dtype in WIRE_DTYPES.items() if name != "bfloat16"}
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
+_NAME_OF_NP = {v: k for k, v in WIRE_DTYPES.items()}
+_NAME_OF_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
 
 # Float bit patterns: a value is NaN or infinite exactly when its exponent bits are all ones.
 # Read as signed integers, the positive ones are the largest values; read as unsigned, the
 # negative ones are. So two max-reductions over integer views of the same bytes find any NaN
-# or infinity, with no temporary array: an order of magnitude cheaper than torch.isfinite on
-# CPU half precision, which matters on the per-request path.
+# or infinity, with no temporary array: an order of magnitude cheaper than an isfinite pass
+# over half precision, which matters on the per-request path.
 _FLOAT_BITS = {
     # dtype: (signed view, unsigned view, smallest positive non-finite, smallest negative non-finite as unsigned)
-    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
-    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
-    torch.float32: (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+    np.dtype(np.float16): (np.int16, np.uint16, 0x7C00, 0xFC00),
+    BFLOAT16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+    np.dtype(np.float32): (np.int32, np.uint32, 0x7F800000, 0xFF800000),
 }
 
 MAX_TENSOR_DIMS = 8
@@ -45,47 +55,63 @@ class TensorCodecError(ValueError):
     """A tensor spec or frame that cannot be decoded."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be sent; allowed: {sorted(WIRE_DTYPES)}") from None
-
-
-def encode_tensor(t: torch.Tensor) -> tuple[dict, memoryview]:
-    """Return (spec, buffer). The buffer aliases the tensor's memory when it is
-    already contiguous on the CPU, so sending it with ``copy=False`` copies nothing."""
-    name = _NAMES.get(getattr(t, "dtype", None))
+def dtype_name(dtype: torch.dtype | np.dtype) -> str:
+    """The wire name of a torch or numpy dtype; TypeError for one that cannot be sent."""
+    name = _NAME_OF_TORCH.get(dtype) if isinstance(dtype, torch.dtype) else _NAME_OF_NP.get(dtype)
     if name is None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-        dtype_name(t.dtype)  # raises the TypeError naming the allowed dtypes
-    spec = {"dtype": name, "shape": list(t.shape)}
-    try:  # the common case, a contiguous CPU tensor numpy can view: no copy
-        return spec, memoryview(t.numpy()).cast("B")
-    except (TypeError, RuntimeError):  # needs grad, not on the CPU, not contiguous, or bfloat16
-        pass
-    t = t.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return spec, memoryview(b"")
-    # numpy lacks bfloat16: its bytes travel through a same-width integer view.
-    if t.dtype is torch.bfloat16:
-        t = t.view(torch.int16)
-    return spec, memoryview(t.numpy()).cast("B")
+        raise TypeError(f"dtype {dtype} cannot be sent; allowed: {sorted(WIRE_DTYPES)}")
+    return name
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """True when no element of a floating tensor is NaN or infinite."""
-    bits = _FLOAT_BITS.get(t.dtype)
-    if bits is not None:
-        signed, unsigned, pos_bad, neg_bad = bits
-        try:  # a CPU tensor without grad: its bits through numpy, which has no bfloat16
-            raw = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy().view(signed)
-        except (TypeError, RuntimeError):
-            raw = None
-        if raw is not None:  # same-width views, so any strides work
-            return raw.size == 0 or (int(raw.max()) < pos_bad and int(raw.view(unsigned).max()) < neg_bad)
-    return bool(torch.isfinite(t).all())
+def to_wire(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``x`` as a C-contiguous numpy array of a wire dtype. A contiguous CPU tensor or array is
+    viewed, not copied; anything else (on an accelerator, strided, needing grad) is copied."""
+    if isinstance(x, np.ndarray):
+        dtype_name(x.dtype)
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or numpy array, got {type(x).__name__}")
+    dtype_name(x.dtype)
+    x = x.detach()
+    if x.device.type != "cpu" or not x.is_contiguous():
+        x = x.cpu().contiguous()
+    if x.dtype is torch.bfloat16:
+        return x.view(torch.int16).numpy().view(BFLOAT16)
+    return x.numpy()
+
+
+def as_torch(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A torch view of a wire array (a tensor passes through). Decoded arrays are read-only
+    views of their frames: clone before writing."""
+    if x.__class__ is not np.ndarray:
+        return x
+    if x.dtype == BFLOAT16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def encode_tensor(x: torch.Tensor | np.ndarray) -> tuple[dict, memoryview]:
+    """Return (spec, buffer). The buffer aliases the array's memory when it is already
+    contiguous on the CPU, so sending it with ``copy=False`` copies nothing."""
+    a = x if x.__class__ is np.ndarray and x.flags.c_contiguous else to_wire(x)
+    name = _NAME_OF_NP.get(a.dtype)
+    if name is None:
+        dtype_name(a.dtype)  # raises the TypeError naming the allowed dtypes
+    return {"dtype": name, "shape": list(a.shape)}, memoryview(a).cast("B") if a.size else memoryview(b"")
+
+
+def all_finite(x: np.ndarray | torch.Tensor) -> bool:
+    """True when no element of a floating array or tensor is NaN or infinite."""
+    if x.__class__ is not np.ndarray:
+        if x.device.type != "cpu" or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return bool(torch.isfinite(x).all())
+        x = to_wire(x)
+    bits = _FLOAT_BITS.get(x.dtype)
+    if bits is None:
+        return bool(np.isfinite(x).all()) if x.dtype.kind == "f" else True
+    signed, unsigned, pos_bad, neg_bad = bits
+    raw = x.view(signed) if x.flags.c_contiguous else np.ascontiguousarray(x).view(signed)
+    return raw.size == 0 or (int(raw.max()) < pos_bad and int(raw.view(unsigned).max()) < neg_bad)
 
 
 def brief(v: object, width: int = 80) -> str:
@@ -96,10 +122,10 @@ def brief(v: object, width: int = 80) -> str:
     return f"{v!r:.{width}}"
 
 
-def decode_tensor(spec: object, buf) -> torch.Tensor:
-    """Rebuild a tensor from its spec and a buffer-protocol object, validating both.
+def decode_tensor(spec: object, buf) -> np.ndarray:
+    """Rebuild an array from its spec and a buffer-protocol object, validating both.
 
-    The result shares memory with ``buf`` (read-only); clone it before writing."""
+    The result is a read-only view of ``buf``; ``as_torch`` gives a torch view of it."""
     if spec.__class__ is not dict:
         raise TensorCodecError("tensor spec must be a map")
     name = spec.get("dtype")
@@ -117,24 +143,15 @@ def decode_tensor(spec: object, buf) -> torch.Tensor:
     nbytes = len(buf) if buf.__class__ is bytes else memoryview(buf).nbytes
     if nbytes != numel * dtype.itemsize:
         raise TensorCodecError(f"tensor frame holds {nbytes} bytes, spec {name}{shape} needs {numel * dtype.itemsize}")
-    np_dtype = _NP_DTYPES.get(dtype)
-    if np_dtype is not None:  # one call into torch: numpy builds the shaped view
-        return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).reshape(shape))
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(buf, dtype=dtype)
-    if len(shape) == 1:
-        return flat
-    return flat.view(*shape) if shape else flat.view(())  # view(*shape) parses faster than view(list)
+    return np.ndarray(shape, dtype, buf)  # one call: the shaped view, no copy
 
 
 def _accept_read_only_buffers() -> None:
-    # zmq frames are read-only, and a decoded tensor is a read-only view of its frame by
-    # contract. torch warns about that once per process; take the warning here, quietly,
+    # zmq frames are read-only, and a decoded array is a read-only view of its frame by
+    # contract. torch warns (in as_torch) about that once per process; take the warning here, quietly,
     # rather than paying for a warnings filter on every decode.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        torch.frombuffer(b"\0", dtype=torch.uint8)
         torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 

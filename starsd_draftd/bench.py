@@ -51,6 +51,7 @@ from common import protocol as P
 from common.control import ControlClient
 from common.protocol import Message, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
+from common.tensors import to_wire
 from common.verify import SamplingParams
 from starsd_draftd import plan as plan_mod
 from starsd_draftd.demo import DEMO_PROMPTS, Processes, _wait_draft_link, _wait_ready
@@ -355,7 +356,9 @@ def measure_capacity(endpoint: str, k: int, depth: int, duration_s: float, ctx: 
             poller.register(c.sock, zmq.POLLIN)
         prompts = [[3 + (seed * 7 + 13 * i + j) % 200 for j in range(prompt_len)] for i in range(k)]
         g = torch.Generator().manual_seed(seed)
-        features = torch.randn(max_len + 2 * depth + 8, feature_size, generator=g).half() if feature_size else None
+        features = None  # as a target's feature buffer hands them over: a float16 wire array
+        if feature_size:
+            features = to_wire(torch.randn(max_len + 2 * depth + 8, feature_size, generator=g).half())
 
         def send(i: int) -> None:
             st = state[i]
@@ -543,7 +546,8 @@ def framework_loop(endpoint: str, case: str, gap_s: float, ctx: zmq.Context, fea
     ``next()``: the real target-side client encodes a DRAFT, the daemon decodes, validates,
     advances the session, drafts, encodes the DRAFTED; the client decodes it. Each round keeps
     2 drafts plus one own token, so requests carry exactly the bookkeeping (and feature rows)
-    of a real target."""
+    of a real target. Arrays cross as in production: features leave as the engine's feature
+    buffer hands them over (a numpy view), and the reply's q arrives as numpy views."""
     from starsd_target.client import DraftClient, DraftReply
 
     _, with_q, rows = WIRE_CASES[case]
@@ -553,7 +557,8 @@ def framework_loop(endpoint: str, case: str, gap_s: float, ctx: zmq.Context, fea
         client.handshake(30.0)
         prompt = [3 + i for i in range(16)]
         params = SamplingParams(temperature=1.0 if with_q else 0.0, seed=1)
-        feats = torch.randn(max(len(prompt), feature_rows), feature_size).to(torch.float16) if rows else None
+        # the features as the engine's feature buffer hands them over: a float16 wire array
+        feats = to_wire(torch.randn(max(len(prompt), feature_rows), feature_size).half()) if rows else None
         verified = list(prompt)
         client.open(1, verified, params)
         accepted, new, sent, i = 0, [], 0, 0

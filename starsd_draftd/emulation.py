@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import click
+import numpy as np
 import torch
 import zmq
 
@@ -103,24 +104,27 @@ class EmulatedBackend(DraftBackend):
         self.q_topk = min(q_topk, vocab_size)
         self.feature_size = feature_size
         self._sleep = sleep or PacedSleep()
-        weights = torch.arange(self.q_topk, 0, -1, dtype=torch.float32)
-        q_probs = (weights / weights.sum()).expand(64, -1).contiguous()  # a fixed, decreasing proposal
-        self._q_probs = [q_probs[:d] for d in range(65)]  # by depth, sliced once
-        # The proposal row for draft token t is (t + 0..K-1) mod V. This backend stands in for a
-        # zero-cost accelerator, so its per-request CPU cost should be next to nothing: all rows
-        # are built once (row r for token r mod V; 64 extra rows for drafts that wrap around)
-        # and a draft's q_ids is a contiguous slice of them. Large tables are computed per draft.
+        # This backend stands in for a zero-cost accelerator that hands back host arrays, so its
+        # per-request CPU cost should be next to nothing: q is served from numpy tables built
+        # once. The proposal row for draft token t is (t + 0..K-1) mod V; all rows are built (row
+        # r for token r mod V; 64 extra rows for drafts that wrap around) and a draft's q_ids is
+        # a contiguous slice of them. Large tables are computed per draft.
+        weights = np.arange(self.q_topk, 0, -1, dtype=np.float32)
+        q_probs = np.ascontiguousarray(np.broadcast_to(weights / weights.sum(), (64, self.q_topk)))
+        self._q_probs = [q_probs[:d] for d in range(65)]  # a fixed, decreasing proposal; by depth, sliced once
         rows = self.vocab_size + 64
         self._q_table = None
         if rows * self.q_topk * 4 <= _Q_TABLE_MAX_BYTES:
-            self._q_table = ((torch.arange(rows)[:, None] + torch.arange(self.q_topk)) % self.vocab_size).to(
-                torch.int32)
+            self._q_table = self._q_rows(0, rows)
+
+    def _q_rows(self, start: int, n: int) -> np.ndarray:
+        return ((np.arange(start, start + n)[:, None] + np.arange(self.q_topk)) % self.vocab_size).astype(np.int32)
 
     def new_state(self, params: SamplingParams) -> EmulatedState:
         return EmulatedState(params, make_generator(params.seed))
 
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: torch.Tensor | None = None) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
         st: EmulatedState = state  # type: ignore[assignment]
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
@@ -136,11 +140,7 @@ class EmulatedBackend(DraftBackend):
         if st.params.greedy:
             return Draft(tokens)
         start = tokens[0]
-        if self._q_table is not None:
-            ids = self._q_table[start:start + depth]
-        else:
-            ids = ((torch.arange(start, start + depth)[:, None] + torch.arange(self.q_topk)) % self.vocab_size).to(
-                torch.int32)
+        ids = self._q_table[start:start + depth] if self._q_table is not None else self._q_rows(start, depth)
         return Draft(tokens, ids, self._q_probs[depth])
 
 
@@ -204,7 +204,7 @@ class TracingBackend(DraftBackend):
         return _Traced(self._serials, self.inner.new_state(params))
 
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: torch.Tensor | None = None) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
         st: _Traced = state  # type: ignore[assignment]
         t0 = self._clock()
         try:
@@ -353,7 +353,8 @@ class EmulatedTarget:
         session, seq = 1, 0
         feats = None
         if self.feature_size:
-            feats = torch.zeros(4096 + len(self.prompt), self.feature_size, dtype=torch.float16)
+            # as a target's feature buffer hands them over: a float16 wire array
+            feats = np.zeros((4096 + len(self.prompt), self.feature_size), dtype=np.float16)
         try:
             client.handshake(handshake_timeout_s)
             verified = list(self.prompt)

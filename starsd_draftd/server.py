@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import zmq
 
 from common import protocol as P
@@ -25,7 +24,7 @@ from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import AllowList, server_keys
 from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
-from common.tensors import all_finite
+from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend, DraftRequest
 from starsd_draftd.metrics import DraftMetrics
@@ -33,7 +32,7 @@ from starsd_draftd.sessions import Session, SessionTable
 
 log = logging.getLogger("starsd.draftd")
 
-FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16", "float32"))
 
 
 @dataclass
@@ -490,7 +489,7 @@ class DraftServer:
         dtype, shape = f.dtype, f.shape
         if dtype not in FEATURE_DTYPES or len(shape) != 2 or shape[1] != need:
             raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"features must be float [m, {need}], got {str(dtype)} {list(shape)}", sid, seq)
+                                f"features must be float [m, {need}], got {dtype_name(dtype)} {list(shape)}", sid, seq)
         if session.features + shape[0] != pos - 1:
             raise ProtocolError(
                 ErrorCode.DESYNC,

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import zmq
 
@@ -45,9 +46,12 @@ class Welcome:
 
 @dataclass
 class DraftReply:
+    """Drafts as they arrived: q as read-only numpy views of the reply's frames (the engine
+    views them as tensors where it verifies)."""
+
     tokens: list[int]
-    q_ids: torch.Tensor | None
-    q_probs: torch.Tensor | None
+    q_ids: np.ndarray | None
+    q_probs: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ class DraftClient:
         self._send(Message(MsgType.CLOSE, {"session": session}))
 
     def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
-                features: torch.Tensor | None = None) -> bool:
+                features: np.ndarray | torch.Tensor | None = None) -> bool:
         tensors = {} if features is None else {"features": features}
         return self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
                                                   "new": list(new), "pos": pos, "depth": depth}, tensors))
@@ -293,7 +297,7 @@ class RemoteDraftSession:
     def feature_size(self) -> int:
         return self.client.welcome.feature_size if self.client.welcome is not None else 0
 
-    def send(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> int | None:
+    def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link down, no features): the round then runs without drafts."""
         client = self.client
@@ -341,7 +345,8 @@ class RemoteDraftSession:
             return None
         return reply
 
-    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> DraftReply | None:
+    def propose(self, tokens: list[int], depth: int,
+                features: np.ndarray | torch.Tensor | None = None) -> DraftReply | None:
         seq = self.send(tokens, depth, features)
         if seq is None:
             return None

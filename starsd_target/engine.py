@@ -12,9 +12,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from common.models import LoadedModel, crop_cache, new_cache
+from common.tensors import as_torch, to_wire
 from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
 
 log = logging.getLogger("starsd.target.engine")
@@ -22,8 +24,8 @@ log = logging.getLogger("starsd.target.engine")
 
 class Proposal(Protocol):
     tokens: list[int]
-    q_ids: torch.Tensor | None
-    q_probs: torch.Tensor | None
+    q_ids: np.ndarray | torch.Tensor | None  # as they arrived from the wire, or tensors
+    q_probs: np.ndarray | torch.Tensor | None
 
 
 class DraftSource(Protocol):
@@ -31,9 +33,10 @@ class DraftSource(Protocol):
 
     feature_size: int  # >0: propose() needs the target's features
 
-    def propose(self, tokens: list[int], depth: int, features: torch.Tensor | None = None) -> Proposal | None:
+    def propose(self, tokens: list[int], depth: int, features: np.ndarray | None = None) -> Proposal | None:
         """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None.
-        ``features`` holds the target's final hidden state for every token but the last."""
+        ``features`` holds the target's final hidden state for every token but the last, as the
+        wire array that goes out (``FeatureBuffer.view``)."""
 
     def kept(self, n: int) -> None:
         """How many tokens of the last proposal verification kept."""
@@ -78,10 +81,13 @@ class GenerationResult:
 
 
 class FeatureBuffer:
-    """The target's final hidden states of all cached positions, grown in place (amortised)."""
+    """The target's final hidden states of all cached positions, grown in place (amortised),
+    held in the dtype they travel in and handed out as a numpy view of the same memory: what
+    goes to the draft daemon is sliced and sent with no call into torch."""
 
     def __init__(self, width: int, dtype: torch.dtype):
         self.buf = torch.empty(64, width, dtype=dtype)
+        self.wire = to_wire(self.buf)
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
@@ -90,11 +96,13 @@ class FeatureBuffer:
             grown = torch.empty(max(need, 2 * self.buf.shape[0]), self.buf.shape[1], dtype=self.buf.dtype)
             grown[: self.n] = self.buf[: self.n]
             self.buf = grown
+            self.wire = to_wire(self.buf)
         self.buf[self.n: need] = rows
         self.n = need
 
-    def view(self) -> torch.Tensor:
-        return self.buf[: self.n]
+    def view(self) -> np.ndarray:
+        """Rows 0..n-1 as a wire array (``common.tensors.as_torch`` views it as a tensor)."""
+        return self.wire[: self.n]
 
 
 def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -132,8 +140,10 @@ class TargetEngine:
             return False
         if greedy or k == 0:
             return True
-        qi, qp = prop.q_ids, prop.q_probs
-        if qi is None or qp is None or qi.dim() != 2 or qi.shape != qp.shape or qi.shape[0] != k:
+        if prop.q_ids is None or prop.q_probs is None:
+            return False
+        qi, qp = as_torch(prop.q_ids), as_torch(prop.q_probs)
+        if qi.dim() != 2 or qi.shape != qp.shape or qi.shape[0] != k:
             return False
         if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) >= self.loaded.logits_size):
             return False
@@ -214,7 +224,7 @@ class Generation:
     def draft_depth(self) -> int:
         return 0 if self.done else min(self.engine.depth, self.max_tokens - len(self.out) - 1)
 
-    def features(self) -> torch.Tensor | None:
+    def features(self) -> np.ndarray | None:
         return self.feats.view() if self.feats is not None else None
 
     def verify(self, prop: Proposal | None, wanted: bool = True) -> int | None:
@@ -235,7 +245,9 @@ class Generation:
             n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
         else:
             p = logits_to_probs(logits, self.params)
-            q = dense_q(prop.q_ids, prop.q_probs, p.shape[-1]) if x else torch.zeros(0, p.shape[-1])
+            q = torch.zeros(0, p.shape[-1])
+            if x:
+                q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1])
             n, nxt = verify_sampling(p, q, torch.tensor(x, dtype=torch.long), self.gen)
         crop_cache(self.cache, base + 1 + n)
         if self.feats is not None:

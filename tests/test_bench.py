@@ -8,6 +8,7 @@ import random
 import threading
 
 import click
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -120,9 +121,16 @@ def test_emulated_backend_sleeps_service_time_and_drafts():
     assert d.tokens == [99, 0, 1, 2] and d.q_ids is None
     st = be.new_state(SamplingParams(temperature=1.0, seed=3))
     d = be.draft(st, [7], 3)
-    assert d.q_ids.shape == (3, 8) and d.q_ids.dtype == torch.int32 and d.q_probs.dtype == torch.float32
+    assert d.q_ids.shape == (3, 8) and d.q_ids.dtype == np.int32 and d.q_probs.dtype == np.float32
     assert d.q_ids[:, 0].tolist() == d.tokens
-    assert torch.allclose(d.q_probs.sum(-1), torch.ones(3))
+    assert np.allclose(d.q_probs.sum(-1), 1.0)
+    assert (d.q_ids[:, 1:] == (d.q_ids[:, :1] + np.arange(1, 8)) % 100).all()
+    untabled = EmulatedBackend(ServiceModel(0, 0), vocab_size=100, q_topk=8, sleep=clock.sleep)
+    untabled._q_table = None  # what a vocabulary too large for the table gets: rows computed per draft
+    for start in ([7], [97]):
+        a, b = be.draft(be.new_state(SamplingParams(temperature=1.0)), start, 3), \
+            untabled.draft(untabled.new_state(SamplingParams(temperature=1.0)), start, 3)
+        assert a.tokens == b.tokens and np.array_equal(a.q_ids, b.q_ids) and b.q_ids.dtype == np.int32
     with pytest.raises(ValueError):
         be.draft(st, [], 2)
 

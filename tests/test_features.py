@@ -1,9 +1,11 @@
 """Target features for feature-based draft backends: the target sends, with each request, exactly
 the final hidden states of the newly verified positions, taken from its verification forward."""
 
+import numpy as np
 import torch
 
 from common.models import load_causal_lm
+from common.tensors import as_torch
 from common.verify import SamplingParams
 from fakes import CountingBackend, RawPeer, running_server
 from starsd_target.client import DraftClient, HandshakeRefused, RemoteDraftSession
@@ -29,7 +31,7 @@ class RecordingFeatureBackend(CountingBackend):
         return st
 
     def draft(self, state, verified, depth, new_features=None):
-        state["features"].append(new_features.float().clone())
+        state["features"].append(as_torch(new_features).float().clone())  # backends get wire arrays
         state["verified"] = list(verified)
         assert sum(f.shape[0] for f in state["features"]) == len(verified) - 1
         return super().draft(state, verified, depth)
@@ -94,3 +96,25 @@ def test_feature_requests_are_validated():
         assert code(draft(5, torch.zeros(3, 8, dtype=torch.float16))) == "DESYNC"
         ok = draft(6, torch.zeros(2, 8, dtype=torch.bfloat16))
         assert ok.type is MsgType.DRAFTED and ok.header["tokens"] == [8, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_feature_buffer_hands_out_wire_views_of_its_rows(dtype):
+    from common.tensors import BFLOAT16, encode_tensor
+    from starsd_target.engine import FeatureBuffer
+
+    buf = FeatureBuffer(4, dtype)
+    rows = torch.randn(50, 4)
+    buf.append(rows[:30])
+    first = buf.view()
+    assert first.shape == (30, 4) and first.dtype == (BFLOAT16 if dtype is torch.bfloat16 else np.float16)
+    buf.append(rows[30:])  # 50 rows: still the first 64-row buffer
+    buf.append(rows[:40])  # 90: it grows
+    v = buf.view()
+    assert v.shape == (90, 4)
+    want = torch.cat([rows, rows[:40]]).to(dtype)
+    assert torch.equal(as_torch(v), want)
+    assert torch.equal(as_torch(first), want[:30])  # a view handed out earlier keeps its rows
+    spec, frame = encode_tensor(v[60:])  # what goes out: the rows not sent yet, as they are
+    assert spec == {"dtype": "float16" if dtype is torch.float16 else "bfloat16", "shape": [30, 4]}
+    assert bytes(frame) == bytes(encode_tensor(want[60:])[1])

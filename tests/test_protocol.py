@@ -1,12 +1,13 @@
 """Wire protocol: tensor codec round trips and typed errors for every kind of bad input."""
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 from common import protocol as P
 from common.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError
-from common.tensors import all_finite, decode_tensor, encode_tensor
+from common.tensors import BFLOAT16, all_finite, as_torch, decode_tensor, encode_tensor, to_wire
 from fakes import nested
 
 
@@ -20,15 +21,39 @@ def roundtrip(msg: Message) -> Message:
 def test_tensor_roundtrip_dtypes(dtype):
     t = (torch.randn(3, 5) * 10).to(dtype)
     out = roundtrip(Message(MsgType.DRAFTED, {"session": 1, "seq": 2, "tokens": [1, 2, 3]}, {"x": t}))
-    assert out.tensors["x"].dtype == dtype
-    assert torch.equal(out.tensors["x"], t)
+    a = out.tensors["x"]
+    assert isinstance(a, np.ndarray) and not a.flags.writeable  # a read-only view of the frame
+    assert as_torch(a).dtype == dtype
+    assert torch.equal(as_torch(a), t)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.int16, np.uint8, np.bool_])
+def test_numpy_arrays_travel_as_they_are(dtype):
+    a = (np.arange(12).reshape(3, 4) % 5).astype(dtype)
+    out = roundtrip(Message(MsgType.DRAFTED, {"session": 1, "seq": 2, "tokens": [1]}, {"x": a, "col": a[:, 1]}))
+    assert out.tensors["x"].dtype == a.dtype and np.array_equal(out.tensors["x"], a)
+    assert np.array_equal(out.tensors["col"], a[:, 1])  # strided: sent as a contiguous copy
 
 
 def test_bfloat16_bits_survive():
     t = torch.tensor([1.5, -2.25, 3.0e30, float("inf")], dtype=torch.bfloat16)
     spec, buf = encode_tensor(t)
     assert spec["dtype"] == "bfloat16"
-    assert torch.equal(decode_tensor(spec, bytes(buf)), t)
+    a = decode_tensor(spec, bytes(buf))
+    assert a.dtype == BFLOAT16 and a.shape == (4,)
+    assert torch.equal(as_torch(a), t)
+    # the wire view of a bfloat16 tensor shares its memory and encodes the same bytes
+    w = to_wire(t)
+    assert w.dtype == BFLOAT16
+    t[0] = 7.0
+    assert as_torch(w)[0].item() == 7.0
+    assert bytes(encode_tensor(w)[1]) == bytes(encode_tensor(t)[1])
+
+
+def test_arrays_of_other_dtypes_or_types_are_refused():
+    for bad in (np.zeros(3, np.float64), np.zeros(2, np.complex64), [1.0, 2.0], torch.zeros(2, dtype=torch.float64)):
+        with pytest.raises(TypeError):
+            encode_tensor(bad)
 
 
 def test_empty_and_noncontiguous_tensors():
@@ -37,8 +62,8 @@ def test_empty_and_noncontiguous_tensors():
     strided = base.t()[::2]  # non-contiguous view
     assert not strided.is_contiguous()
     out = roundtrip(Message(MsgType.DRAFTED, {"session": 0, "seq": 0, "tokens": []}, {"e": empty, "s": strided}))
-    assert out.tensors["e"].shape == (0, 4) and out.tensors["e"].dtype == torch.float16
-    assert torch.equal(out.tensors["s"], strided)
+    assert out.tensors["e"].shape == (0, 4) and as_torch(out.tensors["e"]).dtype == torch.float16
+    assert torch.equal(as_torch(out.tensors["s"]), strided)
 
 
 def test_contiguous_cpu_tensor_is_not_copied():
@@ -46,12 +71,16 @@ def test_contiguous_cpu_tensor_is_not_copied():
     _, buf = encode_tensor(t)
     t[0] = 42.0
     assert torch.frombuffer(bytearray(buf), dtype=torch.float32)[0] == 42.0
+    a = np.arange(16, dtype=np.float32)
+    _, buf = encode_tensor(a)
+    a[0] = 42.0
+    assert np.frombuffer(bytes(buf), dtype=np.float32)[0] == 42.0
 
 
 def test_tensors_needing_grad_or_scalar_shapes_travel():
     t = torch.randn(2, 3, requires_grad=True)
     spec, buf = encode_tensor(t)
-    assert torch.equal(decode_tensor(spec, bytes(buf)), t.detach())
+    assert torch.equal(as_torch(decode_tensor(spec, bytes(buf))), t.detach())
     spec, buf = encode_tensor(torch.tensor(2.5))
     out = decode_tensor(spec, bytes(buf))
     assert out.shape == () and out.item() == 2.5
@@ -71,6 +100,13 @@ def test_all_finite_matches_isfinite(dtype, bad):
     assert all_finite(t) is expected
     assert all_finite(t.t()) is expected  # non-contiguous: the general path
     assert all_finite(t[:0])
+    if dtype is not torch.float64:  # the wire arrays, as decoded, contiguous or not
+        a = to_wire(t)
+        assert all_finite(a) is expected
+        assert all_finite(a.T) is expected
+        assert all_finite(decode_tensor(*(lambda s, b: (s, bytes(b)))(*encode_tensor(t)))) is expected
+    else:
+        assert all_finite(t.numpy()) is expected
 
 
 def test_header_fields_roundtrip():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.verify import SamplingParams, logits_to_probs
@@ -12,22 +13,25 @@ from common.verify import SamplingParams, logits_to_probs
 
 @dataclass
 class DraftRequest:
-    """One session's request as the server hands it to a backend."""
+    """One session's request as the server hands it to a backend. ``new_features`` is a wire
+    array (a read-only numpy view of the request's frame; ``common.tensors.as_torch`` views it
+    as a tensor)."""
 
     state: object
     verified: list[int]
     depth: int
-    new_features: torch.Tensor | None = None
+    new_features: np.ndarray | torch.Tensor | None = None
 
 
 @dataclass
 class Draft:
     """k proposed tokens; in sampling mode also the sparse proposal distribution each was drawn
-    from: ``q_ids`` [k, K] int32 and ``q_probs`` [k, K] float32 (rows sum to 1)."""
+    from: ``q_ids`` [k, K] int32 and ``q_probs`` [k, K] float32 (rows sum to 1), as torch
+    tensors or numpy arrays."""
 
     tokens: list[int]
-    q_ids: torch.Tensor | None = None
-    q_probs: torch.Tensor | None = None
+    q_ids: torch.Tensor | np.ndarray | None = None
+    q_probs: torch.Tensor | np.ndarray | None = None
 
 
 class ChainDrafter:
@@ -81,7 +85,7 @@ class DraftBackend(abc.ABC):
 
     @abc.abstractmethod
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: torch.Tensor | None = None) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
         """Propose ``depth`` tokens following ``verified`` (the whole verified sequence).
 
         The backend reuses whatever of its cached work still matches ``verified`` and

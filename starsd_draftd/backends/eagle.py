@@ -19,10 +19,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_identity
+from common.tensors import as_torch
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
 from starsd_draftd.backends.batching import left_padded, row_slots
@@ -425,9 +427,10 @@ class EagleBackend(DraftBackend):
 
     # ------------------------------------------------------------ the interface
     @torch.inference_mode()
-    def draft(self, state: object, verified: list[int], depth: int, new_features: torch.Tensor | None = None) -> Draft:
+    def draft(self, state: object, verified: list[int], depth: int,
+              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
         st: EagleSession = state  # type: ignore[assignment]
-        hidden = self._absorb(st, verified, new_features)
+        hidden = self._absorb(st, verified, None if new_features is None else as_torch(new_features))
         if hidden is None or depth < 1:
             return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
         return self._chain(st, hidden, depth)
@@ -441,8 +444,9 @@ class EagleBackend(DraftBackend):
             return [self.draft(r.state, r.verified, r.depth, r.new_features)]
         jobs = []
         for r in requests:
-            ids = self._prepare(r.state, r.verified, r.new_features)  # type: ignore[arg-type]
-            jobs.append((r.state, ids, r.new_features if ids else None, r.depth))
+            feats = None if r.new_features is None else as_torch(r.new_features)
+            ids = self._prepare(r.state, r.verified, feats)  # type: ignore[arg-type]
+            jobs.append((r.state, ids, feats if ids else None, r.depth))
         return self._batched(jobs)
 
 

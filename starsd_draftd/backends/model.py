@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
@@ -47,7 +48,7 @@ class ModelBackend(DraftBackend):
         return out.logits[0, -1, : self.vocab_size].float()
 
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: torch.Tensor | None = None) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
         st: ModelSession = state  # type: ignore[assignment]
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
