@@ -110,7 +110,7 @@ def all_finite(x: np.ndarray | torch.Tensor) -> bool:
     if bits is None:
         return bool(np.isfinite(x).all()) if x.dtype.kind == "f" else True
     signed, unsigned, pos_bad, neg_bad = bits
-    raw = x.view(signed) if x.flags.c_contiguous else np.ascontiguousarray(x).view(signed)
+    raw = x.view(signed)  # same-width views, so any strides work
     return raw.size == 0 or (int(raw.max()) < pos_bad and int(raw.view(unsigned).max()) < neg_bad)
 
 
@@ -125,7 +125,8 @@ def brief(v: object, width: int = 80) -> str:
 def decode_tensor(spec: object, buf) -> np.ndarray:
     """Rebuild an array from its spec and a buffer-protocol object, validating both.
 
-    The result is a read-only view of ``buf``; ``as_torch`` gives a torch view of it."""
+    The result is a view of ``buf`` (read-only for a frame or bytes); ``as_torch`` gives a torch
+    view of it."""
     if spec.__class__ is not dict:
         raise TensorCodecError("tensor spec must be a map")
     name = spec.get("dtype")
@@ -148,8 +149,8 @@ def decode_tensor(spec: object, buf) -> np.ndarray:
 
 def _accept_read_only_buffers() -> None:
     # zmq frames are read-only, and a decoded array is a read-only view of its frame by
-    # contract. torch warns (in as_torch) about that once per process; take the warning here, quietly,
-    # rather than paying for a warnings filter on every decode.
+    # contract. torch warns about that once per process, in as_torch; take the warning here,
+    # quietly, rather than paying for a warnings filter on every conversion.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
