@@ -1426,18 +1426,17 @@ def _derive(report: dict, cfg: BenchConfig) -> None:
         v_r = (cfg.verify_ms + cfg.rtt_ms, "emulation parameters")
         if real is not None and wire_rtt is not None:
             v_r = (real["target_forward_ms"]["verify_ms"] + wire_rtt, "real target forward + loopback round trip")
-        batched["n_full"] = {
-            "one_at_a_time": plan_mod.n_full(batched["service_ms_per_request_one_at_a_time"], v_r[0], 0.0),
-            "batched": plan_mod.n_full(batched["service_ms_per_request_batched"], v_r[0], 0.0),
-            "verify_plus_rtt_ms": v_r[0], "from": v_r[1],
-            "note": "capacity-equivalent: S = 1 / requests per second with k = batch_max waiting",
-        }
+
+        def n_full(section: dict) -> dict:
+            return {"one_at_a_time": plan_mod.n_full(section["service_ms_per_request_one_at_a_time"], v_r[0], 0.0),
+                    "batched": plan_mod.n_full(section["service_ms_per_request_batched"], v_r[0], 0.0),
+                    "verify_plus_rtt_ms": v_r[0], "from": v_r[1]}
+
+        batched["n_full"] = dict(n_full(batched),
+                                 note="capacity-equivalent: S = 1 / requests per second with k = batch_max waiting")
         eagle = batched.get("eagle", {})
         if eagle.get("available"):
-            eagle["n_full"] = {
-                "one_at_a_time": plan_mod.n_full(eagle["service_ms_per_request_one_at_a_time"], v_r[0], 0.0),
-                "batched": plan_mod.n_full(eagle["service_ms_per_request_batched"], v_r[0], 0.0),
-                "verify_plus_rtt_ms": v_r[0], "from": v_r[1]}
+            eagle["n_full"] = n_full(eagle)
     summary = {}
     if "wire" in report:
         summary["overhead_ratio_p50_le_1_5"] = report["wire"]["target"]
