@@ -66,3 +66,24 @@ def status_command(group: click.Group, option, default_endpoint: str, what: str,
         with ControlClient(connect) as cc:
             stats = cc.stats(timeout)
         click.echo(json.dumps(stats, indent=2) if as_json else "\n".join(describe(connect, stats)))
+
+
+class LazyGroup(click.Group):
+    """A click group whose tooling commands are imported only when invoked (or listed in --help),
+    so that the daemon's own command starts without importing them: ``lazy`` maps a command
+    name to ``"module:attribute"``."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands:
+            import importlib
+
+            module, _, attr = self.lazy[name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)

@@ -107,14 +107,48 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", progress: bool = True) -> LoadedModel:
+# ---------------------------------------------------------------- the built-in demo checkpoints
+DEMO_RECIPE = "v5"  # the demo builder's recipe: a new recipe is a new cache directory
+DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle"}
+DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
+
+
+def cache_root() -> Path:
+    """``$STARSD_CACHE_DIR``, else ``$XDG_CACHE_HOME/starsd``, else ``~/.cache/starsd``."""
+    explicit = os.environ.get("STARSD_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "starsd"
+    return Path.home() / ".cache" / "starsd"
+
+
+def demo_dir() -> Path:
+    """The directory holding this recipe's demo checkpoints (``target``, ``draft``, ``eagle``)."""
+    return cache_root() / f"demo-{DEMO_RECIPE}"
+
+
+def resolve_model_path(name_or_dir: str) -> Path:
+    """A checkpoint directory: ``demo``, ``demo-draft`` and ``demo-eagle`` name the cached demo
+    checkpoints (never built here: a missing one is a ModelLoadError naming the command that
+    builds it); anything else is returned as a path, unchecked."""
+    sub = DEMO_CHECKPOINTS.get(name_or_dir)
+    if sub is None:
+        return Path(name_or_dir)
+    path = demo_dir() / sub
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"the built-in demo checkpoint {name_or_dir!r} is not built yet (looked in {path}); "
+                             f"build it once with `{DEMO_BUILD_COMMAND}` (or `make demo`)")
+    return path
+
+
+def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
     """Load a Hugging Face causal LM (and its tokenizer, when the directory has one) from a
-    local directory, or one of the built-in demo names ``demo`` / ``demo-draft``."""
+    local directory, or one of the cached demo checkpoints (``demo`` / ``demo-draft``)."""
     from transformers import AutoModelForCausalLM
 
-    from common.demo_models import resolve_model_path
-
-    path = resolve_model_path(name_or_path, progress=progress)
+    path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} is not a model directory (no config.json); pass a local Hugging Face checkpoint "

@@ -1,73 +1,29 @@
-"""starsd-draftd: the draft daemon that serves many target daemons, and its demo."""
+"""starsd-draftd: the draft daemon's command line (serve, keygen, status; the tooling commands
+bench, plan, demo and train-eagle are imported only when invoked)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import zmq
 
-from common.cliutil import env_options, fail_cleanly, logging_options, status_command
+from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
-from common.models import ModelLoadError, load_causal_lm, set_torch_threads
+from common.models import ModelLoadError
 from common.security import keygen as keygen_pair
-from starsd_draftd.demo import DemoConfig, format_table, run_demo
-from starsd_draftd.server import DraftServer, ServerConfig
+from starsd_draftd import app
+from starsd_draftd.server import ServerConfig
 
 option = env_options("STARSD_DRAFTD")
 _s = ServerConfig()
-_demo = DemoConfig()
+
+TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
+           "demo": "starsd_draftd.demo.cli:demo", "train-eagle": "starsd_draftd.demo.cli:train_eagle"}
 
 
-@dataclass
-class ServeConfig:
-    server: ServerConfig
-    model: str = "demo-draft"
-    backend: str = "model"
-    eagle_head: str | None = None
-    base_model: str | None = None
-    device: str = "cpu"
-    dtype: str = "auto"
-    q_topk: int = 32
-    threads: int = 1
-
-
-def build_backend(cfg: ServeConfig):
-    """The draft backend named by the configuration; EAGLE code is imported only when asked for."""
-    if cfg.backend == "model":
-        from starsd_draftd.backends.model import ModelBackend
-
-        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
-    if cfg.backend == "eagle":
-        if not cfg.eagle_head or not cfg.base_model:
-            raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")
-        try:
-            from starsd_draftd.backends.eagle import EagleBackend
-        except ImportError as exc:
-            raise ValueError(f"the EAGLE backend needs the eagle-llm package ({exc}); install it with "
-                             "`pip install --no-deps eagle-llm==1.2.1`") from None
-        from common.demo_models import resolve_model_path
-        from starsd_draftd.eagle_train import resolve_head_path
-
-        return EagleBackend.from_dirs(resolve_head_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
-                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk)
-    raise ValueError(f"unknown backend {cfg.backend!r}")
-
-
-def run_serve(cfg: ServeConfig) -> None:
-    set_torch_threads(cfg.threads)
-    backend = build_backend(cfg)
-    ctx = zmq.Context()
-    server = DraftServer(backend, cfg.server, ctx)
-    server.install_signal_handlers()
-    server.serve_forever()
-    ctx.term()  # returns once the last messages (GOODBYEs) have left, within the sockets' linger
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=LazyGroup, lazy=TOOLING,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def main() -> None:
     """StarSD draft daemon: one draft model serving many target daemons over ZeroMQ.
 
@@ -134,7 +90,7 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
                           drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
                           metrics_port=metrics_port)
-    run_serve(ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))
+    app.run(app.ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))
 
 
 @main.command()
@@ -160,61 +116,6 @@ def _describe(connect: str, s: dict) -> list[str]:
 
 
 status_command(main, option, _s.bind, "draft daemon", _describe)
-
-
-@main.command("train-eagle")
-@option("--base-model", required=True, help="Target checkpoint directory (or 'demo') to train a head for.")
-@option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the head.")
-@option("--time-budget", type=click.FloatRange(10), default=180.0, help="Wall-clock seconds for the whole run.")
-@option("--threads", type=click.IntRange(1), default=2, help="Torch CPU threads for training.")
-@logging_options(option)
-@fail_cleanly(ModelLoadError, ValueError, ImportError)
-def train_eagle(base_model, out, time_budget, threads, log_level, log_format) -> None:
-    """Train an EAGLE-1 head for a target on the Python standard library's sources (CPU, a few minutes)."""
-    setup_logging(log_level, log_format)
-    from starsd_draftd.eagle_train import train_eagle_head
-
-    report = train_eagle_head(base_model, out, time_budget_s=time_budget, num_threads=threads)
-    click.echo(json.dumps(report, indent=2))
-
-
-@main.command()
-@option("--targets", type=click.IntRange(1, 32), default=_demo.targets, help="Target daemons to start.")
-@option("--prompts", "prompts_per_target", type=click.IntRange(1), default=_demo.prompts_per_target,
-        help="Generations per target.")
-@option("--max-tokens", type=click.IntRange(1), default=_demo.max_tokens, help="Tokens per generation.")
-@option("--depth", type=click.IntRange(1, 64), default=_demo.depth, help="Draft tokens per round.")
-@option("--temperature", type=click.FloatRange(0), default=0.0, help="0 means greedy.")
-@option("--backend", type=click.Choice(["model", "eagle"]), default="model",
-        help="eagle: run the demo target's EAGLE head (trained once, cached) and compare it with the "
-             "standalone draft model.")
-@option("--device", default="cpu", help="Device for every daemon.")
-@option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
-@logging_options(option)
-@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
-def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, as_json, log_level,
-         log_format) -> None:
-    """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
-    setup_logging(log_level, log_format)
-    report = run_demo(DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens,
-                                 depth=depth, temperature=temperature, backend=backend, device=device))
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
-                   f"{max_tokens} tokens each, depth {depth}, {device}")
-        click.echo(format_table(report))
-        click.echo(f"(daemon logs in {report['logs']})")
-
-
-def _register_bench() -> None:
-    from starsd_draftd.bench_cli import bench, plan
-
-    main.add_command(bench)
-    main.add_command(plan)
-
-
-_register_bench()
 
 
 if __name__ == "__main__":

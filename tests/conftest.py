@@ -9,6 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
+from common.sockets import free_tcp_endpoint  # noqa: E402
+from starsd_draftd.bench.procs import ProcessSet  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 
@@ -28,3 +30,48 @@ def loaded_target(tiny_target):
     from common.models import load_causal_lm
 
     return load_causal_lm(str(tiny_target))
+
+
+@pytest.fixture(scope="session")
+def near_draft(tiny_target, tmp_path_factory) -> Path:
+    """A draft close to the tiny target (its weights plus a little noise): most drafts are kept."""
+    from tiny_models import make_near_copy
+
+    return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
+
+
+class Star(ProcessSet):
+    """Draft and target daemons as real processes on free loopback ports, built on the process set
+    the demo and the bench use."""
+
+    def draftd(self, model, *extra: str, name: str = "draftd", endpoint: str | None = None, depth: int = 4) -> str:
+        """Start a draft daemon serving ``model``; its endpoint, once it answers."""
+        endpoint = endpoint or free_tcp_endpoint()
+        self.start(name, "starsd_draftd", "serve", "--model", str(model), "--bind", endpoint, "--depth", str(depth),
+                   *extra)
+        self.wait_ready(name, endpoint)
+        return endpoint
+
+    def targets(self, model, draft_ep: str, n: int, *extra: str, depth: int = 4, prefix: str = "t") -> list[str]:
+        """Start ``n`` target daemons (named t0, t1, ...) linked to ``draft_ep``; their job endpoints."""
+        eps = [free_tcp_endpoint() for _ in range(n)]
+        for i, ep in enumerate(eps):
+            self.start(f"{prefix}{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep,
+                       "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}", *extra)
+        for i, ep in enumerate(eps):
+            self.wait_ready(f"{prefix}{i}", ep)
+        return eps
+
+
+@pytest.fixture
+def star(tmp_path):
+    """A Star for one test, stopped after it."""
+    with Star(tmp_path) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def module_star(tmp_path_factory):
+    """A Star shared by one module's tests, stopped after them."""
+    with Star(tmp_path_factory.mktemp("daemons")) as s:
+        yield s

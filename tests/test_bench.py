@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from common.protocol import MsgType
 from common.verify import SamplingParams
 from fakes import running_server
-from starsd_draftd import bench as B
-from starsd_draftd import bench_cli
+from starsd_draftd.bench import config, pool, run, star, stats, wire
+from starsd_draftd.bench import cli as bench_cli
 from starsd_draftd.backends.base import DraftRequest
-from starsd_draftd.emulation import (EMULATION_LABEL, BusyIndex, EmulatedBackend, EmulatedTarget, PacedSleep, Round,
-                                     ServiceModel, TargetModel, Trace, TracingBackend, acceptance_chain, idle_gaps,
-                                     services_between)
-from starsd_draftd.plan import Plan
+from starsd_draftd.bench.emulated_target import EmulatedTarget, Round, TargetModel, acceptance_chain
+from starsd_draftd.bench.emulation import EMULATION_LABEL, EmulatedBackend, PacedSleep, ServiceModel
+from starsd_draftd.bench.trace import BusyIndex, Trace, TracingBackend, idle_gaps, services_between
+from starsd_draftd.bench.plan import Plan
 
 
 class FakeClock:
@@ -43,37 +43,37 @@ class FakeClock:
 
 # ---------------------------------------------------------------- statistics
 def test_percentile_matches_linear_interpolation():
-    assert B.percentile([1, 2, 3, 4], 50) == 2.5
-    assert B.percentile([4, 1, 3, 2], 0) == 1
-    assert B.percentile([1, 2, 3, 4], 100) == 4
-    assert B.percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
-    assert B.percentile([7.0], 99) == 7.0
+    assert stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert stats.percentile([4, 1, 3, 2], 0) == 1
+    assert stats.percentile([1, 2, 3, 4], 100) == 4
+    assert stats.percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert stats.percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError):
-        B.percentile([], 50)
+        stats.percentile([], 50)
 
 
 def test_summarize_and_histogram():
-    s = B.summarize([0.001, 0.002, 0.003, 0.006], scale=1e3)
+    s = stats.summarize([0.001, 0.002, 0.003, 0.006], scale=1e3)
     assert s["n"] == 4 and s["mean"] == pytest.approx(3.0) and s["p50"] == pytest.approx(2.5)
     assert s["std"] == pytest.approx(math.sqrt(((2 ** 2) + 1 + 0 + 9) / 4))
     assert s["min"] == pytest.approx(1.0) and s["max"] == pytest.approx(6.0)
-    assert B.summarize([])["p50"] is None
-    h = B.histogram([0.05, 0.1, 0.3, 7.0, 99.0], (0.0, 0.1, 0.25, 5.0))
+    assert stats.summarize([])["p50"] is None
+    h = stats.histogram([0.05, 0.1, 0.3, 7.0, 99.0], (0.0, 0.1, 0.25, 5.0))
     assert [b["count"] for b in h] == [1, 1, 1, 2]
     assert h[-1]["hi"] is None and h[0]["lo"] == 0.0
 
 
 def test_per_token_latency_spreads_a_round_over_its_tokens():
-    lat = B.per_token_latencies([(0.030, 3), (0.010, 1), (0.5, 0)])
+    lat = stats.per_token_latencies([(0.030, 3), (0.010, 1), (0.5, 0)])
     assert lat == pytest.approx([0.01, 0.01, 0.01, 0.01])
-    assert B.relative_error_pct(90.0, 100.0) == pytest.approx(-10.0)
+    assert stats.relative_error_pct(90.0, 100.0) == pytest.approx(-10.0)
 
 
 def test_session_rounds_from_a_draft_trace():
     # session 1: requests at 0, 10, 25 ms with verified lengths 16, 19, 20; session 2 re-opened (length drops)
     reqs = [(1, 0.000, 0.001, 16), (2, 0.002, 0.003, 30), (1, 0.010, 0.011, 19), (1, 0.025, 0.026, 20),
             (2, 0.020, 0.021, 12), (2, 0.030, 0.031, 14)]
-    rounds = sorted((round(d, 9), k) for d, k in B.session_rounds(reqs))
+    rounds = sorted((round(d, 9), k) for d, k in stats.session_rounds(reqs))
     assert rounds == [(0.01, 2), (0.01, 3), (0.015, 1)]
 
 
@@ -93,9 +93,9 @@ def test_framework_overhead_subtracts_all_drafting_inside_the_wait():
     # its reply arrived at 2.0: 1.0 s of wait, 0.4 + 0.4 of it drafting -> 0.2 of framework
     services = [(1.0, 1.4, 1), (1.5, 1.9, 1)]
     r = Round(t_send=1.0, t_reply=2.0, t_done=2.5, pos=20, drafted=4, accepted=2, fallback=False)
-    out = B.framework_overheads([r], {20: (1.5, 1.9)}, BusyIndex(services))
+    out = stats.framework_overheads([r], {20: (1.5, 1.9)}, BusyIndex(services))
     assert out == pytest.approx([0.2])
-    assert B.framework_overheads([r], {}, BusyIndex(services)) == []
+    assert stats.framework_overheads([r], {}, BusyIndex(services)) == []
 
 
 # ---------------------------------------------------------------- emulation accounting
@@ -181,7 +181,7 @@ def test_emulated_target_bookkeeping_over_the_real_protocol(temperature, feature
     by_pos = {nv: (s0, s1) for _, s0, s1, nv in traced.trace.requests}
     assert [r.pos for r in rounds] == sorted(by_pos)
     assert traced.trace.serial_for_seed(5) == 1
-    assert len(B.framework_overheads(rounds, by_pos, BusyIndex(traced.trace.services))) == 25
+    assert len(stats.framework_overheads(rounds, by_pos, BusyIndex(traced.trace.services))) == 25
 
 
 def test_emulation_row_accounting_on_a_synthetic_run():
@@ -200,7 +200,7 @@ def test_emulation_row_accounting_on_a_synthetic_run():
     run = {"n": 2, "targets": [T(1, ra), T(2, rb)], "w0": 10.0, "w1": 11.0,
            "s0": {"busy_s": 5.0, "uptime_s": 100.0}, "s1": {"busy_s": 5.12, "uptime_s": 101.0}}
     model = Plan(verify_ms=100, rtt_ms=0, depth=4, acceptance=0.5, draft_ms=40)
-    row = B.emulation_row(run, trace, BusyIndex(trace.services), model, model)
+    row = star.emulation_row(run, trace, BusyIndex(trace.services), model, model)
     m = row["measured"]
     assert row["label"] == "emulation"
     assert m["rounds"] == 5 and m["system_tps"] == pytest.approx(12.0)  # 2+3+5 + 1+1 tokens in 1 s
@@ -229,7 +229,7 @@ def test_emulation_calibration_takes_medians_of_the_calibration_windows():
     one = {"targets": [T()], "w0": 1.0, "w1": 2.0}
     sat = {"targets": [None] * 8, "w0": 5.0, "w1": 5.5, "s0": {"busy_s": 0.0, "uptime_s": 0.0},
            "s1": {"busy_s": 0.4, "uptime_s": 0.5}}
-    cal = B.emulation_calibration(one, sat, trace, BusyIndex(services))
+    cal = star.emulation_calibration(one, sat, trace, BusyIndex(services))
     # waits 0.1, 0.15, 0.1 minus own services 0.06, 0.08, 0.06 -> 0.04, 0.07, 0.04
     assert cal["framework_rtt_ms"] == pytest.approx(40.0)
     assert cal["server_ms_per_request"] == pytest.approx(20.0)
@@ -240,26 +240,26 @@ def test_emulation_calibration_takes_medians_of_the_calibration_windows():
 # ---------------------------------------------------------------- sockets, no timing assertions
 def test_capacity_and_framework_round_trips_against_an_in_process_server():
     with running_server(EmulatedBackend(ServiceModel(0.0, 0.0), feature_size=32)) as (server, ctx):
-        loop = B.framework_loop(server.endpoint, "features_q", 0.0, ctx, feature_size=32, feature_rows=3)
+        loop = wire.framework_loop(server.endpoint, "features_q", 0.0, ctx, feature_size=32, feature_rows=3)
         try:
-            rtts = B.interleaved({"framework": loop}, n=6, warmup=2, blocks=1)["framework"]
+            rtts = wire.interleaved({"framework": loop}, n=6, warmup=2, blocks=1)["framework"]
         finally:
             loop.close()
         assert len(rtts) == 6 and all(x > 0 for x in rtts)
     with running_server(EmulatedBackend(ServiceModel(0.0, 0.0))) as (server, ctx):
-        cap = B.measure_capacity(server.endpoint, 3, 4, 0.2, ctx, max_len=40)
+        cap = pool.measure_capacity(server.endpoint, 3, 4, 0.2, ctx, max_len=40)
         assert cap["k"] == 3 and cap["requests"] > 0 and cap["requests_per_s"] > 0
         assert set(cap) >= {"busy_fraction", "mean_batch", "drafted_tokens_per_s", "busy_ms_per_request"}
         assert server.snapshot()["errors"] == {}
 
 
 def test_wire_payloads_and_torch_reference_round_trip():
-    req, rep = B.wire_messages("features_q", q_topk=16, feature_size=64, feature_rows=3)
+    req, rep = wire.wire_messages("features_q", q_topk=16, feature_size=64, feature_rows=3)
     assert req.type is MsgType.DRAFT and req.tensors["features"].shape == (3, 64)
     assert req.tensors["features"].dtype == torch.float16
     assert rep.tensors["q_ids"].shape == (5, 16) and rep.tensors["q_probs"].dtype == torch.float32
-    assert "features" not in B.wire_messages("greedy")[0].tensors and not B.wire_messages("greedy")[1].tensors
-    back = B._torch_unblob(B._torch_blob(rep))
+    assert "features" not in wire.wire_messages("greedy")[0].tensors and not wire.wire_messages("greedy")[1].tensors
+    back = wire._torch_unblob(wire._torch_blob(rep))
     assert back["type"] == "DRAFTED" and torch.equal(back["tensors"]["q_ids"], rep.tensors["q_ids"])
 
 
@@ -268,7 +268,7 @@ def test_batch_max_detection_matches_server_config():
 
     from starsd_draftd.server import ServerConfig
 
-    assert B.batch_max_supported() == ("batch_max" in {f.name for f in dataclasses.fields(ServerConfig)})
+    assert config.batch_max_supported() == ("batch_max" in {f.name for f in dataclasses.fields(ServerConfig)})
 
 
 # ---------------------------------------------------------------- CLI
@@ -317,14 +317,14 @@ def test_bench_cli_builds_the_config(cli, monkeypatch, tmp_path):
 
 def test_bench_config_refuses_unknown_sections():
     with pytest.raises(ValueError):
-        B.BenchConfig(sections=("wire", "gpu")).check()
+        config.BenchConfig(sections=("wire", "gpu")).check()
 
 
 # ---------------------------------------------------------------- one quick run, every field
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    report = B.run_bench(B.BenchConfig.quick_config(out=out, progress=False,
+    report = run.run_bench(config.BenchConfig.quick_config(out=out, progress=False,
                                                     workdir=tmp_path_factory.mktemp("bench-work")))
     return out, report
 
@@ -337,7 +337,7 @@ def _num(x) -> bool:
 def test_quick_bench_writes_json_png_and_markdown(quick_report):
     out, report = quick_report
     on_disk = json.loads((out / "bench.json").read_text())
-    assert on_disk["schema"] == B.SCHEMA and on_disk["mode"] == "quick"
+    assert on_disk["schema"] == config.SCHEMA and on_disk["mode"] == "quick"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
     assert "EMULATION" in md and "Wire cost" in md and "Real models" in md and "Batched" in md
@@ -422,7 +422,7 @@ def test_quick_bench_real_model_fields(quick_report):
 def test_quick_bench_batched_fields(quick_report):
     _, r = quick_report
     b = r["batched"]
-    if not B.batch_max_supported():
+    if not config.batch_max_supported():
         assert b == {"available": False, "reason": b["reason"]}
         return
     assert b["available"] and b["batch_max"] == 8
@@ -451,6 +451,6 @@ def test_interleaved_takes_n_after_warmup_in_alternating_blocks():
             order.append(name)
             yield float(i)
 
-    out = B.interleaved({"a": loop("a"), "b": loop("b")}, n=7, warmup=2, blocks=3)
+    out = wire.interleaved({"a": loop("a"), "b": loop("b")}, n=7, warmup=2, blocks=3)
     assert out["a"] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0] and out["b"] == out["a"]  # warm-up rounds dropped
     assert "".join(order) == "aabb" + "aaabbb" + "aabb" + "aabb"  # blocks of 3, 2, 2, alternating

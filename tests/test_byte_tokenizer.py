@@ -5,7 +5,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import transformers
 
-from common.byte_tokenizer import (
+from starsd_draftd.demo.byte_tokenizer import (
     BOS_ID,
     BYTE_VOCAB_SIZE,
     EOS_ID,

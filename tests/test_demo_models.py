@@ -8,15 +8,11 @@ import pytest
 import torch
 import transformers
 
-from common import demo_models
-from common.byte_tokenizer import BYTE_VOCAB_SIZE
-from common.demo_models import (
-    ModelShape,
-    cache_root,
-    load_corpus,
-    resolve_model_path,
-    train_demo_pair,
-)
+from common.models import DEMO_BUILD_COMMAND, ModelLoadError, cache_root, resolve_model_path
+from starsd_draftd.demo import corpus, pair as demo_models
+from starsd_draftd.demo.byte_tokenizer import BYTE_VOCAB_SIZE
+from starsd_draftd.demo.corpus import load_corpus
+from starsd_draftd.demo.pair import ModelShape, demo_path, train_demo_pair
 
 TINY_TARGET = ModelShape(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64
@@ -63,6 +59,17 @@ def test_resolve_non_demo_name_unchanged(monkeypatch, tmp_path):
     assert resolve_model_path("/some/where/model") == Path("/some/where/model")
     assert resolve_model_path("relative/dir") == Path("relative/dir")
     assert resolve_model_path("demo-other") == Path("demo-other")
+    assert demo_path("relative/dir") == Path("relative/dir")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_daemons_resolver_never_trains_and_names_the_build_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(demo_models, "train_demo_pair", _forbidden_training)
+    for name in ("demo", "demo-draft", "demo-eagle"):
+        with pytest.raises(ModelLoadError, match="not built yet") as err:
+            resolve_model_path(name)
+        assert DEMO_BUILD_COMMAND in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -168,8 +175,9 @@ def test_ensure_demo_pair_builds_once_and_reuses(monkeypatch, tmp_path):
     assert calls[0] != expected and calls[0].parent == tmp_path and not calls[0].exists()
     assert (target_dir / "model.safetensors").is_file() and (draft_dir / "model.safetensors").is_file()
 
-    assert resolve_model_path("demo", progress=False) == target_dir
-    assert resolve_model_path("demo-draft", progress=False) == draft_dir
+    assert resolve_model_path("demo") == target_dir
+    assert resolve_model_path("demo-draft") == draft_dir
+    assert demo_path("demo", progress=False) == target_dir
     assert demo_models.ensure_demo_pair(progress=False) == (target_dir, draft_dir)
     assert len(calls) == 1
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".demo-")]
@@ -222,7 +230,7 @@ def g(a):
     # comment inside
     return a + 1
 '''
-    out = demo_models._strip_docs(source)
+    out = corpus._strip_docs(source)
     assert out is not None
     ast.parse(out)
     assert "Module docstring" not in out and "Class doc" not in out and "Doc of g" not in out
@@ -231,4 +239,4 @@ def g(a):
     assert "Only statement" in out
     assert "return a + 1" in out and "x = 1" in out
     assert "\n\n\n\n" not in out
-    assert demo_models._strip_docs("def broken(:\n") is None
+    assert corpus._strip_docs("def broken(:\n") is None

@@ -12,9 +12,7 @@ import pytest
 
 from common.control import ControlClient
 from common.protocol import Message, MsgType
-from common.sockets import free_tcp_endpoint
-from procs import Daemons
-from tiny_models import make_near_copy, reference_greedy
+from tiny_models import reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -23,28 +21,12 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def near_draft(tiny_target, tmp_path_factory):
-    return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
-
-
-@pytest.fixture(scope="module")
-def star(tiny_target, near_draft, tmp_path_factory):
+def star4(tiny_target, near_draft, module_star):
     """1 draft daemon + 4 target daemons, each its own OS process."""
-    d = Daemons(tmp_path_factory.mktemp("logs"))
-    draft_ep = free_tcp_endpoint()
-    target_eps = [free_tcp_endpoint() for _ in PROMPTS]
-    try:
-        d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", draft_ep, "--depth", "4")
-        for i, ep in enumerate(target_eps):
-            d.start(f"t{i}", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep,
-                    "--listen", ep, "--depth", "4", "--name", f"t{i}", "--connect-timeout", "120",
-                    "--draft-timeout", "30")
-        d.wait_ready("draftd", draft_ep)
-        for i, ep in enumerate(target_eps):
-            d.wait_ready(f"t{i}", ep)
-        yield d, draft_ep, target_eps
-    finally:
-        d.close()
+    draft_ep = module_star.draftd(near_draft)
+    target_eps = module_star.targets(tiny_target, draft_ep, len(PROMPTS), "--connect-timeout", "120",
+                                     "--draft-timeout", "30")
+    return module_star, draft_ep, target_eps
 
 
 def run_concurrently(target_eps, requests):
@@ -68,8 +50,8 @@ def run_concurrently(target_eps, requests):
     return results
 
 
-def test_four_targets_greedy_equal_generate(star, tiny_target):
-    d, draft_ep, target_eps = star
+def test_four_targets_greedy_equal_generate(star4, tiny_target):
+    d, draft_ep, target_eps = star4
     from common.models import load_causal_lm
     from starsd_target.engine import TargetEngine
 
@@ -89,8 +71,8 @@ def test_four_targets_greedy_equal_generate(star, tiny_target):
     assert s["peers"] >= 4 and s["requests"] >= sum(r["stats"]["rounds"] for r in results) - 4
 
 
-def test_sampled_runs_with_a_seed_repeat(star):
-    d, draft_ep, target_eps = star
+def test_sampled_runs_with_a_seed_repeat(star4):
+    d, draft_ep, target_eps = star4
     reqs = [{"id": 10 + i, "prompt": PROMPTS[i], "max_tokens": 32, "temperature": 0.8, "top_k": 50,
              "top_p": 0.95, "seed": 7} for i in range(len(target_eps))]
     first = run_concurrently(target_eps, reqs)
@@ -102,8 +84,8 @@ def test_sampled_runs_with_a_seed_repeat(star):
     assert [r["token_ids"] for r in other] != [r["token_ids"] for r in first]
 
 
-def test_cli_generate_json(star, tiny_target):
-    d, draft_ep, _ = star
+def test_cli_generate_json(star4, tiny_target):
+    d, draft_ep, _ = star4
     cmd = [sys.executable, "-m", "starsd_target", "generate", "--model", str(tiny_target), "--draft", draft_ep,
            "--prompt", PROMPTS[0], "--max-tokens", "20", "--json", "--log-level", "warning"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -13,8 +13,8 @@ from common.models import ModelLoadError, load_causal_lm
 from common.verify import SamplingParams, logits_to_probs
 from starsd_draftd.backends.base import DraftRequest
 from starsd_draftd.backends.eagle import EagleBackend, load_eagle_head
-from starsd_draftd.eagle_compat import build_head, cnets_config, restore_rotary_precision
-from starsd_draftd.eagle_train import head_config_for, save_eagle_head, train_eagle_head
+from starsd_draftd.backends.eagle_compat import build_head, cnets_config, restore_rotary_precision
+from starsd_draftd.demo.eagle_train import head_config_for, save_eagle_head, train_eagle_head
 from tiny_models import make_tiny_checkpoint
 
 HIDDEN = 48  # the conftest's tiny_target

@@ -16,10 +16,10 @@ from common.protocol import Message, MsgType
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams, logits_to_probs
 from fakes import running_server
-from procs import Daemons
+from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
-from starsd_draftd.eagle_train import train_eagle_head
+from starsd_draftd.demo.eagle_train import train_eagle_head
 from starsd_target.client import DraftClient, RemoteDraftSession
 from starsd_target.engine import TargetEngine
 from tiny_models import make_near_copy, reference_greedy

@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import zmq
 
 from common.control import ControlClient
 from common.models import load_causal_lm
@@ -15,11 +14,10 @@ from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
 from fakes import RawPeer, running_server
-from procs import Daemons
 from starsd_draftd.backends.model import ModelBackend
 from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
 from starsd_target.engine import TargetEngine
-from tiny_models import make_near_copy, reference_greedy
+from tiny_models import reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +25,12 @@ PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n"
 
 
 @pytest.fixture(scope="module")
-def near_draft(tiny_target, tmp_path_factory):
-    return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
-
-
-@pytest.fixture(scope="module")
 def engine(loaded_target):
     return TargetEngine(loaded_target, depth=4)
 
 
-def start_draftd(d: Daemons, model, endpoint, name="draftd", *extra):
-    d.start(name, "starsd_draftd", "serve", "--model", str(model), "--bind", endpoint, "--depth", "4", *extra)
-    d.wait_ready(name, endpoint)
-
-
-def start_targets(d: Daemons, model, draft_ep, n):
-    eps = [free_tcp_endpoint() for _ in range(n)]
-    for i, ep in enumerate(eps):
-        d.start(f"t{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep, "--listen", ep,
-                "--depth", "4", "--draft-timeout", "1.0", "--heartbeat", "0.3", "--connect-timeout", "60")
-    for i, ep in enumerate(eps):
-        d.wait_ready(f"t{i}", ep)
-    return eps
+def start_targets(star, model, draft_ep, n):
+    return star.targets(model, draft_ep, n, "--draft-timeout", "1.0", "--heartbeat", "0.3", "--connect-timeout", "60")
 
 
 def generate_all(eps, max_tokens, results, errors):
@@ -76,11 +58,10 @@ def wait_connected(ep, timeout_s=30):
     return False
 
 
-def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, tmp_path):
-    d = Daemons(tmp_path)
+def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, star):
+    d = star
     try:
-        draft_ep = free_tcp_endpoint()
-        start_draftd(d, near_draft, draft_ep)
+        draft_ep = d.draftd(near_draft)
         eps = start_targets(d, tiny_target, draft_ep, 4)
         refs = [reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 300) for i in range(4)]
         results, errors = [None] * 4, []
@@ -100,7 +81,7 @@ def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, tmp
         assert sum(r["stats"]["accepted"] for r in results) > 0  # ...after speculation had started
         d.procs.pop("draftd").wait()
         # restart on the same endpoint: targets reconnect and speculate again
-        start_draftd(d, near_draft, draft_ep, "draftd2")
+        d.draftd(near_draft, name="draftd2", endpoint=draft_ep)
         for ep in eps:
             assert wait_connected(ep), "target did not reconnect"
         results, errors = [None] * 4, []
@@ -114,11 +95,10 @@ def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, tmp
         d.close()
 
 
-def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, tmp_path):
-    d = Daemons(tmp_path)
+def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, star):
+    d = star
     try:
-        draft_ep = free_tcp_endpoint()
-        start_draftd(d, near_draft, draft_ep, "draftd", "--drain-timeout", "2")
+        draft_ep = d.draftd(near_draft, "--drain-timeout", "2")
         eps = start_targets(d, tiny_target, draft_ep, 2)
         results, errors = [None] * 2, []
         threads = generate_all(eps, 400, results, errors)
@@ -146,8 +126,8 @@ def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, 
         d.close()
 
 
-def test_sigterm_target_finishes_current_job_and_refuses_queued(tiny_target, tmp_path):
-    d = Daemons(tmp_path)
+def test_sigterm_target_finishes_current_job_and_refuses_queued(tiny_target, star):
+    d = star
     try:
         ep = free_tcp_endpoint()
         d.start("t", "starsd_target", "serve", "--model", str(tiny_target), "--listen", ep, "--draft",

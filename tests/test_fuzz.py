@@ -28,10 +28,10 @@ from common.protocol import ErrorCode, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
 from fakes import nested as nested_list, running_server
-from procs import Daemons
+from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
 from starsd_target.engine import TargetEngine
-from tiny_models import make_near_copy, reference_greedy
+from tiny_models import reference_greedy
 
 MAX_SESSIONS = 64
 PER_PEER = 8
@@ -74,11 +74,6 @@ def rss_kb(pid: int) -> int:
 
 def open_fds(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
-
-
-@pytest.fixture(scope="module")
-def near_draft(tiny_target, tmp_path_factory):
-    return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
 
 
 @pytest.fixture(scope="module")

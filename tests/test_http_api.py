@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from common.sockets import free_tcp_endpoint
-from procs import Daemons
+from starsd_draftd.bench.procs import ProcessSet as Daemons
 from tiny_models import make_near_copy, reference_greedy
 
 pytestmark = pytest.mark.slow

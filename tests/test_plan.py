@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from starsd_draftd import plan as M
-from starsd_draftd.plan import Plan
+from starsd_draftd.bench import plan as M
+from starsd_draftd.bench.plan import Plan
 
 # S = 5, V = 10, R = 3, d = 4, a = 0.8:
 #   E = 1 + .8 + .64 + .512 + .4096 = 3.3616

@@ -12,7 +12,7 @@ import pytest
 
 from common.control import ControlClient
 from common.sockets import free_tcp_endpoint
-from procs import Daemons
+from starsd_draftd.bench.procs import ProcessSet as Daemons
 
 pytestmark = pytest.mark.slow
 

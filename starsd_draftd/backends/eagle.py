@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.models import ModelLoadError, resolve_device, resolve_dtype, tokenizer_identity
+from common.models import ModelLoadError, resolve_device, resolve_dtype, resolve_model_path, tokenizer_identity
 from common.tensors import as_torch
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
 from starsd_draftd.backends.batching import left_padded, row_slots
-from starsd_draftd.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
+from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
 
@@ -201,8 +201,6 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
                     dtype: str = "auto") -> EagleHead:
     """Load an EAGLE-1 head saved in EAGLE's layout (``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin``) and the target tensors it needs from ``base_model_dir``."""
-    from common.demo_models import resolve_model_path
-
     head_dir = Path(head_dir)
     base = resolve_model_path(str(base_model_dir))
     raw = _read_json(head_dir / "config.json", "an EAGLE head directory")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from common.models import ModelLoadError, load_causal_lm, torch_threads
 from common.verify import SamplingParams
 from starsd_draftd.backends.eagle import EagleBackend, EagleHead
-from starsd_draftd.eagle_compat import build_head
+from starsd_draftd.backends.eagle_compat import build_head
 
 log = logging.getLogger("starsd.eagle")
 
@@ -240,16 +240,17 @@ def train_eagle_head(
     Training stops after ``steps`` steps or when ``time_budget_s`` (which covers loading,
     evaluation and saving too) is nearly spent, whichever comes first; at least one step runs.
     Returns the report also written to ``out_dir/train_report.json``."""
-    from common.demo_models import load_corpus, resolve_model_path
+    from starsd_draftd.demo.corpus import load_corpus
+    from starsd_draftd.demo.pair import demo_path
 
     if steps is None and time_budget_s is None:
         raise ValueError("give steps, time_budget_s, or both")
     t0 = time.monotonic()
-    base = resolve_model_path(str(base_model_dir), progress=progress)
+    base = demo_path(str(base_model_dir), progress=progress)
     out = Path(out_dir)
     with torch_threads(num_threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        loaded = load_causal_lm(str(base), device="cpu", dtype="float32", progress=progress)
+        loaded = load_causal_lm(str(base), device="cpu", dtype="float32")
         if loaded.tokenizer is None:
             raise ModelLoadError(f"{base} has no tokenizer; training an EAGLE head needs one to encode text")
         target = loaded.model.eval().requires_grad_(False)
@@ -393,7 +394,8 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
     """The EAGLE head for the built-in demo target, trained once and cached beside the demo pair."""
     import fcntl
 
-    from common.demo_models import demo_dir, ensure_demo_pair
+    from common.models import demo_dir
+    from starsd_draftd.demo.pair import ensure_demo_pair
 
     target_dir, _ = ensure_demo_pair(progress=progress)
     out = demo_dir() / "eagle"
@@ -408,9 +410,3 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
             train_eagle_head(target_dir, out, progress=progress)
     return out
 
-
-def resolve_head_path(name_or_dir: str, progress: bool = True) -> Path:
-    """``demo-eagle`` names the demo target's head (trained on first use); anything else is a directory."""
-    if name_or_dir == DEMO_EAGLE_NAME:
-        return ensure_demo_eagle_head(progress)
-    return Path(name_or_dir)

@@ -4,9 +4,6 @@ a short workload run with speculation and again by the targets alone, and a tabl
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -15,22 +12,13 @@ from pathlib import Path
 
 import zmq
 
-from common.control import ControlClient, ControlTimeout
+from common.control import ControlClient
 from common.protocol import Message, MsgType
 from common.sockets import free_tcp_endpoint
+from starsd_draftd.bench.procs import ProcessSet
+from starsd_draftd.demo.prompts import DEMO_PROMPTS
 
 log = logging.getLogger("starsd.demo")
-
-DEMO_PROMPTS = [
-    "def main(argv=None):\n",
-    "import os\nimport sys\n\n",
-    "class Config:\n    def __init__(self, ",
-    "    for i in range(len(",
-    "# Copyright",
-    "    def __repr__(self):\n        return ",
-    "if __name__ == '__main__':\n",
-    "    except ValueError:\n",
-]
 
 
 @dataclass
@@ -54,69 +42,6 @@ class Phase:
     wall_s: float = 0.0
     per_target: list[dict] = field(default_factory=list)  # summed stats per target
     draft_busy: float | None = None
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM (the daemons drain on it), then SIGKILL if it is still running after ``timeout_s``."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class Processes:
-    """Children that are always terminated, whatever happens to the parent."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        out = open(self.logdir / f"{name}.log", "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-        out.close()
-        self.procs.append((name, proc))
-        return proc
-
-    def stop(self, name: str, timeout_s: float = 10.0) -> None:
-        for n, proc in self.procs:
-            if n == name:
-                stop_process(proc, timeout_s)
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None and proc.returncode != 0:
-                tail = (self.logdir / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with status {proc.returncode}; its log ends:\n{tail}")
-
-    def stop_all(self, timeout_s: float = 10.0) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(procs: Processes, endpoint: str, timeout_s: float, ctx: zmq.Context) -> None:
-    deadline = time.monotonic() + timeout_s
-    with ControlClient(endpoint, ctx) as cc:
-        while time.monotonic() < deadline:
-            procs.check_alive()
-            try:
-                cc.stats(timeout_s=1.0)
-                return
-            except ControlTimeout:
-                continue
-    raise TimeoutError(f"{endpoint} did not come up within {timeout_s:.0f}s")
 
 
 def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.Context,
@@ -166,16 +91,6 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
     return phase
 
 
-def _wait_draft_link(endpoints: list[str], timeout_s: float, ctx: zmq.Context) -> None:
-    deadline = time.monotonic() + timeout_s
-    for ep in endpoints:
-        with ControlClient(ep, ctx) as cc:
-            while not cc.stats()["draft_connected"]:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"target at {ep} did not reach the draft daemon within {timeout_s:.0f}s")
-                time.sleep(0.1)
-
-
 def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     args = ["starsd_draftd", "serve", "--bind", endpoint, "--depth", str(cfg.depth), "--device", cfg.device,
             "--threads", "1"]
@@ -184,21 +99,28 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     return args + ["--model", cfg.draft_model]
 
 
+def prepare(cfg: DemoConfig) -> dict[str, Path]:
+    """Build (once, cached) the demo checkpoints the run uses, here rather than in every child."""
+    from starsd_draftd.demo.pair import ensure_demo_pair
+
+    built = {}
+    if "demo" in (cfg.target_model, cfg.draft_model):
+        built["demo"], built["demo-draft"] = ensure_demo_pair(progress=True)
+    if cfg.backend == "eagle":
+        from starsd_draftd.demo.eagle_train import ensure_demo_eagle_head
+
+        built["demo-eagle"] = ensure_demo_eagle_head(progress=True)
+    return built
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Start the daemons, run the workload with each draft backend and then by the targets alone."""
-    from common.demo_models import ensure_demo_pair
-
-    if "demo" in (cfg.target_model, cfg.draft_model):
-        ensure_demo_pair(progress=True)  # train once here, not in every child at the same time
+    prepare(cfg)
     backends = ["eagle", "model"] if cfg.backend == "eagle" else ["model"]
-    if "eagle" in backends:
-        from starsd_draftd.eagle_train import ensure_demo_eagle_head
-
-        ensure_demo_eagle_head(progress=True)
     ctx = zmq.Context()
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    procs = Processes(workdir)
+    procs = ProcessSet(workdir, ctx)
     phases: dict[str, Phase] = {}
     try:
         draft_ep = free_tcp_endpoint()
@@ -207,22 +129,22 @@ def run_demo(cfg: DemoConfig) -> dict:
             name = f"draftd-{backend}"
             if n:  # replace the previous draft daemon on the same endpoint; targets reconnect by themselves
                 procs.stop(f"draftd-{backends[n - 1]}")
-            procs.start(name, _draftd_args(cfg, backend, draft_ep))
-            _wait_ready(procs, draft_ep, cfg.startup_timeout_s, ctx)
+            procs.start(name, *_draftd_args(cfg, backend, draft_ep))
+            procs.wait_ready(name, draft_ep, cfg.startup_timeout_s)
             if n == 0:
                 for i, ep in enumerate(target_eps):
-                    procs.start(f"target{i + 1}", [
-                        "starsd_target", "serve", "--model", cfg.target_model, "--draft", draft_ep, "--listen", ep,
-                        "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1",
+                    procs.start(
+                        f"target{i + 1}", "starsd_target", "serve", "--model", cfg.target_model, "--draft", draft_ep,
+                        "--listen", ep, "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1",
                         "--name", f"target{i + 1}", "--connect-timeout", str(cfg.startup_timeout_s),
-                        "--heartbeat", "0.5"])
-                for ep in target_eps:
-                    _wait_ready(procs, ep, cfg.startup_timeout_s, ctx)
-            _wait_draft_link(target_eps, cfg.startup_timeout_s, ctx)
+                        "--heartbeat", "0.5")
+                for i, ep in enumerate(target_eps):
+                    procs.wait_ready(f"target{i + 1}", ep, cfg.startup_timeout_s)
+            procs.wait_draft_link(target_eps, cfg.startup_timeout_s)
             phases[backend] = _run_phase(target_eps, cfg, False, ctx, draft_ep)
         phases["alone"] = _run_phase(target_eps, cfg, True, ctx, None)
     finally:
-        procs.stop_all()
+        procs.close()
         ctx.destroy(linger=0)
     return _report(cfg, phases, workdir)
 

@@ -1,5 +1,5 @@
-"""`starsd-draftd bench` and `starsd-draftd plan`: thin click commands over starsd_draftd.bench and
-starsd_draftd.plan (registered on the main group with ``main.add_command``)."""
+"""`starsd-draftd bench` and `starsd-draftd plan`: thin click commands over the bench package and
+the analytic model (registered lazily on the draft daemon's command group)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import click
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import ModelLoadError
-from starsd_draftd.bench import SECTIONS, BenchConfig, format_report, run_bench
-from starsd_draftd.plan import Plan, format_plan
+from starsd_draftd.bench.config import SECTIONS, BenchConfig
+from starsd_draftd.bench.report import format_report
+from starsd_draftd.bench.run import run_bench
+from starsd_draftd.bench.plan import Plan, format_plan
 
 option = env_options("STARSD_DRAFTD")
 _b = BenchConfig()

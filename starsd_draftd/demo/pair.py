@@ -2,14 +2,16 @@
 
 Nothing is downloaded.  The pair is trained locally, in a few minutes on a
 laptop-class CPU, on the Python standard library's own ``.py`` sources, and
-cached under :func:`cache_root`.  The target is trained with cross-entropy;
+cached under ``common.models.cache_root()``.  The target is trained with cross-entropy;
 the draft is then distilled toward the target so that speculative decoding
 with the pair has a meaningful acceptance rate.
 
 Public entry points:
 
-* :func:`resolve_model_path` maps ``"demo"`` / ``"demo-draft"`` to the cached
-  checkpoints (building them on first use) and passes anything else through.
+* :func:`demo_path` maps ``"demo"`` / ``"demo-draft"`` to the cached
+  checkpoints, building them on first use (the daemons' own resolver,
+  ``common.models.resolve_model_path``, never builds), and passes anything
+  else through.
 * :func:`ensure_demo_pair` builds the pair once (safe against concurrent
   callers and against a training run killed half way).
 * :func:`train_demo_pair` does the actual training into a directory.
@@ -17,17 +19,14 @@ Public entry points:
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import fcntl
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,12 +38,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from common.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
-from common.models import torch_threads
+from starsd_draftd.demo.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
+from common.models import DEMO_RECIPE, cache_root, demo_dir, torch_threads
+from starsd_draftd.demo.corpus import load_corpus
 
 logger = logging.getLogger("starsd.demo_models")
 
-RECIPE_VERSION = "v5"
+RECIPE_VERSION = DEMO_RECIPE  # the cache directory names it: a new recipe is a new directory
 DEMO_TARGET_NAME = "demo"
 DEMO_DRAFT_NAME = "demo-draft"
 REPORT_NAME = "train_report.json"
@@ -68,45 +68,10 @@ __all__ = [
     "draft_shape",
     "ensure_demo_pair",
     "load_corpus",
-    "resolve_model_path",
+    "demo_path",
     "target_shape",
     "train_demo_pair",
 ]
-
-
-# --------------------------------------------------------------------------
-# Paths
-# --------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """``$STARSD_CACHE_DIR``, else ``$XDG_CACHE_HOME/starsd``, else ``~/.cache/starsd``."""
-    explicit = os.environ.get("STARSD_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "starsd"
-    return Path.home() / ".cache" / "starsd"
-
-
-def demo_dir() -> Path:
-    """Directory that holds the ``target`` and ``draft`` checkpoints of this recipe."""
-    return cache_root() / f"demo-{RECIPE_VERSION}"
-
-
-def resolve_model_path(name_or_dir: str, progress: bool = True) -> Path:
-    """Map a model name to a local checkpoint directory.
-
-    ``"demo"`` is the demo target and ``"demo-draft"`` the demo draft (the pair
-    is built first if it is not cached yet).  Any other value is returned as a
-    :class:`~pathlib.Path` unchanged; its existence is not checked here.
-    """
-    if name_or_dir == DEMO_TARGET_NAME:
-        return ensure_demo_pair(progress=progress)[0]
-    if name_or_dir == DEMO_DRAFT_NAME:
-        return ensure_demo_pair(progress=progress)[1]
-    return Path(name_or_dir)
 
 
 # --------------------------------------------------------------------------
@@ -123,6 +88,15 @@ def _pair_is_complete(root: Path) -> bool:
             if not (d / name).is_file():
                 return False
     return True
+
+
+def demo_path(name_or_dir: str, progress: bool = True) -> Path:
+    """``demo`` / ``demo-draft``: the cached demo checkpoint, built first if absent; else a path."""
+    if name_or_dir == DEMO_TARGET_NAME:
+        return ensure_demo_pair(progress=progress)[0]
+    if name_or_dir == DEMO_DRAFT_NAME:
+        return ensure_demo_pair(progress=progress)[1]
+    return Path(name_or_dir)
 
 
 @contextlib.contextmanager
@@ -261,128 +235,6 @@ def draft_shape() -> ModelShape:
 
 
 # --------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------
-
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
-_MAX_FILE_BYTES = 200_000
-
-
-def _stdlib_sources() -> list[Path]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in stdlib.rglob("*.py"):
-        rel = path.relative_to(stdlib)
-        if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(stdlib).as_posix())
-
-
-def _strip_docs(source: str) -> str | None:
-    """``source`` without docstrings and full-line comments, or None if it does not parse.
-
-    English prose is the hardest part of the stdlib to model and the least
-    useful for a code demo; removing it lets the small models learn code
-    structure within the time budget.
-    """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    drop: set[int] = set()
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        body = node.body
-        if len(body) < 2:  # removing the only statement would leave an empty block
-            continue
-        first = body[0]
-        if (
-            isinstance(first, ast.Expr)
-            and isinstance(first.value, ast.Constant)
-            and isinstance(first.value.value, str)
-            and first.end_lineno is not None
-            and first.end_lineno < body[1].lineno
-            and (isinstance(node, ast.Module) or first.lineno > node.lineno)
-        ):
-            drop.update(range(first.lineno, first.end_lineno + 1))
-    kept: list[str] = []
-    blank_run = 0
-    for lineno, line in enumerate(source.splitlines(), start=1):
-        if lineno in drop or line.lstrip().startswith("#"):
-            continue
-        if not line.strip():
-            blank_run += 1
-            if blank_run > 2:
-                continue
-            line = ""
-        else:
-            blank_run = 0
-        kept.append(line.rstrip())
-    return "\n".join(kept).strip("\n")
-
-
-def load_corpus(
-    byte_budget: int = 4_000_000, heldout_bytes: int = 120_000, seed: int = 0, code_only: bool = True
-) -> tuple[bytes, bytes, dict]:
-    """Deterministic ``(train, heldout, info)`` byte strings from the stdlib sources.
-
-    Files are listed in sorted order, shuffled with ``seed`` and taken whole
-    until ``heldout_bytes`` (first) and then ``byte_budget`` are reached, so
-    the held-out text comes from files never seen in training.  With
-    ``code_only`` docstrings and full-line comments are removed.
-    """
-    files = _stdlib_sources()
-    random.Random(seed).shuffle(files)
-    heldout_parts: list[bytes] = []
-    train_parts: list[bytes] = []
-    n_held = n_train = 0
-    for path in files:
-        if n_train >= byte_budget:
-            break
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            continue
-        if not raw or len(raw) > _MAX_FILE_BYTES:
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if code_only:
-            stripped = _strip_docs(text)
-            if stripped is None:
-                continue
-            text = stripped
-        data = text.rstrip("\n").encode("utf-8") + b"\n\n\n"
-        if len(data) < 200:
-            continue
-        if n_held < heldout_bytes:
-            heldout_parts.append(data)
-            n_held += len(data)
-        else:
-            remaining = byte_budget - n_train
-            train_parts.append(data[:remaining])
-            n_train += min(len(data), remaining)
-    train, heldout = b"".join(train_parts), b"".join(heldout_parts)
-    if len(train) < 10_000 or len(heldout) < 2_000:
-        raise RuntimeError(
-            f"not enough Python sources found under {sysconfig.get_paths()['stdlib']} to train the demo models"
-        )
-    info = {
-        "stdlib": sysconfig.get_paths()["stdlib"],
-        "python": sys.version.split()[0],
-        "code_only": code_only,
-        "train_files": len(train_parts),
-        "heldout_files": len(heldout_parts),
-        "train_bytes": len(train),
-        "heldout_bytes": len(heldout),
-    }
-    return train, heldout, info
-
-
 def _to_ids(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long) + BYTE_OFFSET
 

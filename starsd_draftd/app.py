@@ -1,0 +1,53 @@
+"""The draft daemon's application wiring: its configuration, the backend it names, and run(config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+
+from common.models import load_causal_lm, resolve_model_path, set_torch_threads
+from starsd_draftd.server import DraftServer, ServerConfig
+
+
+@dataclass
+class ServeConfig:
+    server: ServerConfig
+    model: str = "demo-draft"
+    backend: str = "model"
+    eagle_head: str | None = None
+    base_model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    q_topk: int = 32
+    threads: int = 1
+
+
+def build_backend(cfg: ServeConfig):
+    """The draft backend named by the configuration; EAGLE code is imported only when asked for."""
+    if cfg.backend == "model":
+        from starsd_draftd.backends.model import ModelBackend
+
+        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
+    if cfg.backend == "eagle":
+        if not cfg.eagle_head or not cfg.base_model:
+            raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")
+        try:
+            from starsd_draftd.backends.eagle import EagleBackend
+        except ImportError as exc:
+            raise ValueError(f"the EAGLE backend needs the eagle-llm package ({exc}); install it with "
+                             "`pip install --no-deps eagle-llm==1.2.1`") from None
+        return EagleBackend.from_dirs(resolve_model_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
+                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk)
+    raise ValueError(f"unknown backend {cfg.backend!r}")
+
+
+def run(cfg: ServeConfig) -> None:
+    """Load the backend and serve until SIGTERM (then drain and return)."""
+    set_torch_threads(cfg.threads)
+    backend = build_backend(cfg)
+    ctx = zmq.Context()
+    server = DraftServer(backend, cfg.server, ctx)
+    server.install_signal_handlers()
+    server.serve_forever()
+    ctx.term()  # returns once the last messages (GOODBYEs) have left, within the sockets' linger

@@ -1,0 +1,1 @@
+"""Draft backends: what the draft daemon drafts with (a standalone model, an EAGLE head)."""

@@ -1,0 +1,122 @@
+"""A set of daemons as child processes (for the demo, the bench and the tests), always cleaned up.
+
+Each child runs ``python -m <args>`` with its output in ``<logdir>/<name>.log``, optionally pinned
+to a set of CPU cores (as separate machines would be), and is stopped with SIGTERM (the daemons
+drain on it), then SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import zmq
+
+from common.control import ControlClient, ControlTimeout
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the daemons drain on it), then SIGKILL if it is still running after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _pin(cpus: frozenset[int]):
+    def pin() -> None:  # runs in the child between fork and exec
+        os.sched_setaffinity(0, cpus)
+    return pin
+
+
+class ProcessSet:
+    """Named children that are always terminated, whatever happens to the parent."""
+
+    def __init__(self, logdir: Path, ctx: zmq.Context | None = None):
+        self.logdir = Path(logdir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+
+    def start(self, name: str, *args: str, env: dict | None = None,
+              cpus: Iterable[int] | None = None) -> subprocess.Popen:
+        """Start ``python -m *args`` as ``name``; ``cpus`` pins it (and its torch threads' cores)."""
+        log = open(self.logdir / f"{name}.log", "wb")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        pin = _pin(frozenset(cpus)) if cpus is not None else None
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                preexec_fn=pin)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self, *names: str) -> None:
+        """RuntimeError, with the end of its log, if one of the named children (all: none named) has exited."""
+        for name in names or list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode}; its log ends:\n"
+                                   f"{self.log(name)[-3000:]}")
+
+    def wait_ready(self, name: str, endpoint: str, timeout_s: float = 120.0) -> None:
+        """Until the daemon ``name`` answers STATS on ``endpoint``; fails early if it died."""
+        deadline = time.monotonic() + timeout_s
+        with ControlClient(endpoint, self.ctx) as cc:
+            while time.monotonic() < deadline:
+                self.check_alive(name)
+                try:
+                    cc.stats(timeout_s=1.0)
+                    return
+                except ControlTimeout:
+                    pass
+        raise TimeoutError(f"{name} not ready on {endpoint} after {timeout_s:.0f}s; its log ends:\n"
+                           f"{self.log(name)[-3000:]}")
+
+    def wait_draft_link(self, endpoints: list[str], timeout_s: float) -> None:
+        """Until every target daemon at ``endpoints`` reports its draft link up."""
+        deadline = time.monotonic() + timeout_s
+        for ep in endpoints:
+            with ControlClient(ep, self.ctx) as cc:
+                while not cc.stats()["draft_connected"]:
+                    self.check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"target at {ep} did not reach the draft daemon within {timeout_s:.0f}s")
+                    time.sleep(0.1)
+
+    def stop(self, name: str, timeout_s: float = 15.0) -> int:
+        """Stop one child; its exit status."""
+        proc = self.procs.pop(name)
+        stop_process(proc, timeout_s)
+        return proc.returncode
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Stop every child (SIGTERM to all at once, then SIGKILL to those still running at the deadline)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self._own_ctx and not self.ctx.closed:
+            self.ctx.destroy(linger=0)
+
+    def __enter__(self) -> "ProcessSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,69 @@
+"""`starsd-draftd demo` and `starsd-draftd train-eagle`: thin click commands over the demo package
+(registered lazily on the draft daemon's command group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from common.cliutil import env_options, fail_cleanly, logging_options
+from common.logs import setup_logging
+from common.models import ModelLoadError
+from starsd_draftd.demo.run import DemoConfig, format_table, prepare as prepare_checkpoints, run_demo
+
+option = env_options("STARSD_DRAFTD")
+_demo = DemoConfig()
+
+
+@click.command("train-eagle")
+@option("--base-model", required=True, help="Target checkpoint directory (or 'demo') to train a head for.")
+@option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Where to write the head.")
+@option("--time-budget", type=click.FloatRange(10), default=180.0, help="Wall-clock seconds for the whole run.")
+@option("--threads", type=click.IntRange(1), default=2, help="Torch CPU threads for training.")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, ValueError, ImportError)
+def train_eagle(base_model, out, time_budget, threads, log_level, log_format) -> None:
+    """Train an EAGLE-1 head for a target on the Python standard library's sources (CPU, a few minutes)."""
+    setup_logging(log_level, log_format)
+    from starsd_draftd.demo.eagle_train import train_eagle_head
+
+    report = train_eagle_head(base_model, out, time_budget_s=time_budget, num_threads=threads)
+    click.echo(json.dumps(report, indent=2))
+
+
+@click.command()
+@option("--targets", type=click.IntRange(1, 32), default=_demo.targets, help="Target daemons to start.")
+@option("--prompts", "prompts_per_target", type=click.IntRange(1), default=_demo.prompts_per_target,
+        help="Generations per target.")
+@option("--max-tokens", type=click.IntRange(1), default=_demo.max_tokens, help="Tokens per generation.")
+@option("--depth", type=click.IntRange(1, 64), default=_demo.depth, help="Draft tokens per round.")
+@option("--temperature", type=click.FloatRange(0), default=0.0, help="0 means greedy.")
+@option("--backend", type=click.Choice(["model", "eagle"]), default="model",
+        help="eagle: run the demo target's EAGLE head (trained once, cached) and compare it with the "
+             "standalone draft model.")
+@option("--device", default="cpu", help="Device for every daemon.")
+@option("--prepare", is_flag=True,
+        help="Only build the demo checkpoints into the cache (what `--model demo` and `demo-draft` name), then exit.")
+@option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@logging_options(option)
+@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, prepare, as_json, log_level,
+         log_format) -> None:
+    """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
+    setup_logging(log_level, log_format)
+    cfg = DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens, depth=depth,
+                     temperature=temperature, backend=backend, device=device)
+    if prepare:
+        for name, path in prepare_checkpoints(cfg).items():
+            click.echo(f"{name}: {path}")
+        return
+    report = run_demo(cfg)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
+                   f"{max_tokens} tokens each, depth {depth}, {device}")
+        click.echo(format_table(report))
+        click.echo(f"(daemon logs in {report['logs']})")
