@@ -11,7 +11,7 @@ import click
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import ModelLoadError
-from starsd_draftd.demo.run import DemoConfig, format_table, prepare as prepare_checkpoints, run_demo
+from starsd_draftd.demo.run import DemoConfig, format_table, format_texts, prepare as prepare_checkpoints, run_demo
 
 option = env_options("STARSD_DRAFTD")
 _demo = DemoConfig()
@@ -44,17 +44,22 @@ def train_eagle(base_model, out, time_budget, threads, log_level, log_format) ->
         help="eagle: run the demo target's EAGLE head (trained once, cached) and compare it with the "
              "standalone draft model.")
 @option("--device", default="cpu", help="Device for every daemon.")
+@option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+        help="Weights dtype for every daemon (auto: bfloat16 on a CPU with native bf16, else float32 on CPU).")
+@option("--no-pin", is_flag=True,
+        help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
+             "are pinned to disjoint cores, as separate machines would be).")
 @option("--prepare", is_flag=True,
         help="Only build the demo checkpoints into the cache (what `--model demo` and `demo-draft` name), then exit.")
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
-def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, prepare, as_json, log_level,
-         log_format) -> None:
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, prepare,
+         as_json, log_level, log_format) -> None:
     """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
     setup_logging(log_level, log_format)
     cfg = DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens, depth=depth,
-                     temperature=temperature, backend=backend, device=device)
+                     temperature=temperature, backend=backend, device=device, dtype=dtype, pin=not no_pin)
     if prepare:
         for name, path in prepare_checkpoints(cfg).items():
             click.echo(f"{name}: {path}")
@@ -63,7 +68,10 @@ def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, d
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
+        c = report["config"]
         click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
-                   f"{max_tokens} tokens each, depth {depth}, {device}")
+                   f"{max_tokens} tokens each, depth {depth}, {device}, {c['dtype']}")
+        click.echo(f"topology: {c['topology']}")
         click.echo(format_table(report))
+        click.echo(format_texts(report))
         click.echo(f"(daemon logs in {report['logs']})")

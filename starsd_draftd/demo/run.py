@@ -4,6 +4,7 @@ a short workload run with speculation and again by the targets alone, and a tabl
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -32,6 +33,8 @@ class DemoConfig:
     device: str = "cpu"
     temperature: float = 0.0
     backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone
+    dtype: str = "auto"  # auto: bfloat16 on a CPU with native bf16 (AMX, AVX512-BF16), else the daemons' auto
+    pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
     workdir: Path | None = None
@@ -91,9 +94,51 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
     return phase
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AMX or AVX512-BF16): then a forward over a few
+    tokens costs about what one token does, and bf16 is the faster dtype for the demo's models."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def demo_dtype(cfg: DemoConfig) -> str:
+    if cfg.dtype != "auto" or cfg.device != "cpu":
+        return cfg.dtype
+    return "bfloat16" if cpu_has_native_bf16() else "auto"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which cores each daemon runs on (None: unpinned, shared)."""
+
+    draft: tuple[int, ...] | None
+    targets: list[tuple[int, ...] | None]
+
+    def describe(self) -> str:
+        if self.draft is None:
+            return "all daemons share every core (unpinned)"
+        tcores = sorted({c for t in self.targets for c in t})
+        return (f"draft daemon pinned to core {','.join(map(str, self.draft))}; "
+                f"targets to core{'s' if len(tcores) > 1 else ''} {','.join(map(str, tcores))} "
+                "(the target-alone baseline runs on the same cores)")
+
+
+def topology(cfg: DemoConfig, cpus: list[int] | None = None) -> Topology:
+    """With 2 or more cores and pinning on: the first core for the draft daemon, the others dealt to
+    the targets in turn, so draft and targets never compete for a core, as on separate machines."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    if not cfg.pin or len(cpus) < 2:
+        return Topology(None, [None] * cfg.targets)
+    rest = cpus[1:]
+    return Topology((cpus[0],), [(rest[i % len(rest)],) for i in range(cfg.targets)])
+
+
 def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     args = ["starsd_draftd", "serve", "--bind", endpoint, "--depth", str(cfg.depth), "--device", cfg.device,
-            "--threads", "1"]
+            "--threads", "1", "--dtype", demo_dtype(cfg)]
     if backend == "eagle":
         return args + ["--backend", "eagle", "--eagle-head", "demo-eagle", "--base-model", cfg.target_model]
     return args + ["--model", cfg.draft_model]
@@ -122,6 +167,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     procs = ProcessSet(workdir, ctx)
     phases: dict[str, Phase] = {}
+    topo = topology(cfg)
     try:
         draft_ep = free_tcp_endpoint()
         target_eps = [free_tcp_endpoint() for _ in range(cfg.targets)]
@@ -129,15 +175,15 @@ def run_demo(cfg: DemoConfig) -> dict:
             name = f"draftd-{backend}"
             if n:  # replace the previous draft daemon on the same endpoint; targets reconnect by themselves
                 procs.stop(f"draftd-{backends[n - 1]}")
-            procs.start(name, *_draftd_args(cfg, backend, draft_ep))
+            procs.start(name, *_draftd_args(cfg, backend, draft_ep), cpus=topo.draft)
             procs.wait_ready(name, draft_ep, cfg.startup_timeout_s)
             if n == 0:
                 for i, ep in enumerate(target_eps):
                     procs.start(
                         f"target{i + 1}", "starsd_target", "serve", "--model", cfg.target_model, "--draft", draft_ep,
                         "--listen", ep, "--depth", str(cfg.depth), "--device", cfg.device, "--threads", "1",
-                        "--name", f"target{i + 1}", "--connect-timeout", str(cfg.startup_timeout_s),
-                        "--heartbeat", "0.5")
+                        "--dtype", demo_dtype(cfg), "--name", f"target{i + 1}",
+                        "--connect-timeout", str(cfg.startup_timeout_s), "--heartbeat", "0.5", cpus=topo.targets[i])
                 for i, ep in enumerate(target_eps):
                     procs.wait_ready(f"target{i + 1}", ep, cfg.startup_timeout_s)
             procs.wait_draft_link(target_eps, cfg.startup_timeout_s)
@@ -146,14 +192,14 @@ def run_demo(cfg: DemoConfig) -> dict:
     finally:
         procs.close()
         ctx.destroy(linger=0)
-    return _report(cfg, phases, workdir)
+    return _report(cfg, phases, workdir, topo)
 
 
 def _tps(acc: dict) -> float:
     return acc["tokens"] / acc["wall_s"] if acc["wall_s"] else 0.0
 
 
-def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path) -> dict:
+def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topology) -> dict:
     alone = phases["alone"]
     spec_names = [k for k in phases if k != "alone"]
     rows = []
@@ -169,6 +215,7 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path) -> dict:
                 "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
                 "fallback_rounds": s["fallback_rounds"],
                 "same_text_as_alone": s["texts"] == a["texts"] if cfg.temperature == 0.0 else None,
+                "texts": s["texts"],
             }
         rows.append(row)
     alone_tps = sum(a["tokens"] for a in alone.per_target) / alone.wall_s
@@ -183,7 +230,10 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path) -> dict:
                                     "draft_busy_fraction": ph.draft_busy}
     return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
                        "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
-                       "temperature": cfg.temperature, "backends": spec_names},
+                       "temperature": cfg.temperature, "backends": spec_names, "dtype": demo_dtype(cfg),
+                       "topology": topo.describe(), "pinned": topo.draft is not None},
+            "prompts": [DEMO_PROMPTS[(i * cfg.prompts_per_target + j) % len(DEMO_PROMPTS)]
+                        for i in range(cfg.targets) for j in range(cfg.prompts_per_target)],
             "targets": rows, "system": system, "logs": str(workdir)}
 
 
@@ -211,3 +261,17 @@ def format_table(report: dict) -> str:
     if same:
         lines.append("greedy outputs identical to the target alone: " + ("yes" if all(same) else "NO"))
     return "\n".join(lines)
+
+
+def format_texts(report: dict, lines_per_text: int = 3, width: int = 96) -> str:
+    """The first lines of each target's first completion (with the first backend's drafts)."""
+    name = report["config"]["backends"][0]
+    per_target = report["config"]["prompts_per_target"]
+    out = []
+    for i, r in enumerate(report["targets"]):
+        prompt = report["prompts"][i * per_target]
+        text = (prompt + r["backends"][name]["texts"][0]).strip("\n")
+        shown = [ln[:width] for ln in text.splitlines()[:lines_per_text]]
+        out.append(f"--- {r['target']}: " + shown[0] if shown else f"--- {r['target']}: (empty)")
+        out.extend("    " + ln for ln in shown[1:])
+    return "\n".join(out)
