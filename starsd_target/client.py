@@ -110,6 +110,8 @@ class DraftClient:
         self._abandoned: dict[Key, float] = {}  # requests given up on: when each was sent
         self._replies: dict[Key, DraftReply | RemoteError] = {}  # routed, not yet taken
         self.heard_at = 0.0  # when the daemon last sent anything: it restarts every request's timer
+        self._probe_at = -1.0  # when the last liveness PING went out
+        self.probes = 0
         self.misses = 0  # requests in a row with no reply by their deadline
         self.missed = 0  # all of them
         self.stale_replies = 0  # replies that came after their session gave up on them
@@ -329,12 +331,32 @@ class DraftClient:
         """The retransmission-style timeout now: adaptive, at most ``cap_s``."""
         return self.rtt.deadline_s(cap_s)
 
-    def expires_at(self, sent_at: float, cap_s: float) -> float:
-        """When a request sent at ``sent_at`` stops being waited for: ``deadline_s`` after it
-        went out or after the daemon last sent anything, whichever is later (as TCP restarts
-        its timer on every ACK: a daemon that answers others is alive, its queue is only long),
-        and never past ``sent_at + cap_s``."""
-        return min(sent_at + cap_s, max(sent_at, self.heard_at) + self.rtt.deadline_s(cap_s))
+    def expired(self, sent_at: float, cap_s: float) -> bool:
+        """Whether to stop waiting for a request sent at ``sent_at``. The timer runs from the
+        later of its sending and the last message the daemon sent (as TCP restarts its timer on
+        every ACK: a daemon that answers is alive, its queue is only long). When it has run
+        ``deadline_s``, a PING goes out, as TCP retransmits on a timeout; the daemon answers it
+        between two batches, which restarts the timer. Only silence for another ``deadline_s``
+        after that PING gives the request up; ``cap_s`` after sending, it is given up anyway."""
+        now = time.monotonic()
+        if now >= sent_at + cap_s:
+            return True
+        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
+        if now < quiet + rto:
+            return False
+        if self._probe_at < quiet:  # silent for one deadline: is the daemon there?
+            if not self._send(Message(MsgType.PING)):
+                self.mark_down("not connected")
+                return True
+            self._probe_at = now
+            self.probes += 1
+            return False
+        return now >= self._probe_at + rto
+
+    def wake_at(self, sent_at: float, cap_s: float) -> float:
+        """When ``expired`` for this request has something new to decide (for poll timeouts)."""
+        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
+        return min(sent_at + cap_s, (self._probe_at if self._probe_at >= quiet else quiet) + rto)
 
     def take(self, session: int, seq: int) -> DraftReply | RemoteError | None:
         """The reply routed to (session, seq), if it has come."""
@@ -354,14 +376,12 @@ class DraftClient:
                 del self._abandoned[next(iter(self._abandoned))]
 
     def miss(self) -> None:
-        """A request got no reply by its deadline: the deadline backs off, and after
-        ``MISSES_TO_DOWN`` in a row the link is down."""
+        """A request got no reply by its deadline; after ``MISSES_TO_DOWN`` in a row the link is down."""
         self.misses += 1
         self.missed += 1
         r = self.rtt
-        log.info("a draft request got no reply within %.1f ms (srtt %.1f ms, rttvar %.1f ms); its round runs alone",
-                 1000 * r.deadline_s(float("inf")), 1000 * (r.srtt or 0.0), 1000 * r.rttvar)
-        r.missed()
+        log.info("no draft and no answer to a PING, %.1f ms apart (srtt %.1f ms, rttvar %.1f ms); the round runs "
+                 "alone", 1000 * r.deadline_s(float("inf")), 1000 * (r.srtt or 0.0), 1000 * r.rttvar)
         if self.misses >= self.MISSES_TO_DOWN:
             self.mark_down(f"no drafts for {self.misses} requests in a row")
 
@@ -388,9 +408,9 @@ class RemoteDraftSession:
     sync), or a different daemon instance after a reconnect, re-opens it with the full verified
     prefix.
 
-    ``send()`` puts a request in flight; its deadline (``deadline_at``) is adaptive (the
-    client's RTT estimate), capped by ``timeout_s``; the request that opens the session waits up
-    to the cap, as it carries the prompt's prefill. ``resolve()`` turns what came (None: nothing in time)
+    ``send()`` puts a request in flight; ``expired()`` says when to stop waiting for it:
+    adaptive (``DraftClient.expired``: the RTT estimate, a PING probe), capped by ``timeout_s``;
+    the request that opens the session waits up to the cap, as it carries the prompt's prefill. ``resolve()`` turns what came (None: nothing in time)
     into drafts, giving the request up when nothing came."""
 
     def __init__(self, client: DraftClient, session: int, params: SamplingParams, timeout_s: float):
@@ -447,11 +467,18 @@ class RemoteDraftSession:
         self.opening = opening
         return self.seq
 
+    def expired(self, idle: bool = True) -> bool:
+        """Whether to give the request in flight up now. Past the cap, always; before it, only
+        while the target is ``idle`` (with other rounds to verify, waiting costs nothing) and
+        the link says so (``DraftClient.expired``); the opening request waits up to the cap."""
+        if time.monotonic() >= self.cap_at:
+            return True
+        return idle and not self.opening and self.client.expired(self.sent_at, self.timeout_s)
+
     @property
-    def deadline_at(self) -> float:
-        """When waiting for the request in flight ends while the target has nothing else to do:
-        adaptive (``DraftClient.expires_at``), or the cap for the request that opened the session."""
-        return self.cap_at if self.opening else self.client.expires_at(self.sent_at, self.timeout_s)
+    def wake_at(self) -> float:
+        """When ``expired()`` has something new to decide."""
+        return self.cap_at if self.opening else self.client.wake_at(self.sent_at, self.timeout_s)
 
     def resolve(self, reply: DraftReply | RemoteError | None) -> DraftReply | None:
         """Turn what came back for the request in flight (None: nothing in time, or the link
@@ -475,11 +502,16 @@ class RemoteDraftSession:
 
     def propose(self, tokens: list[int], depth: int,
                 features: np.ndarray | torch.Tensor | None = None) -> DraftReply | None:
-        """Send and wait (up to the request's deadline): for a caller with one generation."""
+        """Send and wait until the reply comes or ``expired()``: for a caller with one generation."""
         seq = self.send(tokens, depth, features)
         if seq is None:
             return None
-        return self.resolve(self.client.wait_draft(self.session, seq, self.deadline_at - time.monotonic()))
+        client = self.client
+        while (reply := client.take(self.session, seq)) is None:
+            if not client.up or self.expired():
+                break
+            client.poll(max(0.0, min(self.wake_at - time.monotonic(), 0.05)))
+        return self.resolve(reply)
 
     def kept(self, n: int) -> None:
         self.accepted = n

@@ -198,16 +198,16 @@ class Scheduler:
             a.ready, a.proposal, a.ready_at = True, None, now
 
     def _collect(self) -> None:
-        """Take the replies that have come. A request past its deadline gives up (its round runs
-        without drafts) once no other generation is ready to verify, or past the cap in any case:
-        while the target has other work, waiting costs nothing."""
+        """Take the replies that have come. A request the link says is lost is given up (its
+        round runs without drafts) once no other generation is ready to verify, or past the cap
+        in any case: while the target has other work, waiting costs nothing."""
         waiting = [a for a in self.active if a.seq is not None]
         if not waiting:
             return
         client = waiting[0].drafts.client
         now = time.monotonic()
         any_ready = any(a.ready for a in self.active)
-        timeout = 0.0 if any_ready else max(0.0, min(min(a.drafts.deadline_at for a in waiting) - now, 0.05))
+        timeout = 0.0 if any_ready else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
         client.poll(timeout)
         left = []
         for a in waiting:
@@ -218,10 +218,9 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
             self._ready(a, a.drafts.resolve(reply))
-        now = time.monotonic()
         idle = not any(a.ready for a in self.active)
         for a in left:
-            if not client.up or now >= a.drafts.cap_at or (idle and now >= a.drafts.deadline_at):
+            if not client.up or a.drafts.expired(idle):
                 self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
 
     @staticmethod
