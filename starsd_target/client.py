@@ -356,7 +356,7 @@ class DraftClient:
     def wake_at(self, sent_at: float, cap_s: float) -> float:
         """When ``expired`` for this request has something new to decide (for poll timeouts)."""
         quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
-        return min(sent_at + cap_s, (self._probe_at if self._probe_at >= quiet else quiet) + rto)
+        return min(sent_at + cap_s, max(self._probe_at, quiet) + rto)
 
     def take(self, session: int, seq: int) -> DraftReply | RemoteError | None:
         """The reply routed to (session, seq), if it has come."""
