@@ -30,9 +30,10 @@ def model_options(f):
         option("--depth", type=click.IntRange(1, 64), default=_d.depth,
                help="Draft tokens asked for per round (capped by the draft daemon's maximum)."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
-               help="Seconds to wait for drafts before verifying a round with the target alone."),
+               help="Most seconds to wait for drafts before verifying a round with the target alone "
+                    "(the wait adapts to the measured round trip, up to this)."),
         option("--connect-timeout", type=click.FloatRange(0), default=_d.connect_timeout_s,
-               help="Seconds to wait for the draft daemon's handshake at start-up."),
+               help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
         option("--threads", type=click.IntRange(0), default=_d.threads,
                help="Torch CPU threads (0: torch's default)."),
         option("--name", default=_d.name, help="Name this target reports to the draft daemon."),

@@ -1,8 +1,9 @@
-"""The target's link to the draft daemon: one DEALER socket, a handshake, draft requests, and the
-link's health (up, or down and retried with capped exponential backoff)."""
+"""The target's link to the draft daemon: one DEALER socket read in one place, the link's state
+(down, connecting, up), draft requests and the routing of their replies."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteEr
 from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
+from starsd_target.rtt import RttEstimator
 
 log = logging.getLogger("starsd.target.client")
 
@@ -60,17 +62,35 @@ class Backoff:
     cap_s: float = 10.0
 
 
-class DraftClient:
-    """Synchronous client used by one generation loop at a time.
+class LinkState(enum.Enum):
+    DOWN = "down"  # no handshake in force: HELLO is retried on the backoff schedule
+    CONNECTING = "connecting"  # HELLO sent, awaiting WELCOME; rounds run without drafts meanwhile
+    UP = "up"  # WELCOME taken: drafts can be asked for
 
-    The link is *up* after a successful handshake. A send that cannot go out (no connection),
-    a draft that does not arrive in time, or a GOODBYE from a stopping daemon marks it *down*:
-    rounds then run without drafts at once, and a new handshake is tried after a backoff that
-    doubles up to ``Backoff.cap_s``."""
+
+Key = tuple[int, int]  # (session, seq) of a draft request
+
+
+class DraftClient:
+    """The target's link to the draft daemon, driven by one thread and never blocking it.
+
+    ``poll()`` is the one reader of the DEALER socket: every message is routed, DRAFTED and
+    ERROR replies by (session, seq) to the request that waits for them (``take()``), WELCOME,
+    PONG and GOODBYE to the link's state. A reply whose session gave up on it (``abandon()``)
+    is counted in ``stale_replies``; nothing else is.
+
+    The link's state (``LinkState``) changes in ``_set_state`` only. HELLO goes out without
+    waiting; the WELCOME is taken whenever ``poll()`` reads it. Down, a new HELLO is tried after
+    a backoff that doubles up to ``Backoff.cap_s``. How long a request waits for its drafts
+    adapts to the measured round trips (``RttEstimator``), capped by the caller's timeout; after
+    ``MISSES_TO_DOWN`` requests in a row got no reply in time, or on GOODBYE, the link is down."""
+
+    MISSES_TO_DOWN = 3
+    ABANDONED_KEPT = 1024  # given-up requests remembered, so that a late reply still measures the round trip
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
-                 backoff: Backoff = Backoff()):
+                 backoff: Backoff = Backoff(), rtt_floor_s: float = 0.01):
         self.endpoint = endpoint
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
@@ -79,14 +99,26 @@ class DraftClient:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions(immediate=True, curve=curve))
         self.sock.connect(endpoint)
-        self.welcome: Welcome | None = None
+        self.welcome: Welcome | None = None  # the latest WELCOME (its instance tells sessions to re-open)
         self.backoff = backoff
-        self.down = True  # until the first handshake; the first ready() tries at once
+        self.state = LinkState.DOWN
+        self.refusal: HandshakeError | None = None  # why the last HELLO was answered with an ERROR
         self._delay = backoff.initial_s
-        self._retry_at = 0.0
-        self.stale_replies = 0
+        self._retry_at = 0.0  # the first HELLO goes at once
+        self.rtt = RttEstimator(rtt_floor_s)
+        self._pending: dict[Key, float] = {}  # requests waited for: when each was sent
+        self._abandoned: dict[Key, float] = {}  # requests given up on: when each was sent
+        self._replies: dict[Key, DraftReply | RemoteError] = {}  # routed, not yet taken
+        self.heard_at = 0.0  # when the daemon last sent anything: it restarts every request's timer
+        self._probe_at = -1.0  # when the last liveness PING went out
+        self.probes = 0
+        self.misses = 0  # requests in a row with no reply by their deadline
+        self.missed = 0  # all of them
+        self.stale_replies = 0  # replies that came after their session gave up on them
+        self.unexpected = 0  # messages nobody asked for (replies to unknown requests, stray types)
+        self.hellos = 0
+        self.reconnects = 0  # times the link came up
         self.errors: dict[str, int] = {}
-        self.reconnects = 0
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -101,113 +133,183 @@ class DraftClient:
         except zmq.Again:
             return False
 
-    def _recv(self, timeout_s: float) -> Message | None:
-        if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-            return None
-        frames = self.sock.recv_multipart()  # replies are small: bytes are cheaper than zmq.Frame objects
-        try:
-            msg = P.decode(frames)
-        except ProtocolError as exc:
-            self._count(exc.code.name)
-            log.warning("undecodable message from the draft daemon: %s", exc)
-            return None
-        if msg.type is MsgType.GOODBYE:
-            log.info("draft daemon at %s is stopping; generating without drafts until it is back", self.endpoint)
-            self.welcome = None
-            self.mark_down("goodbye")
-            return None
-        return msg
-
     def _count(self, name: str) -> None:
         self.errors[name] = self.errors.get(name, 0) + 1
 
-    # ------------------------------------------------------------ link health
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Read and route every message that has arrived, waiting up to ``timeout_s`` for the
+        first; then send a HELLO if the link is not up and the backoff has passed. Returns how
+        many messages were read."""
+        n = 0
+        while self.sock.poll(max(0, int(timeout_s * 1000)) if n == 0 else 0, zmq.POLLIN):
+            frames = self.sock.recv_multipart()  # replies are small: bytes are cheaper than zmq.Frame objects
+            n += 1
+            self.heard_at = time.monotonic()
+            try:
+                msg = P.decode(frames)
+            except ProtocolError as exc:
+                self._count(exc.code.name)
+                log.warning("undecodable message from the draft daemon: %s", exc)
+                continue
+            self._route(msg)
+        self._maintain()
+        return n
+
+    # ------------------------------------------------------------ link state
     @property
     def up(self) -> bool:
-        return not self.down and self.welcome is not None
+        return self.state is LinkState.UP
+
+    def _set_state(self, new: LinkState, why: str, retry_in: float | None = None) -> None:
+        """The one place the link changes state. ``retry_in``: seconds until the next HELLO
+        (None: leave the schedule as it is)."""
+        old, now = self.state, time.monotonic()
+        if retry_in is not None:
+            self._retry_at = now + retry_in
+        if new is old:
+            return
+        self.state = new
+        if new is LinkState.UP:
+            self.reconnects += 1
+            self.misses = 0
+            self._delay = self.backoff.initial_s
+            w = self.welcome
+            log.info("draft link to %s is up: daemon %s (backend %s, max depth %d, instance %s)",
+                     self.endpoint, w.server, w.backend, w.max_depth, w.instance)
+        elif old is LinkState.UP:
+            self._delay = self.backoff.initial_s
+            if retry_in is None:
+                self._retry_at = now + self._delay
+            log.warning("draft link to %s is %s (%s); rounds run without drafts", self.endpoint, new.value, why)
+        else:
+            log.debug("draft link to %s: %s -> %s (%s)", self.endpoint, old.value, new.value, why)
 
     def mark_down(self, why: str) -> None:
-        """The link failed: rounds run without drafts; the first retry comes after the initial backoff."""
-        if self.down:
-            return
-        log.warning("draft link to %s is down (%s); rounds run without drafts", self.endpoint, why)
-        self.down = True
-        self._delay = self.backoff.initial_s
-        self._retry_at = time.monotonic() + self._delay
+        """A send could not go out, or the daemon is gone: rounds run without drafts, and HELLO
+        is retried on the backoff schedule."""
+        self._set_state(LinkState.DOWN, why)
 
-    def ready(self, probe_timeout_s: float) -> bool:
-        """True when drafts can be asked for now; while down, retries the handshake once the
-        backoff has passed (cheap: with no connection the send fails at once), doubling the
-        backoff after each failed retry up to its cap."""
-        self.poll_pending()
-        if self.up:
-            return True
-        if time.monotonic() < self._retry_at:
-            return False
-        try:
-            self.handshake(probe_timeout_s)
-        except HandshakeError as exc:
-            self.down = True
-            self._delay = min(self.backoff.cap_s, self._delay * 2)
-            self._retry_at = time.monotonic() + self._delay
-            log.debug("draft daemon still unavailable (%s); next try in %.2fs", exc, self._delay)
-            return False
-        return True
-
-    def poll_pending(self) -> None:
-        """Handle whatever arrived meanwhile (GOODBYE, PONG, late replies) without waiting."""
-        while (msg := self._recv(0)) is not None:
-            if self._event(msg) is not None:
-                self.stale_replies += 1  # a reply nobody waits for any more
-
-    def heartbeat(self, probe_timeout_s: float = 0.5) -> None:
-        """While idle: keep the daemon's lease on this peer alive and notice a restart; while
-        the link is down, retry it on the backoff schedule so the next job finds it up."""
-        if not self.up:
-            self.ready(probe_timeout_s)
-            return
-        self.poll_pending()
-        if not self._send(Message(MsgType.PING)):
-            self.mark_down("not connected")
-
-    # ------------------------------------------------------------ conversation
-    def handshake(self, timeout_s: float) -> Welcome:
+    def _send_hello(self) -> bool:
         hello = Message(MsgType.HELLO, {"vocab_size": self.vocab_size, "tokenizer": self.fingerprint,
                                         "feature_size": self.feature_size, "name": self.name})
-        deadline = time.monotonic() + timeout_s
-        while not self._send(hello):  # not connected yet
-            if time.monotonic() >= deadline:
-                raise HandshakeTimeout(f"no connection to a draft daemon at {self.endpoint}")
-            time.sleep(0.01)
-        while (left := deadline - time.monotonic()) > 0:
-            msg = self._recv(left)
-            if msg is None:
-                continue
-            if msg.type is MsgType.ERROR:
-                err = RemoteError(msg.header["code"], msg.header["message"])
-                if err.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.BUSY):
-                    raise HandshakeTimeout(f"draft daemon at {self.endpoint} cannot take this target now: {err}")
-                raise HandshakeRefused(f"draft daemon at {self.endpoint} refused this target: {err}")
-            if msg.type is MsgType.WELCOME:
-                h = msg.header
-                w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
-                            h["feature_size"], h["instance"], h.get("server", ""))
-                if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
-                    raise HandshakeRefused(
-                        f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
-                        f"{w.tokenizer}); this target has {self.vocab_size} (tokenizer {self.fingerprint})")
-                if self.welcome is not None or self.reconnects:
-                    log.info("draft link to %s is back", self.endpoint)
-                self.reconnects += 1
-                self.welcome = w
-                self.down = False
-                self._delay = self.backoff.initial_s
-                log.info("connected to draft daemon %s at %s (backend %s, max depth %d)",
-                         w.server, self.endpoint, w.backend, w.max_depth)
-                return w
-            self.stale_replies += 1
-        raise HandshakeTimeout(f"no answer from a draft daemon at {self.endpoint} within {timeout_s:.1f}s")
+        if not self._send(hello):
+            self._set_state(LinkState.DOWN, "not connected")
+            return False
+        self.hellos += 1
+        self._set_state(LinkState.CONNECTING, "HELLO sent")
+        return True
 
+    def _maintain(self) -> None:
+        """While not up: a HELLO once the backoff has passed (a send, never a wait); after each
+        one that went out unanswered the backoff doubles, up to its cap. A HELLO that cannot go
+        out (no connection: ZeroMQ reconnects with its own backoff) costs nothing and is tried
+        again on the next poll."""
+        if self.state is LinkState.UP or time.monotonic() < self._retry_at:
+            return
+        if self._send_hello():
+            self._set_state(self.state, "next HELLO scheduled", retry_in=self._delay)
+            self._delay = min(self.backoff.cap_s, self._delay * 2)
+
+    def ready(self) -> bool:
+        """True when drafts can be asked for now. Never waits: reads what has arrived (a
+        WELCOME, say) and, while down, sends a HELLO when one is due."""
+        self.poll(0)
+        return self.up
+
+    def heartbeat(self) -> None:
+        """While idle: keep the daemon's lease on this peer alive and notice a restart (PONG);
+        while the link is not up, retry it on the backoff schedule."""
+        self.poll(0)
+        if self.up and not self._send(Message(MsgType.PING)):
+            self.mark_down("not connected")
+
+    def handshake(self, timeout_s: float) -> Welcome:
+        """Wait up to ``timeout_s`` for the link to come up (start-up only: serving never waits
+        here). HandshakeRefused when the daemon cannot work with this target, HandshakeTimeout
+        when none answered."""
+        deadline = time.monotonic() + timeout_s
+        self.refusal = None
+        while not self.up:
+            if self.refusal is not None:
+                raise self.refusal
+            left = deadline - time.monotonic()
+            if left <= 0:
+                what = "no answer from" if self.state is LinkState.CONNECTING else "no connection to"
+                raise HandshakeTimeout(f"{what} a draft daemon at {self.endpoint} within {timeout_s:.1f}s")
+            # DOWN: not connected yet, the next poll tries the HELLO again
+            self.poll(min(left, 0.01 if self.state is LinkState.DOWN else 0.05))
+        return self.welcome
+
+    # ------------------------------------------------------------ routing
+    def _route(self, msg: Message) -> None:
+        h = msg.header
+        if msg.type is MsgType.DRAFTED:
+            self._reply((h["session"], h["seq"]),
+                        DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs")))
+        elif msg.type is MsgType.ERROR and h.get("session") is not None and h.get("seq") is not None:
+            err = RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
+            self._count(err.name)
+            if err.code == ErrorCode.NO_HANDSHAKE:  # the daemon forgot this peer (restart, expiry): greet again
+                self._set_state(LinkState.DOWN, "the draft daemon does not know this target", retry_in=0.0)
+            self._reply((h["session"], h["seq"]), err)
+        elif msg.type is MsgType.WELCOME:
+            self._on_welcome(h)
+        elif msg.type is MsgType.ERROR and h.get("session") is not None:
+            self._count(RemoteError(h["code"], h["message"]).name)  # about an OPEN: the next DRAFT re-opens
+        elif msg.type is MsgType.ERROR and self.state is LinkState.CONNECTING:
+            self._on_refusal(RemoteError(h["code"], h["message"]))
+        elif msg.type is MsgType.PONG:
+            if self.welcome is not None and h["instance"] != self.welcome.instance and self.up:
+                self._set_state(LinkState.DOWN, "draft daemon restarted", retry_in=0.0)
+        elif msg.type is MsgType.GOODBYE:
+            log.info("draft daemon at %s is stopping; generating without drafts until it is back", self.endpoint)
+            self._set_state(LinkState.DOWN, "goodbye")
+        else:
+            if msg.type is MsgType.ERROR:
+                self._count(RemoteError(h["code"], h["message"]).name)
+            self.unexpected += 1
+
+    def _reply(self, key: Key, reply: DraftReply | RemoteError) -> None:
+        now = time.monotonic()
+        if key in self._pending:
+            sent = self._pending.pop(key)
+            self._replies[key] = reply
+        elif key in self._abandoned:
+            sent = self._abandoned.pop(key)
+            self.stale_replies += 1
+        else:
+            self.unexpected += 1
+            return
+        if isinstance(reply, DraftReply):
+            self.rtt.observe(now - sent)  # late or not, it measures the round trip
+            self.misses = 0  # the daemon answers
+
+    def _on_welcome(self, h: dict) -> None:
+        w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
+                    h["feature_size"], h["instance"], h.get("server", ""))
+        if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
+            self._refused(HandshakeRefused(
+                f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
+                f"{w.tokenizer}); this target has {self.vocab_size} (tokenizer {self.fingerprint})"))
+            return
+        if self.up and self.welcome is not None and self.welcome.instance == w.instance:
+            return  # the answer to an earlier HELLO
+        self.welcome = w
+        self._set_state(LinkState.UP, "WELCOME")
+
+    def _on_refusal(self, err: RemoteError) -> None:
+        if err.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.BUSY):
+            self.refusal = HandshakeTimeout(f"draft daemon at {self.endpoint} cannot take this target now: {err}")
+            self._set_state(LinkState.DOWN, str(err))
+            return
+        self._refused(HandshakeRefused(f"draft daemon at {self.endpoint} refused this target: {err}"))
+
+    def _refused(self, exc: HandshakeRefused) -> None:
+        log.error("%s", exc)
+        self.refusal = exc
+        self._set_state(LinkState.DOWN, "refused")
+
+    # ------------------------------------------------------------ conversation
     def open(self, session: int, prompt: list[int], params: SamplingParams) -> bool:
         return self._send(Message(MsgType.OPEN, {"session": session, "prompt": list(prompt),
                                                  "sampling": params.to_wire()}))
@@ -217,68 +319,99 @@ class DraftClient:
 
     def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
                 features: np.ndarray | torch.Tensor | None = None) -> bool:
+        """Send a draft request; its reply is then routed to ``take(session, seq)``."""
         tensors = {} if features is None else {"features": features}
-        return self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
-                                                  "new": list(new), "pos": pos, "depth": depth}, tensors))
+        if not self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
+                                                  "new": list(new), "pos": pos, "depth": depth}, tensors)):
+            return False
+        self._pending[(session, seq)] = time.monotonic()
+        return True
 
-    def poll_events(self, timeout_s: float) -> list[tuple[int, int, DraftReply | RemoteError]]:
-        """Every reply that arrives within ``timeout_s`` (waiting only for the first), as
-        (session, seq, DRAFTED reply or ERROR): for a scheduler with many sessions in flight."""
-        events = []
-        msg = self._recv(timeout_s)
-        while msg is not None:
-            event = self._event(msg)
-            if event is not None:
-                events.append(event)
-            msg = self._recv(0)
-        return events
+    def deadline_s(self, cap_s: float) -> float:
+        """The retransmission-style timeout now: adaptive, at most ``cap_s``."""
+        return self.rtt.deadline_s(cap_s)
 
-    def _event(self, msg: Message) -> tuple[int, int, DraftReply | RemoteError] | None:
-        h = msg.header
-        if msg.type is MsgType.DRAFTED:
-            return h["session"], h["seq"], DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"))
-        if msg.type is MsgType.ERROR and h.get("session") is not None and h.get("seq") is not None:
-            err = RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
-            self._count(err.name)
-            if err.code == ErrorCode.NO_HANDSHAKE:
-                self.welcome = None  # the daemon forgot this peer (restart, expiry): greet again
-                self.down = True
-            return h["session"], h["seq"], err
-        if msg.type is MsgType.PONG:
-            if self.welcome is not None and msg.header["instance"] != self.welcome.instance:
-                self.welcome = None  # a new daemon: greet it again
-                self.mark_down("draft daemon restarted")
-            return None
-        self.stale_replies += 1
-        return None
+    def expired(self, sent_at: float, cap_s: float) -> bool:
+        """Whether to stop waiting for a request sent at ``sent_at``. The timer runs from the
+        later of its sending and the last message the daemon sent (as TCP restarts its timer on
+        every ACK: a daemon that answers is alive, its queue is only long). When it has run
+        ``deadline_s``, a PING goes out, as TCP retransmits on a timeout; the daemon answers it
+        between two batches, which restarts the timer. Only silence for another ``deadline_s``
+        after that PING gives the request up; ``cap_s`` after sending, it is given up anyway."""
+        now = time.monotonic()
+        if now >= sent_at + cap_s:
+            return True
+        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
+        if now < quiet + rto:
+            return False
+        if self._probe_at < quiet:  # silent for one deadline: is the daemon there?
+            if not self._send(Message(MsgType.PING)):
+                self.mark_down("not connected")
+                return True
+            self._probe_at = now
+            self.probes += 1
+            return False
+        return now >= self._probe_at + rto
+
+    def wake_at(self, sent_at: float, cap_s: float) -> float:
+        """When ``expired`` for this request has something new to decide (for poll timeouts)."""
+        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
+        return min(sent_at + cap_s, max(self._probe_at, quiet) + rto)
+
+    def take(self, session: int, seq: int) -> DraftReply | RemoteError | None:
+        """The reply routed to (session, seq), if it has come."""
+        return self._replies.pop((session, seq), None)
+
+    def waiting(self, session: int, seq: int) -> bool:
+        return (session, seq) in self._pending
+
+    def abandon(self, session: int, seq: int) -> None:
+        """The session stops waiting for (session, seq): a reply that still comes is stale."""
+        key = (session, seq)
+        self._replies.pop(key, None)
+        sent = self._pending.pop(key, None)
+        if sent is not None:
+            self._abandoned[key] = sent
+            while len(self._abandoned) > self.ABANDONED_KEPT:
+                del self._abandoned[next(iter(self._abandoned))]
+
+    def miss(self) -> None:
+        """A request got no reply by its deadline; after ``MISSES_TO_DOWN`` in a row the link is down."""
+        self.misses += 1
+        self.missed += 1
+        r = self.rtt
+        log.info("no draft and no answer to a PING, %.1f ms apart (srtt %.1f ms, rttvar %.1f ms); the round runs "
+                 "alone", 1000 * r.deadline_s(float("inf")), 1000 * (r.srtt or 0.0), 1000 * r.rttvar)
+        if self.misses >= self.MISSES_TO_DOWN:
+            self.mark_down(f"no drafts for {self.misses} requests in a row")
 
     def wait_draft(self, session: int, seq: int, timeout_s: float) -> DraftReply | RemoteError | None:
-        """The DRAFTED reply for (session, seq), the ERROR about it, or None at the deadline or
-        when the daemon says goodbye. Replies to earlier requests (arriving late) are discarded."""
+        """Wait up to ``timeout_s`` for the reply to (session, seq), routing whatever else
+        arrives meanwhile; None at the deadline or when the link goes down (the request is then
+        abandoned). For a synchronous caller with one request in flight."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            msg = self._recv(left)
-            if msg is None:
-                if self.down:  # GOODBYE arrived
-                    return None
-                continue
-            event = self._event(msg)
-            if event is None:
-                continue
-            if event[:2] == (session, seq):
-                return event[2]
-            self.stale_replies += 1
-        return None
+        while (reply := self.take(session, seq)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.up:
+                self.abandon(session, seq)
+                return None
+            self.poll(left)
+        return reply
 
 
 class RemoteDraftSession:
     """One generation's drafts from the draft daemon (a DraftSource for the engine).
 
     Tracks what the daemon has verified, so each request carries only the tokens (and, for
-    feature backends, the features) verified since the previous one. A timed-out round reports
-    0 accepted next time; an error about the session (unknown after a restart, out of sync), or
-    a different daemon instance after a reconnect, re-opens it with the full verified prefix.
-    """
+    feature backends, the features) verified since the previous one. A round that got no drafts
+    reports 0 accepted next time; an error about the session (unknown after a restart, out of
+    sync), or a different daemon instance after a reconnect, re-opens it with the full verified
+    prefix.
+
+    ``send()`` puts a request in flight; ``expired()`` says when to stop waiting for it:
+    adaptive (``DraftClient.expired``: the RTT estimate, a PING probe), capped by ``timeout_s``;
+    the request that opens the session waits up to the cap, as it carries the prompt's prefill. ``resolve()`` turns what came (None: nothing in time)
+    into drafts, giving the request up when nothing came."""
 
     def __init__(self, client: DraftClient, session: int, params: SamplingParams, timeout_s: float):
         self.client = client
@@ -292,6 +425,9 @@ class RemoteDraftSession:
         self.instance: str | None = None  # the daemon instance holding this session
         self.errors = 0
         self.disabled = False  # the sequence outgrew the drafter's context: no more drafts for it
+        self.sent_at = 0.0  # the request in flight: when it went out,
+        self.cap_at = 0.0  # and when waiting for it ends in any case
+        self.opening = False  # it opened the session (carries the prompt's prefill)
 
     @property
     def feature_size(self) -> int:
@@ -299,12 +435,13 @@ class RemoteDraftSession:
 
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
-        request could go out (link down, no features): the round then runs without drafts."""
+        request could go out (link not up, no features): the round then runs without drafts."""
         client = self.client
-        if self.disabled or not client.ready(probe_timeout_s=min(self.timeout_s, 0.5)):
+        if self.disabled or not client.ready():
             return None
         welcome = client.welcome
-        if self.instance != welcome.instance:
+        opening = self.instance != welcome.instance
+        if opening:
             if not client.open(self.session, tokens, self.params):
                 client.mark_down("not connected")
                 return None
@@ -325,13 +462,31 @@ class RemoteDraftSession:
         self.synced, self.accepted = len(tokens), 0
         if new_features is not None:
             self.features_sent = len(tokens) - 1
+        self.sent_at = time.monotonic()
+        self.cap_at = self.sent_at + self.timeout_s
+        self.opening = opening
         return self.seq
 
+    def expired(self, idle: bool = True) -> bool:
+        """Whether to give the request in flight up now. Past the cap, always; before it, only
+        while the target is ``idle`` (with other rounds to verify, waiting costs nothing) and
+        the link says so (``DraftClient.expired``); the opening request waits up to the cap."""
+        if time.monotonic() >= self.cap_at:
+            return True
+        return idle and not self.opening and self.client.expired(self.sent_at, self.timeout_s)
+
+    @property
+    def wake_at(self) -> float:
+        """When ``expired()`` has something new to decide."""
+        return self.cap_at if self.opening else self.client.wake_at(self.sent_at, self.timeout_s)
+
     def resolve(self, reply: DraftReply | RemoteError | None) -> DraftReply | None:
-        """Turn what came back for the request in flight (None: nothing in time) into drafts."""
+        """Turn what came back for the request in flight (None: nothing in time, or the link
+        went down meanwhile) into drafts."""
         if reply is None:
-            if not self.client.down:
-                self.client.mark_down(f"no draft within {self.timeout_s:.2f}s")
+            self.client.abandon(self.session, self.seq)
+            if self.client.up:
+                self.client.miss()
             return None
         if isinstance(reply, RemoteError):
             self.errors += 1
@@ -347,14 +502,21 @@ class RemoteDraftSession:
 
     def propose(self, tokens: list[int], depth: int,
                 features: np.ndarray | torch.Tensor | None = None) -> DraftReply | None:
+        """Send and wait until the reply comes or ``expired()``: for a caller with one generation."""
         seq = self.send(tokens, depth, features)
         if seq is None:
             return None
-        return self.resolve(self.client.wait_draft(self.session, seq, self.timeout_s))
+        client = self.client
+        while (reply := client.take(self.session, seq)) is None:
+            if not client.up or self.expired():
+                break
+            client.poll(max(0.0, min(self.wake_at - time.monotonic(), 0.05)))
+        return self.resolve(reply)
 
     def kept(self, n: int) -> None:
         self.accepted = n
 
     def close(self) -> None:
+        self.client.abandon(self.session, self.seq)  # a reply still in flight is nobody's now
         if self.instance is not None:
             self.client.close_session(self.session)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import signal
@@ -21,7 +20,7 @@ from common.verify import SamplingParams
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import client_keys
-from starsd_target.client import DraftClient, HandshakeTimeout, RemoteDraftSession
+from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
@@ -60,7 +59,6 @@ class TargetDaemon:
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
         self.engine = TargetEngine(self.loaded, depth=config.depth)
         self.client: DraftClient | None = None
-        self._sessions = itertools.count(1 << 30)  # one-off generations; the scheduler numbers its own
         self._stop = threading.Event()
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
@@ -75,9 +73,10 @@ class TargetDaemon:
         return self.client
 
     def connect(self) -> bool:
-        """Handshake with the draft daemon at start-up. A refusal (mismatch) raises
+        """Wait up to ``connect_timeout_s`` for the draft link to come up, at start-up (before
+        serving: the round loop itself never waits on the link). A refusal (mismatch) raises
         HandshakeRefused; silence only logs: generation proceeds with the target alone and the
-        link keeps being retried."""
+        link keeps being retried in the background."""
         if self.config.draft is None:
             return False
         link = self._link()
@@ -87,11 +86,6 @@ class TargetDaemon:
         except HandshakeTimeout as exc:
             log.warning("%s; generating with the target model alone until it answers", exc)
             return False
-
-    def _draft_source(self, params: SamplingParams, no_draft: bool):
-        if no_draft or self.config.draft is None:
-            return None
-        return RemoteDraftSession(self._link(), next(self._sessions), params, self.config.draft_timeout_s)
 
     # ------------------------------------------------------------ generation
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -105,9 +99,9 @@ class TargetDaemon:
 
     def generate(self, prompt: str | list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str] | tuple[str, ...] = (), no_draft: bool = False) -> GenerationResult:
-        """One generation in the calling thread (the one-off CLI path; `serve` uses the scheduler)."""
-        return self.engine.generate(self._prompt_ids(prompt), max_tokens, params,
-                                    self._draft_source(params, no_draft), stop)
+        """One generation in the calling thread (the one-off CLI path): the scheduler, driven
+        here with this one job, instead of in its own thread as `serve` runs it."""
+        return self.scheduler().run_one(self.job(prompt, max_tokens, params, stop, no_draft))
 
     # ------------------------------------------------------------ serving
     def scheduler(self) -> Scheduler:

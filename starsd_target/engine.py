@@ -157,7 +157,9 @@ class TargetEngine:
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = ()) -> GenerationResult:
-        """Run one generation to the end, asking ``drafts`` for proposals each round."""
+        """Run one generation to the end, asking ``drafts`` for proposals each round: a local
+        convenience for tests and fakes. The daemons drive generations through
+        ``starsd_target.scheduler.Scheduler`` (one job or many), never through this loop."""
         g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0)
         try:
             while not g.done:

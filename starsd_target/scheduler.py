@@ -52,7 +52,6 @@ class _Active:
     gen: Generation
     drafts: RemoteDraftSession | None
     seq: int | None = None  # draft request in flight
-    deadline: float = 0.0
     ready: bool = False
     proposal: object = None
     wanted: bool = False
@@ -118,15 +117,19 @@ class Scheduler:
 
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
+        """The round driver, in the scheduler's thread (``start()``)."""
         next_beat = time.monotonic() + self.heartbeat_s
         while True:
             self.last_pass = time.monotonic()
             self._admit()
             if not self.active:
                 client = self.link()
-                if client is not None and time.monotonic() >= next_beat:
-                    client.heartbeat()
-                    next_beat = time.monotonic() + self.heartbeat_s
+                if client is not None:
+                    if time.monotonic() >= next_beat:
+                        client.heartbeat()
+                        next_beat = time.monotonic() + self.heartbeat_s
+                    else:
+                        client.poll(0)  # take a WELCOME, send a HELLO that is due: never a wait
                 if self._stop.is_set():
                     return
                 try:
@@ -135,9 +138,26 @@ class Scheduler:
                     continue
                 self._start(job)
                 continue
-            self._request_drafts()
-            self._collect()
-            self._verify_one()
+            self._step()
+
+    def run_one(self, job: Job) -> GenerationResult:
+        """One job to its end in the calling thread: the same passes ``run`` makes, for the
+        one-off CLI path. Not while the scheduler runs in its own thread."""
+        if self.thread is not None:
+            raise RuntimeError("the scheduler runs in its own thread; submit() the job instead")
+        future = self.submit(job)
+        while not future.done():
+            self.last_pass = time.monotonic()
+            self._admit()
+            if self.active:
+                self._step()
+        return future.result()
+
+    def _step(self) -> None:
+        """One pass over the active generations: requests out, replies in, one round verified."""
+        self._request_drafts()
+        self._collect()
+        self._verify_one()
 
     def _admit(self) -> None:
         while len(self.active) < self.max_active and not self._stop.is_set():
@@ -173,30 +193,35 @@ class Scheduler:
             if a.wanted:
                 a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
                 if a.seq is not None:
-                    a.deadline = now + self.draft_timeout_s
                     a.sent_at = time.perf_counter()
                     continue
             a.ready, a.proposal, a.ready_at = True, None, now
 
     def _collect(self) -> None:
+        """Take the replies that have come. A request the link says is lost is given up (its
+        round runs without drafts) once no other generation is ready to verify, or past the cap
+        in any case: while the target has other work, waiting costs nothing."""
         waiting = [a for a in self.active if a.seq is not None]
         if not waiting:
             return
         client = waiting[0].drafts.client
         now = time.monotonic()
         any_ready = any(a.ready for a in self.active)
-        timeout = 0.0 if any_ready else max(0.0, min(min(a.deadline for a in waiting) - now, 0.05))
-        by_key = {(a.drafts.session, a.seq): a for a in waiting}
-        for session, seq, reply in client.poll_events(timeout):
-            a = by_key.pop((session, seq), None)
-            if a is not None:
-                if self.metrics is not None:
-                    self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
-                self._ready(a, a.drafts.resolve(reply))
-        now = time.monotonic()
-        for a in by_key.values():
-            if client.down or now >= a.deadline:  # GOODBYE, or no reply in time
-                self._ready(a, a.drafts.resolve(None))
+        timeout = 0.0 if any_ready else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
+        client.poll(timeout)
+        left = []
+        for a in waiting:
+            reply = a.drafts.client.take(a.drafts.session, a.seq)
+            if reply is None:
+                left.append(a)
+                continue
+            if self.metrics is not None:
+                self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
+            self._ready(a, a.drafts.resolve(reply))
+        idle = not any(a.ready for a in self.active)
+        for a in left:
+            if not client.up or a.drafts.expired(idle):
+                self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
 
     @staticmethod
     def _ready(a: _Active, proposal) -> None:

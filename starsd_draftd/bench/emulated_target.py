@@ -111,7 +111,7 @@ class EmulatedTarget:
             need_open = True
             accepted, new, sent_features = 0, [], 0
             while not stop.is_set() and (max_rounds is None or len(self.rounds) < max_rounds):
-                if need_open and client.ready(probe_timeout_s=1.0) and client.open(session, verified, self.params):
+                if need_open and client.ready() and client.open(session, verified, self.params):
                     need_open = False
                     accepted, new, sent_features = 0, [], 0
                 pos = len(verified)
