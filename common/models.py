@@ -108,7 +108,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 # ---------------------------------------------------------------- the built-in demo checkpoints
-DEMO_RECIPE = "v5"  # the demo builder's recipe: a new recipe is a new cache directory
+DEMO_RECIPE = "smollm2-v1"  # the demo builder's recipe: a new recipe is a new cache directory
 DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle"}
 DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
 

@@ -12,7 +12,8 @@ from common.models import DEMO_BUILD_COMMAND, ModelLoadError, cache_root, resolv
 from starsd_draftd.demo import corpus, pair as demo_models
 from starsd_draftd.demo.byte_tokenizer import BYTE_VOCAB_SIZE
 from starsd_draftd.demo.corpus import load_corpus
-from starsd_draftd.demo.pair import ModelShape, demo_path, train_demo_pair
+from starsd_draftd.demo.checkpoints import demo_path
+from starsd_draftd.demo.pair import ModelShape, train_demo_pair
 
 TINY_TARGET = ModelShape(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64
@@ -175,9 +176,6 @@ def test_ensure_demo_pair_builds_once_and_reuses(monkeypatch, tmp_path):
     assert calls[0] != expected and calls[0].parent == tmp_path and not calls[0].exists()
     assert (target_dir / "model.safetensors").is_file() and (draft_dir / "model.safetensors").is_file()
 
-    assert resolve_model_path("demo") == target_dir
-    assert resolve_model_path("demo-draft") == draft_dir
-    assert demo_path("demo", progress=False) == target_dir
     assert demo_models.ensure_demo_pair(progress=False) == (target_dir, draft_dir)
     assert len(calls) == 1
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".demo-")]

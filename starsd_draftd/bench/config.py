@@ -56,6 +56,7 @@ class BenchConfig:
     real_n_max: int = 4
     jobs_per_target: int = 3
     max_tokens: int = 128
+    real_pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores (as separate machines)
     real_batch_max: int = 1  # the draft daemon of the real section serves one session at a time, as the model assumes
     # batched drafting
     batch_max: int = 8

@@ -73,11 +73,13 @@ def main() -> None:
 @_option("--model", default="demo-draft", help="--backend model: the draft checkpoint; eagle: the target's.")
 @_option("--eagle-head", default=None, help="--backend eagle: the head directory.")
 @_option("--device", default="cpu", help="--backend model or eagle: device.")
+@_option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+         help="--backend model or eagle: weights dtype.")
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
 def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
-          model, eagle_head, device, threads, trace, log_level) -> None:
+          model, eagle_head, device, dtype, threads, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -92,7 +94,8 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
         from starsd_draftd.app import ServeConfig, build_backend
 
         inner = build_backend(ServeConfig(server=server_config(), model=model, backend=backend, eagle_head=eagle_head,
-                                          base_model=model, device=device, q_topk=q_topk, threads=threads))
+                                          base_model=model, device=device, dtype=dtype, q_topk=q_topk,
+                                          threads=threads))
         name = "starsd-draftd-traced"
     run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
 

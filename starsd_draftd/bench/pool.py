@@ -53,7 +53,7 @@ class Pool:
         self._starting: set[str] = set()
         self.state: dict = {}  # what a section's start-up decided (endpoints of helper processes)
 
-    def start(self, name: str, args_for, traced: bool = False, stats: bool = True) -> str:
+    def start(self, name: str, args_for, traced: bool = False, stats: bool = True, cpus=None) -> str:
         """Start ``python -m *args_for(endpoint)`` unless running; returns its endpoint."""
         if name in self.endpoints:
             return self.endpoints[name]
@@ -62,7 +62,7 @@ class Pool:
         if traced:
             self._traces[name] = self.workdir / f"{name}-trace.json"
             args += ["--trace", str(self._traces[name])]
-        self.procs.start(name, *args)
+        self.procs.start(name, *args, cpus=cpus)
         self.endpoints[name] = ep
         if stats:
             self._starting.add(name)

@@ -184,16 +184,22 @@ def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], ma
 def start_real(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> tuple[list[str], list[str]]:
     """The real section's draft daemon (real draft model, traced, one session at a time) and its
     target daemons; returns the targets' endpoints and names."""
+    from starsd_draftd.demo.run import DemoConfig, demo_dtype, topology
+
     target_dir, draft_dir = models
+    names = [f"real-target{i + 1}" for i in range(min(cfg.real_n_max, cfg.n_max))]
+    topo = topology(DemoConfig(targets=len(names), pin=cfg.real_pin))
+    dtype = demo_dtype(DemoConfig())
+    pool.state["real_topology"], pool.state["real_dtype"] = topo.describe(), dtype
     draft_ep = pool.start("real-draftd", lambda ep: [
         "starsd_draftd.bench.emulation_serve", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
         "--depth", str(cfg.depth), "--batch-max", str(cfg.real_batch_max), "--q-topk", str(cfg.q_topk),
-        "--threads", "1", "--log-level", "warning"], traced=True)
-    names = [f"real-target{i + 1}" for i in range(min(cfg.real_n_max, cfg.n_max))]
+        "--threads", "1", "--dtype", dtype, "--log-level", "warning"], traced=True, cpus=topo.draft)
     target_eps = [pool.start(name, lambda ep, i=i: [
         "starsd_target", "serve", "--model", str(target_dir), "--draft", draft_ep, "--listen", ep,
-        "--depth", str(cfg.depth), "--threads", "1", "--name", f"target{i + 1}", "--connect-timeout",
-        str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5", "--log-level", "warning"])
+        "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", f"target{i + 1}",
+        "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
+        "--log-level", "warning"], cpus=topo.targets[i])
         for i, name in enumerate(names)]
     return target_eps, names
 
@@ -280,7 +286,8 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         forward = measure_target_forward(target_dir, cfg.depth)
     step("real forward timing")
     return {
-        "label": "real models on this machine's CPU: N target daemons and the draft daemon share its cores",
+        "label": f"real models on this machine's CPU ({pool.state.get('real_topology', 'unpinned')}, "
+                 f"{pool.state.get('real_dtype', 'auto')})",
         "models": {"target": str(target_dir), "draft": str(draft_dir), "kind": cfg.models,
                    "training": _train_summary(Path(target_dir).parent / "train_report.json")},
         "config": {"jobs_per_target": cfg.jobs_per_target, "max_tokens": cfg.max_tokens, "depth": cfg.depth,

@@ -102,10 +102,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
             else:
-                from starsd_draftd.demo.pair import ensure_demo_pair
+                from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
 
-                # trains the pair once (minutes) when it is not cached yet; reported apart from the measurement
-                models = timed("models", lambda: ensure_demo_pair(progress=cfg.progress))
+                # builds the demo checkpoints once (minutes) when not cached yet; reported apart from the measurement
+                models = timed("models", lambda: ensure_demo_checkpoints(progress=cfg.progress))
         if cfg.prestart:  # every daemon starts now; their start-up overlaps earlier sections' measurements
             sel = set(cfg.sections)
             if "wire" in sel:

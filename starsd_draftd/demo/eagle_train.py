@@ -241,7 +241,7 @@ def train_eagle_head(
     evaluation and saving too) is nearly spent, whichever comes first; at least one step runs.
     Returns the report also written to ``out_dir/train_report.json``."""
     from starsd_draftd.demo.corpus import load_corpus
-    from starsd_draftd.demo.pair import demo_path
+    from starsd_draftd.demo.checkpoints import demo_path
 
     if steps is None and time_budget_s is None:
         raise ValueError("give steps, time_budget_s, or both")
@@ -395,9 +395,9 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
     import fcntl
 
     from common.models import demo_dir
-    from starsd_draftd.demo.pair import ensure_demo_pair
+    from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
 
-    target_dir, _ = ensure_demo_pair(progress=progress)
+    target_dir, _ = ensure_demo_checkpoints(progress=progress)
     out = demo_dir() / "eagle"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out

@@ -1,4 +1,4 @@
-"""Built-in demo model pair: a small byte-level Llama target and a tiny draft.
+"""A toy byte-level Llama pair (a small target and a tiny draft), trained from scratch on this machine.
 
 Nothing is downloaded.  The pair is trained locally, in a few minutes on a
 laptop-class CPU, on the Python standard library's own ``.py`` sources, and
@@ -8,10 +8,8 @@ with the pair has a meaningful acceptance rate.
 
 Public entry points:
 
-* :func:`demo_path` maps ``"demo"`` / ``"demo-draft"`` to the cached
-  checkpoints, building them on first use (the daemons' own resolver,
-  ``common.models.resolve_model_path``, never builds), and passes anything
-  else through.
+The demo itself runs SmolLM2 (``starsd_draftd.demo.checkpoints``); this pair
+stays for tests and for experiments with models trained from nothing.
 * :func:`ensure_demo_pair` builds the pair once (safe against concurrent
   callers and against a training run killed half way).
 * :func:`train_demo_pair` does the actual training into a directory.
@@ -39,12 +37,12 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from starsd_draftd.demo.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
-from common.models import DEMO_RECIPE, cache_root, demo_dir, torch_threads
+from common.models import cache_root, torch_threads
 from starsd_draftd.demo.corpus import load_corpus
 
 logger = logging.getLogger("starsd.demo_models")
 
-RECIPE_VERSION = DEMO_RECIPE  # the cache directory names it: a new recipe is a new directory
+RECIPE_VERSION = "v5"  # the cache directory names it: a new recipe is a new directory
 DEMO_TARGET_NAME = "demo"
 DEMO_DRAFT_NAME = "demo-draft"
 REPORT_NAME = "train_report.json"
@@ -63,12 +61,10 @@ __all__ = [
     "DEMO_TARGET_NAME",
     "RECIPE_VERSION",
     "ModelShape",
-    "cache_root",
-    "demo_dir",
+    "byte_pair_dir",
     "draft_shape",
     "ensure_demo_pair",
     "load_corpus",
-    "demo_path",
     "target_shape",
     "train_demo_pair",
 ]
@@ -90,13 +86,9 @@ def _pair_is_complete(root: Path) -> bool:
     return True
 
 
-def demo_path(name_or_dir: str, progress: bool = True) -> Path:
-    """``demo`` / ``demo-draft``: the cached demo checkpoint, built first if absent; else a path."""
-    if name_or_dir == DEMO_TARGET_NAME:
-        return ensure_demo_pair(progress=progress)[0]
-    if name_or_dir == DEMO_DRAFT_NAME:
-        return ensure_demo_pair(progress=progress)[1]
-    return Path(name_or_dir)
+def byte_pair_dir() -> Path:
+    """Where :func:`ensure_demo_pair` caches the pair (apart from the demo's own checkpoints)."""
+    return cache_root() / f"demo-{RECIPE_VERSION}"
 
 
 @contextlib.contextmanager
@@ -122,7 +114,7 @@ def ensure_demo_pair(progress: bool = True) -> tuple[Path, Path]:
     directory which is renamed into place only when complete, so an
     interrupted run is never mistaken for a finished one.
     """
-    final = demo_dir()
+    final = byte_pair_dir()
     target_dir, draft_dir = final / "target", final / "draft"
     if _pair_is_complete(final):
         return target_dir, draft_dir

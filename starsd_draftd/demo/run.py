@@ -146,11 +146,11 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
 
 def prepare(cfg: DemoConfig) -> dict[str, Path]:
     """Build (once, cached) the demo checkpoints the run uses, here rather than in every child."""
-    from starsd_draftd.demo.pair import ensure_demo_pair
+    from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
 
     built = {}
     if "demo" in (cfg.target_model, cfg.draft_model):
-        built["demo"], built["demo-draft"] = ensure_demo_pair(progress=True)
+        built["demo"], built["demo-draft"] = ensure_demo_checkpoints(progress=True)
     if cfg.backend == "eagle":
         from starsd_draftd.demo.eagle_train import ensure_demo_eagle_head
 

