@@ -53,9 +53,9 @@ class BenchConfig:
     q_topk: int = 32
     # real models
     models: str = "demo"  # "demo": the trained demo pair; "tiny": random tiny checkpoints (CI)
-    real_n_max: int = 4
-    jobs_per_target: int = 3
-    max_tokens: int = 128
+    real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores
+    jobs_per_target: int = 2
+    max_tokens: int = 64
     real_pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores (as separate machines)
     real_batch_max: int = 1  # the draft daemon of the real section serves one session at a time, as the model assumes
     # batched drafting
