@@ -111,6 +111,8 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 DEMO_RECIPE = "smollm2-v1"  # the demo builder's recipe: a new recipe is a new cache directory
 DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle"}
 DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
+DEMO_BUILD_COMMANDS = {"demo": DEMO_BUILD_COMMAND, "demo-draft": DEMO_BUILD_COMMAND,
+                       "demo-eagle": "starsd-draftd demo --backend eagle --prepare"}
 
 
 def cache_root() -> Path:
@@ -139,7 +141,8 @@ def resolve_model_path(name_or_dir: str) -> Path:
     path = demo_dir() / sub
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"the built-in demo checkpoint {name_or_dir!r} is not built yet (looked in {path}); "
-                             f"build it once with `{DEMO_BUILD_COMMAND}` (or `make demo`)")
+                             f"build it once with `{DEMO_BUILD_COMMANDS[name_or_dir]}` (as the user whose "
+                             "STARSD_CACHE_DIR the daemon reads)")
     return path
 
 

@@ -90,7 +90,8 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
                           drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
                           metrics_port=metrics_port)
-    app.run(app.ServeConfig(server, model, backend, eagle_head, base_model, device, dtype, q_topk, threads))
+    app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
+                            device=device, dtype=dtype, q_topk=q_topk, threads=threads))
 
 
 @main.command()

@@ -177,8 +177,8 @@ class TargetDaemon:
         finally:
             # give the last replies (results, refusals) a moment to leave
             sock.close(linger=1000 if self._stop.is_set() else 0)
-            if self.client is not None:
-                self.client.close()
+            if self.client is not None and not (sched.thread is not None and sched.thread.is_alive()):
+                self.client.close()  # the scheduler thread owns the link while it runs (ZeroMQ sockets are not thread-safe)
 
     @staticmethod
     def _send_replies(sock: zmq.Socket, replies: queue.Queue, wait_s: float = 0.0) -> int:

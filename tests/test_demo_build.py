@@ -66,6 +66,12 @@ def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
                                     eos_token_id=sorted(target.eos_token_ids), pad_token_id=sorted(target.eos_token_ids)[0])
     assert result.token_ids == own[0, len(prompt):].tolist()
     assert result.stats.drafted > 0 and result.stats.fallback_rounds == 0
+    # a draft cut with every layer is the target itself: all its drafts are kept
+    full = first_layers_draft(target.model, target.model.config.num_hidden_layers)
+    backend.model = full
+    copy = engine.generate(prompt, 24, SamplingParams(), Local())
+    assert copy.token_ids == result.token_ids
+    assert copy.stats.accepted == copy.stats.drafted > 0
 
 
 def test_a_cut_draft_copies_the_first_layers_and_distilling_trains_only_them(built):

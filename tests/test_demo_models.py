@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from common.models import DEMO_BUILD_COMMAND, ModelLoadError, cache_root, resolve_model_path
+from common.models import DEMO_BUILD_COMMANDS, ModelLoadError, cache_root, resolve_model_path
 from starsd_draftd.demo import corpus, pair as demo_models
 from starsd_draftd.demo.byte_tokenizer import BYTE_VOCAB_SIZE
 from starsd_draftd.demo.corpus import load_corpus
@@ -65,12 +65,15 @@ def test_resolve_non_demo_name_unchanged(monkeypatch, tmp_path):
 
 
 def test_the_daemons_resolver_never_trains_and_names_the_build_command(monkeypatch, tmp_path):
+    from starsd_draftd.demo import checkpoints, eagle_train
+
     monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(demo_models, "train_demo_pair", _forbidden_training)
+    monkeypatch.setattr(checkpoints, "build_demo_checkpoints", _forbidden_training)
+    monkeypatch.setattr(eagle_train, "train_eagle_head", _forbidden_training)
     for name in ("demo", "demo-draft", "demo-eagle"):
         with pytest.raises(ModelLoadError, match="not built yet") as err:
             resolve_model_path(name)
-        assert DEMO_BUILD_COMMAND in str(err.value)
+        assert DEMO_BUILD_COMMANDS[name] in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -3,13 +3,14 @@ who imports a CLI module, module sizes and docstrings, and `--model demo` never 
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from click.testing import CliRunner
 
-from common.models import DEMO_BUILD_COMMAND
+from common.models import DEMO_BUILD_COMMAND, DEMO_BUILD_COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "starsd_draftd", "starsd_target")
@@ -101,3 +102,14 @@ def test_model_demo_on_a_target_never_trains_and_names_the_build_command(tmp_pat
     assert result.exit_code == 1
     assert "not built yet" in result.output and DEMO_BUILD_COMMAND in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_demo_draft_on_the_draft_daemon_never_trains_either(tmp_path):
+    env = dict(os.environ, STARSD_CACHE_DIR=str(tmp_path))
+    for args in (["--model", "demo-draft"], ["--backend", "eagle", "--eagle-head", "demo-eagle", "--base-model", "demo"]):
+        out = subprocess.run([sys.executable, "-m", "starsd_draftd", "serve", "--bind", "tcp://127.0.0.1:0", *args],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert out.returncode == 1, out.stderr[-2000:]
+        name = "demo-eagle" if "eagle" in args else "demo-draft"
+        assert "not built yet" in out.stderr and DEMO_BUILD_COMMANDS[name] in out.stderr
+        assert list(tmp_path.iterdir()) == []

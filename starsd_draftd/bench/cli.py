@@ -42,7 +42,7 @@ _b = BenchConfig()
 @option("--acceptance", type=click.FloatRange(0, 1), default=_b.acceptance,
         help="Emulation: i.i.d. acceptance probability of each draft token.")
 @option("--models", type=click.Choice(["demo", "tiny"]), default=None,
-        help="Real section: the trained demo pair, or tiny random checkpoints [default: demo; quick: tiny].")
+        help="Real section: the demo checkpoints (SmolLM2 and its distilled draft), or tiny random checkpoints [default: demo; quick: tiny].")
 @option("--max-tokens", type=click.IntRange(1), default=None,
         help=f"Real section: tokens per job [default: {_b.max_tokens}; quick: 24].")
 @option("--jobs", type=click.IntRange(1), default=None,

@@ -52,7 +52,7 @@ class BenchConfig:
     feature_rows: int = 3
     q_topk: int = 32
     # real models
-    models: str = "demo"  # "demo": the trained demo pair; "tiny": random tiny checkpoints (CI)
+    models: str = "demo"  # "demo": the demo checkpoints (SmolLM2 + its draft); "tiny": random tiny checkpoints (CI)
     real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores
     jobs_per_target: int = 2
     max_tokens: int = 64

@@ -30,12 +30,6 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
             proc.wait()
 
 
-def _pin(cpus: frozenset[int]):
-    def pin() -> None:  # runs in the child between fork and exec
-        os.sched_setaffinity(0, cpus)
-    return pin
-
-
 class ProcessSet:
     """Named children that are always terminated, whatever happens to the parent."""
 
@@ -49,11 +43,11 @@ class ProcessSet:
               cpus: Iterable[int] | None = None) -> subprocess.Popen:
         """Start ``python -m *args`` as ``name``; ``cpus`` pins it (and its torch threads' cores)."""
         log = open(self.logdir / f"{name}.log", "wb")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        pin = _pin(frozenset(cpus)) if cpus is not None else None
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                preexec_fn=pin)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
         log.close()
+        if cpus is not None:  # before the child has imported anything (a fork-time hook is unsafe with threads)
+            os.sched_setaffinity(proc.pid, frozenset(cpus))
         self.procs[name] = proc
         return proc
 

@@ -233,15 +233,15 @@ def real_measure(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]) 
 
 
 def _train_summary(path: Path) -> dict | None:
-    """What the demo pair's training report says about it (None for other checkpoints)."""
+    """What the demo checkpoints' build report says about them (None for other checkpoints)."""
     try:
         rep = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return {"recipe_version": rep.get("recipe_version"),
-            "target_params": rep.get("target", {}).get("params"),
-            "draft_params": rep.get("draft", {}).get("params"),
-            "agreement": rep.get("agreement")}
+    draft = rep.get("draft", {})
+    return {"target_params": rep.get("target", {}).get("params"), "draft_params": draft.get("params"),
+            "draft_layers": draft.get("layers"), "draft_training_steps": draft.get("steps"),
+            "heldout_top1_agreement": draft.get("heldout_top1_agreement"), "build_s": rep.get("wall_s")}
 
 
 def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
@@ -289,7 +289,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         "label": f"real models on this machine's CPU ({pool.state.get('real_topology', 'unpinned')}, "
                  f"{pool.state.get('real_dtype', 'auto')})",
         "models": {"target": str(target_dir), "draft": str(draft_dir), "kind": cfg.models,
-                   "training": _train_summary(Path(target_dir).parent / "train_report.json")},
+                   "training": _train_summary(Path(target_dir).parent / "build_report.json")},
         "config": {"jobs_per_target": cfg.jobs_per_target, "max_tokens": cfg.max_tokens, "depth": cfg.depth,
                    "temperature": 0.0, "draft_batch_max": cfg.real_batch_max, "threads_per_process": 1},
         "rows": rows,

@@ -10,7 +10,7 @@ Sections (each with real daemons as separate processes, real sockets on loopback
   StarSD never does this -- it lives here and nowhere else).
 * ``emulation``: accelerator emulation (see ``starsd_draftd.bench.emulation``): N = 1..N_max emulated
   targets against one emulated draft daemon; throughput, busy fraction, idle gaps, per-token
-  latency and framework overhead, each beside the analytic model (``starsd_draftd.plan``).
+  latency and framework overhead, each beside the analytic model (``starsd_draftd.bench.plan``).
 * ``real``: the real draft and target models on this CPU, N = 1..N_real target daemons through
   their GENERATE endpoint, beside the target alone and beside transformers' co-located
   ``generate(assistant_model=...)``.

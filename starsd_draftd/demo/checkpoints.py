@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from common.models import DEMO_CHECKPOINTS, demo_dir, resolve_model_path, torch_threads
+from common.models import demo_dir, resolve_model_path, torch_threads
 
 log = logging.getLogger("starsd.demo")
 
@@ -62,7 +62,7 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
                 shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
             try:
-                report = build_demo_checkpoints(tmp, progress=progress, threads=threads or os.cpu_count() or 1)
+                report = build_demo_checkpoints(tmp, progress=progress, threads=threads or len(os.sched_getaffinity(0)))
                 eagle = final / "eagle"  # a head trained earlier for this recipe stays
                 if eagle.is_dir():
                     os.rename(eagle, tmp / "eagle")
@@ -124,4 +124,4 @@ def demo_path(name_or_dir: str, progress: bool = True) -> Path:
     if name_or_dir in ("demo", "demo-draft"):
         target, draft = ensure_demo_checkpoints(progress=progress)
         return target if name_or_dir == "demo" else draft
-    return resolve_model_path(name_or_dir) if name_or_dir in DEMO_CHECKPOINTS else Path(name_or_dir)
+    return resolve_model_path(name_or_dir)

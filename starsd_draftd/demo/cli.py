@@ -53,7 +53,7 @@ def train_eagle(base_model, out, time_budget, threads, log_level, log_format) ->
         help="Only build the demo checkpoints into the cache (what `--model demo` and `demo-draft` name), then exit.")
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @logging_options(option)
-@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError)
+@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, OSError, ImportError)
 def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, prepare,
          as_json, log_level, log_format) -> None:
     """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""

@@ -64,9 +64,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     flagged = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype)
 
-    cfg = flagged.config.__class__.from_dict(flagged.config.to_dict())
-    if hasattr(cfg, "quantization_config"):
-        delattr(cfg, "quantization_config")
+    plain = flagged.config.to_dict()
+    plain.pop("quantization_config", None)
+    cfg = flagged.config.__class__.from_dict(plain)
     cfg.dtype = dtype
     cfg.architectures = [type(flagged).__name__]
     eos = _eos_ids(tokenizer, flagged)

@@ -4,12 +4,12 @@ Nothing is downloaded.  The pair is trained locally, in a few minutes on a
 laptop-class CPU, on the Python standard library's own ``.py`` sources, and
 cached under ``common.models.cache_root()``.  The target is trained with cross-entropy;
 the draft is then distilled toward the target so that speculative decoding
-with the pair has a meaningful acceptance rate.
+with the pair has a meaningful acceptance rate. The demo itself runs SmolLM2
+(``starsd_draftd.demo.checkpoints``); this pair stays for tests and for
+experiments with models trained from nothing.
 
 Public entry points:
 
-The demo itself runs SmolLM2 (``starsd_draftd.demo.checkpoints``); this pair
-stays for tests and for experiments with models trained from nothing.
 * :func:`ensure_demo_pair` builds the pair once (safe against concurrent
   callers and against a training run killed half way).
 * :func:`train_demo_pair` does the actual training into a directory.
@@ -40,7 +40,7 @@ from starsd_draftd.demo.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SI
 from common.models import cache_root, torch_threads
 from starsd_draftd.demo.corpus import load_corpus
 
-logger = logging.getLogger("starsd.demo_models")
+logger = logging.getLogger("starsd.demo.pair")
 
 RECIPE_VERSION = "v5"  # the cache directory names it: a new recipe is a new directory
 DEMO_TARGET_NAME = "demo"

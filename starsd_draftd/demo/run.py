@@ -149,9 +149,9 @@ def prepare(cfg: DemoConfig) -> dict[str, Path]:
     from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
 
     built = {}
-    if "demo" in (cfg.target_model, cfg.draft_model):
+    if {"demo", "demo-draft"} & {cfg.target_model, cfg.draft_model}:
         built["demo"], built["demo-draft"] = ensure_demo_checkpoints(progress=True)
-    if cfg.backend == "eagle":
+    if cfg.backend == "eagle" and cfg.target_model == "demo":  # the demo's head is for the demo target
         from starsd_draftd.demo.eagle_train import ensure_demo_eagle_head
 
         built["demo-eagle"] = ensure_demo_eagle_head(progress=True)
