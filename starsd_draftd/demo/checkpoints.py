@@ -33,13 +33,14 @@ REPORT_NAME = "build_report.json"
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if absent): one builder at a time, across processes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as fh:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("another process is building the demo checkpoints; waiting for it")
+            log.info("another process is building into the cache; waiting for it to finish (%s)", path)
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -56,7 +57,7 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
     final = demo_dir()
     if _complete(final):
         return final / "target", final / "draft"
-    with _locked(final.parent / f"{final.name}.lock"):
+    with exclusive_lock(final.parent / f"{final.name}.lock"):
         if not _complete(final):
             for stale in final.parent.glob(f".{final.name}.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # a build that was killed

@@ -17,8 +17,6 @@ Public entry points:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -27,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +35,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from starsd_draftd.demo.byte_tokenizer import BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
 from common.models import cache_root, torch_threads
+from starsd_draftd.demo.checkpoints import exclusive_lock
 from starsd_draftd.demo.corpus import load_corpus
 
 logger = logging.getLogger("starsd.demo.pair")
@@ -91,21 +89,6 @@ def byte_pair_dir() -> Path:
     return cache_root() / f"demo-{RECIPE_VERSION}"
 
 
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("another process is building the demo models; waiting for %s", path)
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_demo_pair(progress: bool = True) -> tuple[Path, Path]:
     """Return ``(target_dir, draft_dir)`` of the demo pair, training it if absent.
 
@@ -120,7 +103,7 @@ def ensure_demo_pair(progress: bool = True) -> tuple[Path, Path]:
         return target_dir, draft_dir
 
     root = final.parent
-    with _exclusive_lock(root / f"demo-{RECIPE_VERSION}.lock"):
+    with exclusive_lock(root / f"demo-{RECIPE_VERSION}.lock"):
         if _pair_is_complete(final):
             logger.info("demo models were built by another process: %s", final)
             return target_dir, draft_dir
