@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from starsd_draftd.demo.byte_tokenizer import bytes_to_unicode  # GPT-2's byte table, as the tokenizers library uses it
+
 # ---- shape ---------------------------------------------------------------------------------
 HIDDEN = 32
 LAYERS = 2
@@ -55,19 +57,6 @@ CORPUS = (
 ) * 3
 # GPT-2's pre-tokenizer split (what GPT2Tokenizer uses when tokenizer.ggml.pre has no override)
 _GPT2_SPLIT = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (same order as transformers' copy)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def _train_bpe(corpus: str, num_merges: int) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ BYTE_OFFSET = 3
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
 
 __all__ = [
+    "bytes_to_unicode",
     "BOS_ID",
     "BOS_TOKEN",
     "BYTE_OFFSET",
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """Reversible map from each byte to a printable unicode character.
 
     This is the standard byte-level mapping that the ``ByteLevel``
@@ -70,7 +71,7 @@ def byte_to_id(b: int) -> int:
 
 
 def _build_backend() -> Tokenizer:
-    mapping = _bytes_to_unicode()
+    mapping = bytes_to_unicode()
     vocab = {PAD_TOKEN: PAD_ID, BOS_TOKEN: BOS_ID, EOS_TOKEN: EOS_ID}
     for b in range(256):
         vocab[mapping[b]] = byte_to_id(b)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from starsd_draftd.demo.gguf_import import model_from_state
+
 
 def first_layers_draft(target, layers: int):
     """A model of ``target``'s class made of its first ``layers`` decoder layers, embedding, final
@@ -26,19 +28,11 @@ def first_layers_draft(target, layers: int):
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
-    with torch.device("meta"):
-        draft = type(target)(cfg)
     state = {k: v.detach().clone() for k, v in target.state_dict().items()
              if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        draft.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"cannot cut a draft from {type(target).__name__}: missing {missing}, unexpected {unexpected}")
-    draft.model.rotary_emb = type(target.model.rotary_emb)(config=cfg)  # its buffers are not in the state dict
+    draft = model_from_state(target, cfg, state, f"a {layers}-layer cut of {type(target).__name__}")
     draft.generation_config = copy.deepcopy(target.generation_config)
-    return draft.eval()
+    return draft
 
 
 def token_windows(tokenizer, text: bytes, seq_len: int, count: int, seed: int = 0) -> torch.Tensor:

@@ -52,6 +52,22 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return ids
 
 
+def model_from_state(like, cfg, state: dict, what: str):
+    """A model of ``like``'s class built from ``cfg`` around the tensors of ``state`` (taken as they
+    are, no copy): the tied LM head re-tied, and the rotary embedding, whose buffers are not in a
+    state dict, built anew. ``what`` names the source in the error a misfit raises."""
+    with torch.device("meta"):
+        model = type(like)(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"{what} does not fit its config: missing {missing}, unexpected {unexpected}")
+    model.model.rotary_emb = type(like.model.rotary_emb)(config=cfg)
+    return model.eval()
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict:
     """Write ``out_dir`` (atomically: built in a sibling temporary directory, then renamed) as a
     plain safetensors checkpoint of ``gguf_path``, with its tokenizer; returns a small report."""
@@ -73,17 +89,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     cfg.eos_token_id = eos[0]
     if cfg.pad_token_id is None and tokenizer.pad_token_id is not None:
         cfg.pad_token_id = int(tokenizer.pad_token_id)
-    with torch.device("meta"):
-        model = type(flagged)(cfg)
     state = {k: v.detach().to(dtype) for k, v in flagged.state_dict().items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"the GGUF's tensors do not fit its config: missing {missing}, unexpected {unexpected}")
-    model.model.rotary_emb = type(flagged.model.rotary_emb)(config=cfg)  # non-persistent buffers, still on meta
-    model.eval()
+    model = model_from_state(flagged, cfg, state, f"the GGUF {name}")
     del flagged
     model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=eos,
                                                pad_token_id=cfg.pad_token_id, do_sample=False)
