@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -119,9 +120,15 @@ class DraftClient:
         self.hellos = 0
         self.reconnects = 0  # times the link came up
         self.errors: dict[str, int] = {}
+        self._session_ids = itertools.count(1)
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+    def next_session(self) -> int:
+        """A session id not used before on this link: ids are never reused, so a late reply to a
+        closed session cannot reach a new one."""
+        return next(self._session_ids)
 
     # ------------------------------------------------------------ plumbing
     def _send(self, msg: Message) -> bool:
@@ -388,7 +395,8 @@ class DraftClient:
     def wait_draft(self, session: int, seq: int, timeout_s: float) -> DraftReply | RemoteError | None:
         """Wait up to ``timeout_s`` for the reply to (session, seq), routing whatever else
         arrives meanwhile; None at the deadline or when the link goes down (the request is then
-        abandoned). For a synchronous caller with one request in flight."""
+        abandoned). For the bench's wire probes, which time bare requests: generations run their
+        rounds through ``starsd_target.scheduler.Scheduler``, which never waits on one request."""
         deadline = time.monotonic() + timeout_s
         while (reply := self.take(session, seq)) is None:
             left = deadline - time.monotonic()
@@ -400,7 +408,7 @@ class DraftClient:
 
 
 class RemoteDraftSession:
-    """One generation's drafts from the draft daemon (a DraftSource for the engine).
+    """One generation's drafts from the draft daemon, as the scheduler drives them.
 
     Tracks what the daemon has verified, so each request carries only the tokens (and, for
     feature backends, the features) verified since the previous one. A round that got no drafts
@@ -499,19 +507,6 @@ class RemoteDraftSession:
             self.instance = None
             return None
         return reply
-
-    def propose(self, tokens: list[int], depth: int,
-                features: np.ndarray | torch.Tensor | None = None) -> DraftReply | None:
-        """Send and wait until the reply comes or ``expired()``: for a caller with one generation."""
-        seq = self.send(tokens, depth, features)
-        if seq is None:
-            return None
-        client = self.client
-        while (reply := client.take(self.session, seq)) is None:
-            if not client.up or self.expired():
-                break
-            client.poll(max(0.0, min(self.wake_at - time.monotonic(), 0.05)))
-        return self.resolve(reply)
 
     def kept(self, n: int) -> None:
         self.accepted = n

@@ -10,7 +10,6 @@ mirror of the draft daemon's. Jobs are admitted first come, first served.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
@@ -41,6 +40,7 @@ class Job:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     no_draft: bool = False
+    draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
     on_progress: Callable[[Generation], None] | None = None  # streaming: called after each round that added tokens
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     submitted: float = field(default_factory=time.monotonic)
@@ -68,7 +68,6 @@ class Scheduler:
         self.max_active = max_active
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.heartbeat_s = heartbeat_s
-        self._sessions = itertools.count(1)
         self._stop = threading.Event()
         self._accepting = True
         self.active: list[_Active] = []
@@ -174,7 +173,8 @@ class Scheduler:
             client = None if job.no_draft else self.link()
             drafts = None
             if client is not None:
-                drafts = RemoteDraftSession(client, next(self._sessions), job.params, self.draft_timeout_s)
+                drafts = RemoteDraftSession(client, client.next_session(), job.draft_params or job.params,
+                                            self.draft_timeout_s)
             features = client is not None and client.feature_size > 0
             gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features)
         except Exception as exc:  # a bad job fails alone

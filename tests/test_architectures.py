@@ -6,9 +6,9 @@ import zmq
 
 from common.models import load_causal_lm
 from common.verify import SamplingParams
-from fakes import running_server
+from fakes import running_server, speculate
 from starsd_draftd.backends.model import ModelBackend
-from starsd_target.client import DraftClient, HandshakeRefused, RemoteDraftSession
+from starsd_target.client import DraftClient, HandshakeRefused
 from starsd_target.engine import TargetEngine
 from tiny_models import make_near_copy, make_tiny_checkpoint, reference_greedy
 
@@ -32,7 +32,7 @@ def test_greedy_identity_other_architectures(tmp_path, arch, draft_kind):
         for sid, text in enumerate(PROMPTS, start=1):
             prompt = engine.encode(text)
             ref = reference_greedy(target_dir, prompt, 40)
-            r = engine.generate(prompt, 40, SamplingParams(), RemoteDraftSession(client, sid, SamplingParams(), 30))
+            r = speculate(engine, client, prompt, 40, SamplingParams(), 30)
             assert r.token_ids == ref, (arch, text)
             assert r.stats.fallback_rounds == 0
             accepted += r.stats.accepted

@@ -362,8 +362,8 @@ def test_bfloat16_backend_keeps_rotary_tables_in_float32(head_dir, tiny_target, 
 def test_through_the_draft_server(backend, tiny_target, loaded_target):
     """Real server and client: greedy output equals the target's own generate(); sampling rounds all
     carry valid proposals."""
-    from fakes import running_server
-    from starsd_target.client import DraftClient, RemoteDraftSession
+    from fakes import running_server, speculate
+    from starsd_target.client import DraftClient
     from starsd_target.engine import TargetEngine
     from tiny_models import reference_greedy
 
@@ -375,11 +375,11 @@ def test_through_the_draft_server(backend, tiny_target, loaded_target):
         # "x" is a one-token prompt: the first round has no feature to draft from
         for sid, text in enumerate(["def parse(line):\n    ", "x"], start=1):
             prompt = engine.encode(text)
-            r = engine.generate(prompt, 30, SamplingParams(), RemoteDraftSession(client, sid, SamplingParams(), 30))
+            r = speculate(engine, client, prompt, 30, SamplingParams(), 30)
             assert r.token_ids == reference_greedy(tiny_target, prompt, 30)
             assert r.stats.fallback_rounds == 0 and r.stats.drafted > 0
         params = SamplingParams(temperature=1.0, top_k=20, seed=5)
-        r = engine.generate(engine.encode("import os"), 30, params, RemoteDraftSession(client, 3, params, 30))
+        r = speculate(engine, client, engine.encode("import os"), 30, params, 30)
         assert r.stats.fallback_rounds == 0 and r.stats.invalid_drafts == 0 and r.stats.drafted > 0
         client.close()
     assert server.stats.errors == {}

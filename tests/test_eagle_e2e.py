@@ -15,12 +15,12 @@ from common.models import load_causal_lm
 from common.protocol import Message, MsgType
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams, logits_to_probs
-from fakes import running_server
+from fakes import running_server, speculate
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.demo.eagle_train import train_eagle_head
-from starsd_target.client import DraftClient, RemoteDraftSession
+from starsd_target.client import DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import make_near_copy, reference_greedy
 
@@ -115,7 +115,7 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
         for i in range(samples):
             p = SamplingParams(params.temperature, params.top_k, seed=10_000 + i)
             q = SamplingParams(draft_params.temperature, seed=20_000 + i)
-            r = engine.generate(prompt, length, p, RemoteDraftSession(client, i + 1, q, 30))
+            r = speculate(engine, client, prompt, length, p, 30, draft_params=q)
             assert r.stats.fallback_rounds == 0
             counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
             drafted += r.stats.drafted

@@ -13,9 +13,9 @@ from common.models import load_causal_lm
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
-from fakes import RawPeer, running_server
+from fakes import RawPeer, running_server, speculate
 from starsd_draftd.backends.model import ModelBackend
-from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
+from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import reference_greedy
 
@@ -184,7 +184,7 @@ def test_silent_and_vanished_targets_expire_without_hurting_others(tiny_target, 
         t0 = time.monotonic()
         for sid, text in enumerate(PROMPTS, start=1):
             prompt = engine.encode(text)
-            r = engine.generate(prompt, 60, SamplingParams(), RemoteDraftSession(client, sid, SamplingParams(), 10))
+            r = speculate(engine, client, prompt, 60, SamplingParams(), 10)
             assert r.token_ids == reference_greedy(tiny_target, prompt, 60)
             assert r.stats.accepted > 0 and r.stats.fallback_rounds == 0
             client.heartbeat()

@@ -7,8 +7,8 @@ import torch
 from common.models import load_causal_lm
 from common.tensors import as_torch
 from common.verify import SamplingParams
-from fakes import CountingBackend, RawPeer, running_server
-from starsd_target.client import DraftClient, HandshakeRefused, RemoteDraftSession
+from fakes import CountingBackend, RawPeer, running_server, speculate
+from starsd_target.client import DraftClient, HandshakeRefused
 from starsd_target.engine import TargetEngine
 from tiny_models import reference_greedy
 
@@ -45,7 +45,7 @@ def test_features_match_the_targets_hidden_states(loaded_target, tiny_target):
                              feature_size=loaded_target.feature_size)
         assert client.handshake(10).feature_size == loaded_target.feature_size
         prompt = engine.encode("def parse(line):\n    ")
-        r = engine.generate(prompt, 30, SamplingParams(), RemoteDraftSession(client, 1, SamplingParams(), 30))
+        r = speculate(engine, client, prompt, 30, SamplingParams(), 30)
         client.close()
     assert r.token_ids == reference_greedy(tiny_target, prompt, 30)
     assert r.stats.fallback_rounds == 0

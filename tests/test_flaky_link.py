@@ -18,10 +18,10 @@ import zmq
 
 from common.models import load_causal_lm
 from common.verify import SamplingParams
-from fakes import running_server
+from fakes import running_server, speculate
 from faultproxy import FaultProxy
 from starsd_draftd.backends.model import ModelBackend
-from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
+from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import GenerationStats, TargetEngine
 from tiny_models import make_near_copy, reference_greedy
 
@@ -131,36 +131,24 @@ INTO_GENERATION_S = 0.25  # faults strike this long after a generation started, 
 GAP_S = 1.0  # at least this long between the end of one fault and the next
 
 
-class RecordingDrafts:
-    """Wraps a RemoteDraftSession, recording each round: [time asked, got drafts, drafts kept].
+class RoundRecorder:
+    """The scheduler's round observer for one generation: records each round that asked for
+    drafts as [when it ended, got drafts, drafts kept].
 
     Rounds are paced to at least ROUND_S, as a real target's forward pass would pace them (the
     tiny test model verifies in about a millisecond): otherwise a generation cut by a fault would
     finish on its own before the link could come back, and recovery within one generation, with
     the session re-opened on the new connection, could not be observed."""
 
-    def __init__(self, inner: RemoteDraftSession):
-        self.inner = inner
+    def __init__(self):
         self.rounds: list[list] = []
-        self._last = 0.0
+        self._last = time.monotonic()
 
-    @property
-    def feature_size(self) -> int:
-        return self.inner.feature_size
-
-    def propose(self, tokens, depth, features=None):
+    def __call__(self, gen, kept, wanted, verify_s) -> None:
+        if wanted:
+            self.rounds.append([time.monotonic(), kept is not None, kept or 0])
         time.sleep(max(0.0, self._last + ROUND_S - time.monotonic()))
-        self._last = t = time.monotonic()
-        prop = self.inner.propose(tokens, depth, features)
-        self.rounds.append([t, prop is not None, 0])
-        return prop
-
-    def kept(self, n: int) -> None:
-        self.rounds[-1][2] = n
-        self.inner.kept(n)
-
-    def close(self) -> None:
-        self.inner.close()
+        self._last = time.monotonic()
 
 
 @dataclass
@@ -233,11 +221,12 @@ def test_generations_stay_exact_and_speculation_resumes_after_every_fault(tiny_t
             hard_deadline = t0 + 120.0  # normally ~20 s; only reached if speculation never resumes
             i = 0
             while time.monotonic() < hard_deadline:
-                drafts = RecordingDrafts(RemoteDraftSession(client, i + 1, SamplingParams(), timeout_s=0.5))
+                rec = RoundRecorder()
                 started.append(time.monotonic())
-                res = engine.generate(prompts[i % len(prompts)], MAX_TOKENS, SamplingParams(), drafts)
+                res = speculate(engine, client, prompts[i % len(prompts)], MAX_TOKENS, SamplingParams(), 0.5,
+                                on_round=rec)
                 runs.append(Run(i % len(prompts), started[-1], time.monotonic(), res.token_ids, res.stats,
-                                drafts.rounds))
+                                rec.rounds))
                 i += 1
                 if faults_done.is_set() and proxy.events and _recovered(runs, proxy.events[-1].end):
                     break

@@ -27,9 +27,9 @@ from common.control import ControlClient
 from common.protocol import ErrorCode, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
-from fakes import nested as nested_list, running_server
+from fakes import nested as nested_list, running_server, speculate
 from starsd_draftd.bench.procs import ProcessSet as Daemons
-from starsd_target.client import Backoff, DraftClient, RemoteDraftSession
+from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import reference_greedy
 
@@ -125,8 +125,7 @@ def target_still_served(lv: Live) -> None:
         client = DraftClient(lv.endpoint, lv.vocab, lv.fingerprint, name="after-fuzz", ctx=ctx,
                              backoff=Backoff(initial_s=0.1, cap_s=1.0))
         client.handshake(10.0)
-        session = RemoteDraftSession(client, 1, SamplingParams(), timeout_s=5.0)
-        res = lv.engine.generate(lv.prompt, len(lv.reference), SamplingParams(), session)
+        res = speculate(lv.engine, client, lv.prompt, len(lv.reference), SamplingParams(), 5.0)
         client.close()
     finally:
         ctx.destroy(linger=0)
