@@ -10,7 +10,7 @@ import click
 
 from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
-from common.models import ModelLoadError
+from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.security import keygen as keygen_pair
 from starsd_draftd import app
 from starsd_draftd.server import ServerConfig
@@ -43,8 +43,7 @@ def main() -> None:
 @option("--depth", type=click.IntRange(1, 64), default=_s.max_depth,
         help="Most draft tokens served per request (targets ask for up to this many).")
 @option("--device", default="cpu", help="cpu, cuda or cuda:N.")
-@option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-        help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA).")
+@option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help=DTYPE_HELP)
 @option("--batch-max", type=click.IntRange(1), default=_s.batch_max,
         help="Draft up to this many waiting sessions together, one batched forward per step (1: one at a time).")
 @option("--batch-window-ms", type=click.FloatRange(0), default=_s.batch_window_s * 1000,

@@ -11,7 +11,7 @@ import zmq
 
 from common.cliutil import env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
-from common.models import ModelLoadError
+from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
 from starsd_target.daemon import TargetConfig, TargetDaemon
@@ -25,8 +25,7 @@ def model_options(f):
         option("--model", default=_d.model, help="Target checkpoint directory, or 'demo' for the built-in target."),
         option("--draft", default=_d.draft, help="Endpoint of the draft daemon."),
         option("--device", default=_d.device, help="cpu, cuda or cuda:N."),
-        option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default=_d.dtype,
-               help="Weights dtype (auto: float32 on CPU, bfloat16/float16 on CUDA)."),
+        option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_d.dtype, help=DTYPE_HELP),
         option("--depth", type=click.IntRange(1, 64), default=_d.depth,
                help="Draft tokens asked for per round (capped by the draft daemon's maximum)."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,

@@ -410,3 +410,20 @@ def test_training_writes_a_loadable_head(tmp_path, tiny_target, loaded_target):
     assert train_eagle_head(tiny_target, out, steps=1, **kw)["steps"] == 1
     assert json.loads((out / "train_report.json").read_text())["steps"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle"]
+
+
+@pytest.mark.skipif(not __import__("common.fp16_weights", fromlist=["x"]).fp16_weights_available(),
+                    reason="fbgemm is x86-only")
+def test_fp16_weights_backend_packs_the_head_and_the_output_layer(head_dir, tiny_target, backend, loaded_target):
+    from common.fp16_weights import Fp16Linear
+
+    packed = EagleBackend.from_dirs(head_dir, tiny_target, dtype="fp16-weights")
+    assert isinstance(packed.head.lm_head_packed, Fp16Linear) and isinstance(packed.module.fc, Fp16Linear)
+    assert packed.head.dtype == torch.float32
+    prompt = list(range(30, 60))
+    feats = _features(loaded_target.model, prompt)[:-1].half()
+    st_p, st_ref = packed.new_state(SamplingParams()), backend.new_state(SamplingParams())
+    assert len(packed.draft(st_p, prompt, 4, feats).tokens) == 4
+    backend.draft(st_ref, prompt, 4, feats)
+    want, got = backend._logits(st_ref.last_hidden), packed._logits(st_p.last_hidden)
+    assert (got - want).abs().max() < 0.01 * want.abs().max()  # float16-rounded weights, float32 sums

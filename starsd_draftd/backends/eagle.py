@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, pack_linears
 from common.models import ModelLoadError, resolve_device, resolve_dtype, resolve_model_path, tokenizer_identity
 from common.tensors import as_torch
 from common.verify import SamplingParams, make_generator
@@ -60,10 +61,17 @@ class EagleHead:
     dtype: torch.dtype
     path: Path | None = None
     base_path: Path | None = None
+    lm_head_packed: torch.nn.Module | None = None  # --dtype fp16-weights: the output layer, packed
 
     @property
     def logits_size(self) -> int:
         return int(self.lm_head_weight.shape[0])
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's output layer applied to predicted features ``x`` [..., H]."""
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed(x)
+        return F.linear(x, self.lm_head_weight)
 
 
 # ---------------------------------------------------------------- reading tensors by name
@@ -244,12 +252,16 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
     module.eval().requires_grad_(False)
     tied = lm_name == embed_name and own_embed is None
     lm_weight = module.embed_tokens.weight if tied else lm_head.to(device=dev, dtype=torch_dtype)
+    packed_head = None
+    if dtype == FP16_WEIGHTS:
+        pack_linears(module)
+        packed_head = Fp16Linear(lm_weight)
     log.info("EAGLE head %s (hidden %d, vocabulary %d, embedding from %s) on %s as %s; target tensors %s, %s from %s",
              head_dir, hidden, vocab, "the head" if own_embed is not None else "the target", dev,
-             str(torch_dtype).replace("torch.", ""), embed_name, lm_name, base)
+             dtype if dtype == FP16_WEIGHTS else str(torch_dtype).replace("torch.", ""), embed_name, lm_name, base)
     return EagleHead(module=module, embed_weight=module.embed_tokens.weight, lm_head_weight=lm_weight,
                      hidden_size=hidden, vocab_size=vocab, config=config, device=dev, dtype=torch_dtype,
-                     path=head_dir, base_path=base)
+                     path=head_dir, base_path=base, lm_head_packed=packed_head)
 
 
 # ---------------------------------------------------------------- the backend
@@ -320,7 +332,7 @@ class EagleBackend(DraftBackend):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits over the vocabulary for a predicted feature [1, 1, H]."""
-        return F.linear(hidden[0, -1], self.head.lm_head_weight)[: self.vocab_size].float()
+        return self.head.lm_logits(hidden[0, -1])[: self.vocab_size].float()
 
     def _check_features(self, st: EagleSession, verified: list[int], new_features: torch.Tensor | None) -> int:
         m = 0 if new_features is None else int(new_features.shape[0])
@@ -405,7 +417,7 @@ class EagleBackend(DraftBackend):
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]
             toks = [0] * k
             for j in range(steps + 1):
-                logits = F.linear(x[:, -1], self.head.lm_head_weight)[:, : self.vocab_size].float()
+                logits = self.head.lm_logits(x[:, -1])[:, : self.vocab_size].float()
                 for i, chain in enumerate(chains):
                     if drafting[i] and j < depths[i]:
                         toks[i] = chain.pick(logits[i])

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 import zmq
 
+from common.models import DTYPE_CHOICES, DTYPE_HELP
 from starsd_draftd.backends.base import DraftBackend
 from starsd_draftd.bench.emulation import EMU_SERVER_NAME, EmulatedBackend, ServiceModel
 from starsd_draftd.bench.trace import TracingBackend
@@ -73,8 +74,7 @@ def main() -> None:
 @_option("--model", default="demo-draft", help="--backend model: the draft checkpoint; eagle: the target's.")
 @_option("--eagle-head", default=None, help="--backend eagle: the head directory.")
 @_option("--device", default="cpu", help="--backend model or eagle: device.")
-@_option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-         help="--backend model or eagle: weights dtype.")
+@_option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help="--backend model or eagle: " + DTYPE_HELP)
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")

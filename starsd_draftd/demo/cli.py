@@ -10,7 +10,7 @@ import click
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
-from common.models import ModelLoadError
+from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from starsd_draftd.demo.run import DemoConfig, format_table, format_texts, prepare as prepare_checkpoints, run_demo
 
 option = env_options("STARSD_DRAFTD")
@@ -44,8 +44,9 @@ def train_eagle(base_model, out, time_budget, threads, log_level, log_format) ->
         help="eagle: run the demo target's EAGLE head (trained once, cached) and compare it with the "
              "standalone draft model.")
 @option("--device", default="cpu", help="Device for every daemon.")
-@option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-        help="Weights dtype for every daemon (auto: bfloat16 on a CPU with native bf16, else float32 on CPU).")
+@option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto",
+        help="Model dtype for every daemon (auto, on a CPU: bfloat16 where it is native, else fp16-weights "
+             "where fbgemm is available, else float32; see `starsd-target serve --help`).")
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
              "are pinned to disjoint cores, as separate machines would be).")

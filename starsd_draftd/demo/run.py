@@ -33,7 +33,7 @@ class DemoConfig:
     device: str = "cpu"
     temperature: float = 0.0
     backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone
-    dtype: str = "auto"  # auto: bfloat16 on a CPU with native bf16 (AMX, AVX512-BF16), else the daemons' auto
+    dtype: str = "auto"  # auto: see demo_dtype
     pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
@@ -105,9 +105,16 @@ def cpu_has_native_bf16() -> bool:
 
 
 def demo_dtype(cfg: DemoConfig) -> str:
+    """What ``auto`` means for the demo's daemons on a CPU: bfloat16 where the CPU computes it
+    natively, else float16 weights through fbgemm (x86), else float32. In each, a forward over a
+    few tokens costs about what one does, so verifying drafts is nearly free."""
+    from common.fp16_weights import FP16_WEIGHTS, fp16_weights_available
+
     if cfg.dtype != "auto" or cfg.device != "cpu":
         return cfg.dtype
-    return "bfloat16" if cpu_has_native_bf16() else "auto"
+    if cpu_has_native_bf16():
+        return "bfloat16"
+    return FP16_WEIGHTS if fp16_weights_available() else "auto"
 
 
 @dataclass(frozen=True)
