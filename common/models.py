@@ -125,7 +125,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 # ---------------------------------------------------------------- the built-in demo checkpoints
-DEMO_RECIPE = "smollm2-v1"  # the demo builder's recipe: a new recipe is a new cache directory
+DEMO_RECIPE = "smollm2-v2"  # the demo builder's recipe: a new recipe is a new cache directory
 DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle"}
 DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
 DEMO_BUILD_COMMANDS = {"demo": DEMO_BUILD_COMMAND, "demo-draft": DEMO_BUILD_COMMAND,

@@ -21,6 +21,7 @@ class ServeConfig:
     dtype: str = "auto"
     q_topk: int = 32
     threads: int = 1
+    lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
 
 
 def build_backend(cfg: ServeConfig):
@@ -28,7 +29,10 @@ def build_backend(cfg: ServeConfig):
     if cfg.backend == "model":
         from starsd_draftd.backends.model import ModelBackend
 
-        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk)
+        from starsd_draftd.backends.base import ContextLookup
+
+        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk,
+                            lookup=ContextLookup() if cfg.lookup else None)
     if cfg.backend == "eagle":
         if not cfg.eagle_head or not cfg.base_model:
             raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")

@@ -72,11 +72,14 @@ def main() -> None:
 @option("--metrics-port", type=click.IntRange(1, 65535), default=None,
         help="Expose Prometheus metrics on this port (/metrics).")
 @option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
+@option("--lookup/--no-lookup", default=True,
+        help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
+             "occurred before (what followed them then), else from the model. Lossless like every draft.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
-          peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, log_level,
-          log_format) -> None:
+          peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, lookup,
+          log_level, log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -90,7 +93,7 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
                           metrics_port=metrics_port)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
-                            device=device, dtype=dtype, q_topk=q_topk, threads=threads))
+                            device=device, dtype=dtype, q_topk=q_topk, threads=threads, lookup=lookup))
 
 
 @main.command()

@@ -512,4 +512,6 @@ class DraftServer:
             log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
 
     def snapshot(self) -> dict:
-        return self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers))
+        snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers))
+        snap["backend"] = self.backend.counters()
+        return snap

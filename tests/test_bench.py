@@ -414,6 +414,13 @@ def test_quick_bench_real_model_fields(quick_report):
     assert real["greedy_outputs_identical"] is True  # speculation never changes greedy output
     c = real["colocated"]
     assert _num(c["assisted"]["tokens_per_s"]) and _num(c["target_generate"]["tokens_per_s"])
+    assert _num(c["target_batched"]["tokens_per_s"]) and c["target_batched"]["batch"] >= 1
+    assert c["target_batched"]["tokens"] > 0
+    # one target, 1, 2 and 4 generations at once: exact, and no generation loses its drafts
+    assert [it["streams"] for it in real["interleaving"]] == [1, 2, 4]
+    for it in real["interleaving"]:
+        assert it["greedy_same_tokens_as_alone"] is True and it["rounds"] > 0 and it["fallback_rounds"] == 0
+        assert _num(it["speedup_system"]) and it["mean_accepted_length"] > 1.0
     assert _num(real["target_forward_ms"]["verify_ms"]) and _num(real["target_forward_ms"]["single_ms"])
     assert real["plan"]["n_full"] >= 1
 

@@ -10,8 +10,8 @@ import torch
 from common.models import load_causal_lm
 from common.verify import SamplingParams
 from starsd_draftd.backends.model import ModelBackend
-from starsd_draftd.demo.checkpoints import build_demo_checkpoints
-from starsd_draftd.demo.distill import distill, first_layers_draft, teacher_pass
+from starsd_draftd.demo.checkpoints import TEACHER_NAME, build_demo_checkpoints, load_teacher
+from starsd_draftd.demo.distill import distill, first_layers_draft, target_generations
 from starsd_target.engine import TargetEngine
 from tiny_gguf import write_tiny_llama_gguf
 
@@ -31,7 +31,10 @@ def test_the_build_writes_both_checkpoints_and_a_report(built):
     out, report = built
     assert json.loads((out / "build_report.json").read_text()) == report
     assert report["draft"]["layers"] == 1 and report["draft"]["steps"] > 0
-    assert report["draft"]["teacher_windows"] > 0 and 0.0 <= report["draft"]["heldout_top1_agreement"] <= 1.0
+    assert report["draft"]["teacher_rows"] > 0 and 0.0 <= report["draft"]["heldout_top1_agreement"] <= 1.0
+    teacher = load_teacher(out / TEACHER_NAME)  # kept for the EAGLE head
+    rows, length = teacher["ids"].shape
+    assert rows == report["draft"]["teacher_rows"] and teacher["hidden"].shape[:2] == (rows, length)
     target, draft = load_causal_lm(str(out / "target")), load_causal_lm(str(out / "draft"))
     assert draft.model.config.num_hidden_layers == 1 < target.model.config.num_hidden_layers
     assert (draft.vocab_size, draft.fingerprint) == (target.vocab_size, target.fingerprint)  # the handshake's check
@@ -81,9 +84,15 @@ def test_a_cut_draft_copies_the_first_layers_and_distilling_trains_only_them(bui
     t_sd, d_sd = target.state_dict(), draft.state_dict()
     for name, value in d_sd.items():
         assert torch.equal(value, t_sd[name]) and value.data_ptr() != t_sd[name].data_ptr()
-    windows = torch.randint(3, target.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    teacher = teacher_pass(target, windows, time_budget_s=60.0, topk=8, rows=2, progress=False)
+    prompts = torch.randint(3, target.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
+    teacher = target_generations(target, prompts, 10, time_budget_s=60.0, topk=8, rows=2, progress=False)
     assert teacher["hidden"].shape == (4, 16, target.config.hidden_size) and teacher["topk_ids"].shape == (4, 16, 8)
+    ids = teacher["ids"]
+    assert torch.equal(ids[:, :6], prompts)
+    with torch.inference_mode():  # what follows the prompt is the target's own greedy choice, and the top-1
+        logits = target(input_ids=ids).logits
+    assert torch.equal(logits[:, 5:-1].argmax(-1), ids[:, 6:])
+    assert torch.equal(teacher["topk_ids"][:, 5:-1, 0], ids[:, 6:])
     embed_before = draft.model.embed_tokens.weight.clone()
     layer_before = draft.model.layers[0].mlp.down_proj.weight.clone()
     summary = distill(draft, teacher, time_budget_s=0.5, rows_per_step=2, full_positions=8, progress=False)

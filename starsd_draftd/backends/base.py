@@ -70,6 +70,34 @@ class ChainDrafter:
         return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs))
 
 
+class ContextLookup:
+    """Drafting from the context: the token that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from ``n_max`` down to ``n_min``), or None when they never occurred.
+
+    Outputs repeat their prompts and themselves (code, lists, quoted text), and there a small draft
+    model is weakest: copying needs attention over the whole context. Lookup is tried first at
+    each greedy draft step, and the model picks where it finds nothing. It costs a vectorised scan
+    of the sequence per step and changes nothing in the output: the target verifies every draft."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2):
+        if not 1 <= n_min <= n_max:
+            raise ValueError("lookup needs 1 <= n_min <= n_max")
+        self.n_max, self.n_min = n_max, n_min
+
+    def __call__(self, seq: np.ndarray) -> int | None:
+        """``seq``: the session's tokens so far (verified, then drafted), as an int64 array."""
+        length = int(seq.shape[0])
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            starts = length - n  # candidate occurrences end before the last token: seq[i:i+n], i < length - n
+            hit = np.ones(starts, dtype=bool)
+            for j in range(n):
+                hit &= seq[j: j + starts] == seq[length - n + j]
+            found = np.flatnonzero(hit)
+            if found.size:
+                return int(seq[found[-1] + n])
+        return None
+
+
 class DraftBackend(abc.ABC):
     """Per-session state is opaque to the server; the backend creates, uses and frees it."""
 
@@ -100,3 +128,7 @@ class DraftBackend(abc.ABC):
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""
+
+    def counters(self) -> dict:
+        """The backend's own counts for STATS (default: none)."""
+        return {}

@@ -9,7 +9,7 @@ import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.base import ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest
 from starsd_draftd.backends.batching import BatchedCaches
 
 
@@ -24,9 +24,14 @@ class ModelSession:
 class ModelBackend(DraftBackend):
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, q_topk: int = 32):
+    def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None):
+        """``lookup``: in greedy sessions, each draft token comes from the context where it holds
+        the continuation of the last few tokens (``ContextLookup``), else from the model."""
         if q_topk < 1:
             raise ValueError("q_topk must be >= 1")
+        self.lookup = lookup
+        self.lookup_hits = 0  # draft tokens taken from the context
+        self.model_picks = 0  # greedy draft tokens the model chose
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -35,6 +40,9 @@ class ModelBackend(DraftBackend):
         self.q_topk = min(q_topk, loaded.vocab_size)
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+    def counters(self) -> dict:
+        return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
 
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), new_cache(self.model))
@@ -59,11 +67,34 @@ class ModelBackend(DraftBackend):
         del st.cached[keep:]
         logits = self._forward(st, verified[keep:])
         chain = ChainDrafter(st.params, st.generator, self.q_topk)
+        seq = self._context(st, verified, depth)
         for j in range(depth):
-            tok = chain.pick(logits)
+            found = self._look(seq, len(verified) + j)
+            tok = chain.pick(logits) if found is None else chain.take(found)
+            if seq is not None:
+                seq[len(verified) + j] = tok
             if j + 1 < depth:
                 logits = self._forward(st, [tok])
         return chain.result()
+
+    def _context(self, st: ModelSession, verified: list[int], depth: int) -> np.ndarray | None:
+        """The session's tokens with room for its drafts, when lookup applies (greedy sessions)."""
+        if self.lookup is None or not st.params.greedy:
+            return None
+        seq = np.empty(len(verified) + depth, dtype=np.int64)
+        seq[: len(verified)] = verified
+        return seq
+
+    def _look(self, seq: np.ndarray | None, n: int) -> int | None:
+        """The lookup's draft for position ``n`` (None: let the model pick)."""
+        if seq is None:
+            return None
+        found = self.lookup(seq[:n])
+        if found is None:
+            self.model_picks += 1
+        else:
+            self.lookup_hits += 1
+        return found
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -84,6 +115,7 @@ class ModelBackend(DraftBackend):
         logits = batch.first()[:, : self.vocab_size].float()
         chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
         greedy = [st.params.greedy for st in sessions]
+        seqs = [self._context(st, r.verified, r.depth) for st, r in zip(sessions, requests)]
         depth = max(r.depth for r in requests)
         for j in range(depth):
             best = logits.argmax(-1).tolist() if any(greedy) else None  # every greedy row in one op
@@ -92,7 +124,10 @@ class ModelBackend(DraftBackend):
                 if j >= r.depth:
                     picks.append(0)
                 elif greedy[b]:
-                    picks.append(chain.take(best[b]))
+                    found = self._look(seqs[b], len(r.verified) + j)
+                    picks.append(chain.take(best[b] if found is None else found))
+                    if seqs[b] is not None:
+                        seqs[b][len(r.verified) + j] = picks[-1]
                 else:
                     picks.append(chain.pick(logits[b]))
             if j + 1 < depth:

@@ -123,6 +123,16 @@ def _run_jobs(endpoints: list[str], prompts: list[list[str]], max_tokens: int, n
     return {"wall_s": wall, "w0": w0, "w1": w1, "results": results}
 
 
+def _run_streams(endpoint: str, prompts: list[str], max_tokens: int, no_draft: bool, ctx: zmq.Context,
+                 timeout_s: float) -> dict:
+    """All ``prompts`` sent to one target at once, one client each: the target's scheduler
+    interleaves them (while one generation waits for drafts, another is verified)."""
+    return _run_jobs([endpoint] * len(prompts), [[p] for p in prompts], max_tokens, no_draft, ctx, timeout_s)
+
+
+INTERLEAVE_STREAMS = (1, 2, 4)
+
+
 def _phase_summary(phase: dict) -> dict:
     res = phase["results"]
     per_target = []
@@ -143,19 +153,23 @@ def _phase_summary(phase: dict) -> dict:
             "per_job_time_per_token_ms": summarize(job_tpot, 1e3)}
 
 
-def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], max_tokens: int) -> dict:
-    """transformers' co-located speculative decoding (``generate(assistant_model=...)``) and the
-    target's own ``generate``, in this process, one thread, greedy, one prompt at a time."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], max_tokens: int,
+                       dtype: str = "auto") -> dict:
+    """transformers on the same checkpoints, in this process, one thread, greedy, in the daemons'
+    ``dtype``: co-located speculative decoding (``generate(assistant_model=...)``) and the target's
+    own ``generate``, one prompt at a time; and the target's ``generate`` over all the prompts as
+    one left-padded batch (what one process serving them together gets without speculation)."""
+    from common.models import load_causal_lm
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, local_files_only=True).eval()
-        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32, local_files_only=True).eval()
-        gen_kw = dict(do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id,
-                      eos_token_id=target.generation_config.eos_token_id)
+        target = load_causal_lm(str(target_dir), dtype=dtype)
+        draft = load_causal_lm(str(draft_dir), dtype=dtype).model
+        tok = target.tokenizer
+        eos = sorted(target.eos_token_ids)
+        gen_kw = dict(do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id or eos[0],
+                      eos_token_id=eos)
         out: dict = {}
         for name, extra in (("assisted", {"assistant_model": draft}), ("target_generate", {})):
             jobs = []
@@ -163,7 +177,7 @@ def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], ma
                 ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    seq = target.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw, **extra)
+                    seq = target.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw, **extra)
                 wall = time.perf_counter() - t0
                 if i:
                     jobs.append({"tokens": seq.shape[1] - ids.shape[1], "wall_s": wall,
@@ -173,12 +187,34 @@ def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], ma
                          "per_job_time_per_token_ms": summarize(
                              [j["wall_s"] / j["tokens"] for j in jobs if j["tokens"]], 1e3),
                          "token_ids": [j["token_ids"] for j in jobs]}
+        out["target_batched"] = _batched_generate(target, prompts, gen_kw)
         gc = draft.generation_config
         out["assistant_settings"] = {k: getattr(gc, k, None) or "transformers default"
                                      for k in ("num_assistant_tokens", "num_assistant_tokens_schedule")}
+        out["dtype"] = dtype
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def _batched_generate(target, prompts: list[str], gen_kw: dict) -> dict:
+    """The target's ``generate`` over ``prompts`` as one left-padded batch; tokens counted up to
+    each row's end of sequence."""
+    tok = target.tokenizer
+    rows = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    width = max(map(len, rows))
+    pad = gen_kw["pad_token_id"]
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        seq = target.model.generate(ids, attention_mask=mask, **gen_kw)
+    wall = time.perf_counter() - t0
+    tokens = 0
+    for row in seq[:, width:].tolist():
+        ends = [i for i, t in enumerate(row) if t in target.eos_token_ids]
+        tokens += ends[0] + 1 if ends else len(row)
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "batch": len(prompts)}
 
 
 def start_real(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> tuple[list[str], list[str]]:
@@ -229,7 +265,14 @@ def real_measure(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]) 
         phases.append({"n": n, "spec": spec, "alone": alone, "busy": _busy_fraction(s0, s1),
                        "requests": s1["requests"] - s0["requests"], "busy_s": s1["busy_s"] - s0["busy_s"]})
         step(f"real N={n}")
-    return {"phases": phases, "targets": names, "models": models}
+    streams = []
+    for g in INTERLEAVE_STREAMS:  # one target, g generations at once
+        prompts = [DEMO_PROMPTS[j % len(DEMO_PROMPTS)] for j in range(g)]
+        spec = _run_streams(target_eps[0], prompts, cfg.max_tokens, False, ctx, cfg.startup_timeout_s)
+        alone = _run_streams(target_eps[0], prompts, cfg.max_tokens, True, ctx, cfg.startup_timeout_s)
+        streams.append({"streams": g, "spec": spec, "alone": alone})
+        step(f"real {g} streams")
+    return {"phases": phases, "streams": streams, "targets": names, "models": models}
 
 
 def _train_summary(path: Path) -> dict | None:
@@ -273,9 +316,21 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
             "speedup_system": sp["system_tps"] / al["system_tps"] if al["system_tps"] else None,
             "greedy_same_tokens_as_alone": same,
         })
+    interleaving = []
+    for st in raw.get("streams", []):
+        sp, al = _phase_summary(st["spec"]), _phase_summary(st["alone"])
+        interleaving.append({
+            "streams": st["streams"], "starsd_system_tps": sp["system_tps"], "alone_system_tps": al["system_tps"],
+            "speedup_system": sp["system_tps"] / al["system_tps"] if al["system_tps"] else None,
+            "mean_accepted_length": sp["mean_accepted_length"], "rounds": sp["rounds"],
+            "fallback_rounds": sp["fallback_rounds"],
+            "greedy_same_tokens_as_alone": all(a["token_ids"] == b["token_ids"] for ja, jb in
+                                               zip(st["spec"]["results"], st["alone"]["results"])
+                                               for a, b in zip(ja, jb))})
     flat_prompts = [DEMO_PROMPTS[j % len(DEMO_PROMPTS)] for j in range(cfg.jobs_per_target)]
     with quiet_transformers():
-        colocated = colocated_baseline(target_dir, draft_dir, flat_prompts, cfg.max_tokens)
+        colocated = colocated_baseline(target_dir, draft_dir, flat_prompts, cfg.max_tokens,
+                                       pool.state.get("real_dtype", "auto"))
     alone1 = raw["phases"][0]["alone"]["results"][0]
     colocated["assisted_same_tokens_as_starsd_alone"] = colocated["assisted"]["token_ids"] == [
         j["token_ids"] for j in alone1]
@@ -293,13 +348,15 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         "config": {"jobs_per_target": cfg.jobs_per_target, "max_tokens": cfg.max_tokens, "depth": cfg.depth,
                    "temperature": 0.0, "draft_batch_max": cfg.real_batch_max, "threads_per_process": 1},
         "rows": rows,
+        "interleaving": interleaving,
         "greedy_outputs_identical": same_all,
         "colocated": colocated,
         "target_forward_ms": forward,
         "notes": ["per-token latency of StarSD rounds is measured on the draft side (successive requests of a "
                   "session are one round apart); the target alone and transformers report whole jobs only, so "
                   "their per-token figures are per-job means",
-                  "co-located runs one stream on an otherwise idle machine"],
+                  "co-located and batched runs are in the bench's process, one thread, on an otherwise idle machine",
+                  "interleaving: one target, 1, 2 and 4 generations sent at once, with drafts and alone"],
     }
 
 

@@ -122,10 +122,22 @@ def format_report(report: dict) -> str:
                          f"{100 * s['draft_busy_fraction']:.0f}% | {_fmt(s['idle_gaps_ms']['p50'], '.2f')} | "
                          f"{_fmt(lat['p50'], '.2f')} / {_fmt(lat['p99'], '.2f')} / {_fmt(lat['std'], '.2f')} |")
         c = r["colocated"]
-        lines += ["", f"Co-located, one stream (transformers `generate(assistant_model=...)`): "
+        lines += ["", f"Co-located, one stream (transformers `generate(assistant_model=...)`, {c.get('dtype', 'auto')}): "
                       f"{c['assisted']['tokens_per_s']:.1f} tok/s; transformers target alone "
-                      f"{c['target_generate']['tokens_per_s']:.1f} tok/s. Greedy outputs identical to the target "
-                      f"alone: {'yes' if r['greedy_outputs_identical'] else 'NO'}."]
+                      f"{c['target_generate']['tokens_per_s']:.1f} tok/s"
+                      + (f"; the target alone over the {c['target_batched']['batch']} prompts as one batch "
+                         f"{c['target_batched']['tokens_per_s']:.1f} tok/s" if "target_batched" in c else "")
+                      + f". Greedy outputs identical to the target alone: "
+                        f"{'yes' if r['greedy_outputs_identical'] else 'NO'}."]
+        if r.get("interleaving"):
+            lines += ["", "One target, several generations at once (its scheduler interleaves them):", "",
+                      "| generations | StarSD tok/s | target alone tok/s | speedup | mean acc. len | "
+                      "rounds without drafts | same text |", "|---|---|---|---|---|---|---|"]
+            for it in r["interleaving"]:
+                lines.append(f"| {it['streams']} | {it['starsd_system_tps']:.1f} | {it['alone_system_tps']:.1f} | "
+                             f"{it['speedup_system']:.2f}x | {it['mean_accepted_length']:.2f} | "
+                             f"{it['fallback_rounds']} of {it['rounds']} | "
+                             f"{'yes' if it['greedy_same_tokens_as_alone'] else 'NO'} |")
         if "plan" in r:
             pl = r["plan"]
             lines.append(f"Sizing estimate with one device per target (S = {pl['service_ms']:.2f} ms, V = "

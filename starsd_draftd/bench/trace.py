@@ -104,6 +104,9 @@ class TracingBackend(DraftBackend):
     def release(self, state: object) -> None:
         self.inner.release(state.inner)  # type: ignore[attr-defined]
 
+    def counters(self) -> dict:
+        return self.inner.counters()
+
 
 # ---------------------------------------------------------------- timing accounting
 def services_between(services: list[tuple[float, float, int]], t0: float, t1: float) -> list[tuple[float, float, int]]:

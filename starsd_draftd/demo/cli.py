@@ -50,17 +50,20 @@ def train_eagle(base_model, out, time_budget, threads, log_level, log_format) ->
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
              "are pinned to disjoint cores, as separate machines would be).")
+@option("--no-lookup", is_flag=True,
+        help="The draft model alone: no draft tokens copied from the context (see `starsd-draftd serve --help`).")
 @option("--prepare", is_flag=True,
         help="Only build the demo checkpoints into the cache (what `--model demo` and `demo-draft` name), then exit.")
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, OSError, ImportError)
-def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, prepare,
-         as_json, log_level, log_format) -> None:
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, no_lookup,
+         prepare, as_json, log_level, log_format) -> None:
     """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
     setup_logging(log_level, log_format)
     cfg = DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens, depth=depth,
-                     temperature=temperature, backend=backend, device=device, dtype=dtype, pin=not no_pin)
+                     temperature=temperature, backend=backend, device=device, dtype=dtype, pin=not no_pin,
+                     lookup=not no_lookup)
     if prepare:
         for name, path in prepare_checkpoints(cfg).items():
             click.echo(f"{name}: {path}")
@@ -71,7 +74,8 @@ def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, d
     else:
         c = report["config"]
         click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
-                   f"{max_tokens} tokens each, depth {depth}, {device}, {c['dtype']}")
+                   f"{max_tokens} tokens each, depth {depth}, {device}, {c['dtype']}"
+                   + ("" if c["lookup"] else ", no context lookup"))
         click.echo(f"topology: {c['topology']}")
         click.echo(format_table(report))
         click.echo(format_texts(report))

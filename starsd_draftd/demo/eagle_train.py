@@ -1,13 +1,15 @@
-"""Training an EAGLE-1 head for a local target on the Python standard library's own sources.
+"""Training an EAGLE-1 head for a local target on text the target writes itself.
 
-The target runs over random text windows; its final hidden states f_i (the features) and its
-next-token distributions are the training signal. The head reads pairs (f_i, embed(t_{i+1})) and
-is trained, as in EAGLE-1 (Li et al. 2024), with smooth-L1 regression of the next feature f_{i+1}
-plus ``ce_weight`` (0.1) times the cross-entropy of LM-head(predicted feature) against the
-target's own next-token distribution. The target's embedding and LM head stay frozen and are not
-saved with the head. Input features are rounded to float16 (how they travel from the target) and
-get small uniform noise, so that the head tolerates the error of its own predicted features when
-it drafts several steps ahead.
+The target writes greedy continuations of prompts cut from the Python standard library's sources
+(or the demo build has written them already), keeping per position its final hidden state f_i
+(the feature, float16 as it travels) and its top-k next tokens. The head reads pairs
+(f_i, embed(t_{i+1})) and is trained, as in EAGLE-1 (Li et al. 2024), with smooth-L1 regression
+of the next feature f_{i+1} plus ``ce_weight`` times the cross-entropy of LM-head(predicted
+feature) against the target's distribution (``_head_loss``). No step runs the target, so a step
+costs the head's own forward and backward: on a 2-core CPU a few hundred steps fit in the time
+one step over fresh target forwards took. The target's embedding and LM head stay frozen and are
+not saved with the head. Input features get small uniform noise, so that the head tolerates the
+error of its own predicted features when it drafts several steps ahead.
 
 The result is written in EAGLE's layout: ``config.json`` + ``model.safetensors`` (the head's state
 dict only) + ``train_report.json``, into a temporary directory renamed into place when complete.
@@ -209,6 +211,26 @@ def _path_eval(target, backend, heldout_ids: torch.Tensor, prompts: int, prompt_
 # ---------------------------------------------------------------- training
 
 
+def _head_loss(pred: torch.Tensor, f_next: torch.Tensor, kid: torch.Tensor, klp: torch.Tensor, lm_w: torch.Tensor,
+               ce_weight: float, gen: torch.Generator, full_positions: int = 128) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1's loss on recorded teacher outputs: smooth-L1 regression of the next feature, plus
+    ``ce_weight`` times the cross-entropy of the LM head on the predicted feature against the
+    target's distribution, taken over the target's top-k tokens (a KL on every position, no
+    vocabulary-wide softmax) and over the whole vocabulary on ``full_positions`` sampled
+    positions (which pushes down the tokens outside the top-k)."""
+    reg = F.smooth_l1_loss(pred, f_next)
+    logits_k = torch.einsum("bth,btkh->btk", pred, lm_w[kid])
+    tp = torch.softmax(klp, -1)
+    kl = (tp * (torch.log(tp + 1e-9) - torch.log_softmax(logits_k, -1))).sum(-1).mean()
+    flat = pred.reshape(-1, pred.shape[-1])
+    pos = torch.randint(0, flat.shape[0], (min(full_positions, flat.shape[0]),), generator=gen)
+    full = torch.log_softmax(F.linear(flat[pos], lm_w).float(), -1)
+    ce = -(tp.reshape(-1, tp.shape[-1])[pos] * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
+    loss = reg + ce_weight * (kl + ce)
+    top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the target's pick
+    return loss, {"reg": float(reg.detach()), "ce": float(ce.detach()), "kl": float(kl.detach()), "top1": top1}
+
+
 def _lr_at(step: int, frac: float, lr: float, warmup: int, min_frac: float = 0.1) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -223,23 +245,28 @@ def train_eagle_head(
     steps: int | None = None,
     progress: bool = True,
     seed: int = 0,
-    batch_size: int = 8,
-    seq_len: int = 256,
+    batch_size: int = 16,
+    seq_len: int = 72,
     lr: float = 3e-3,
-    ce_weight: float = 0.1,
+    ce_weight: float = 0.5,
     feature_noise: float = 0.2,
     corpus_bytes: int = 2_000_000,
     num_threads: int = 2,
     eval_windows: int = 16,
-    eval_prompts: int = 4,
-    eval_tokens: int = 96,
+    eval_prompts: int = 3,
+    eval_tokens: int = 48,
     eval_depth: int = 4,
+    teacher: Path | None = None,
+    teacher_share: float = 0.4,
 ) -> dict:
     """Train an EAGLE-1 head for the causal LM in ``base_model_dir`` and save it to ``out_dir``.
 
-    Training stops after ``steps`` steps or when ``time_budget_s`` (which covers loading,
-    evaluation and saving too) is nearly spent, whichever comes first; at least one step runs.
-    Returns the report also written to ``out_dir/train_report.json``."""
+    The training text is the target's own: its greedy continuations of prompts cut from the
+    standard library's sources (``teacher``: a file of them written by the demo build, else
+    written first, within ``teacher_share`` of the budget; without a budget, ``4 * batch_size``
+    rows of ``seq_len`` tokens). Training stops after ``steps`` steps or when ``time_budget_s``
+    (which covers loading, evaluation and saving too) is nearly spent, whichever comes first; at
+    least one step runs. Returns the report also written to ``out_dir/train_report.json``."""
     from starsd_draftd.demo.corpus import load_corpus
     from starsd_draftd.demo.checkpoints import demo_path
 
@@ -266,13 +293,29 @@ def train_eagle_head(
         opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
         train_bytes, heldout_bytes, corpus_info = load_corpus(byte_budget=corpus_bytes, seed=seed)
-        train_ids = _encode(loaded.tokenizer, train_bytes)
         heldout_ids = _encode(loaded.tokenizer, heldout_bytes)
+        if teacher is not None:
+            from starsd_draftd.demo.checkpoints import load_teacher
+
+            data = load_teacher(Path(teacher))
+            data_info = {"source": str(teacher), "wall_s": 0.0}
+        else:
+            from starsd_draftd.demo.distill import target_generations, token_windows
+
+            prompt_len = max(2, seq_len // 4)
+            rows = 4 * batch_size if time_budget_s is None else 100_000
+            budget = float("inf") if time_budget_s is None else teacher_share * time_budget_s
+            prompts = token_windows(loaded.tokenizer, train_bytes, prompt_len, rows, seed=seed + 5)
+            data = target_generations(target, prompts, seq_len - prompt_len, budget, progress=progress,
+                                      rows=min(64, rows))
+            data_info = {"source": "written by the target for this run", "wall_s": round(data["wall_s"], 1)}
+        n_rows = int(data["ids"].shape[0])
+        data_info.update(rows=n_rows, tokens=int(data["ids"].numel()))
         gen = torch.Generator().manual_seed(seed + 1)
         noise_gen = torch.Generator().manual_seed(seed + 2)
         setup_s = time.monotonic() - t0
 
-        reserve = 0.0 if time_budget_s is None else min(15.0, 0.1 * time_budget_s)  # eval + save
+        reserve = 0.0 if time_budget_s is None else min(30.0, 0.25 * time_budget_s)  # eval + save
         deadline = None if time_budget_s is None else t0 + time_budget_s - reserve
         planned = steps if steps is not None else 0
         warmup = max(1, min(30, (steps or 300) // 10))
@@ -295,26 +338,19 @@ def train_eagle_head(
                 frac_time = (now - train_start) / max(deadline - train_start, 1e-6) if deadline is not None else 0.0
                 for group in opt.param_groups:
                     group["lr"] = _lr_at(step, max(frac_steps, frac_time), lr, warmup)
-                x = _windows(train_ids, seq_len, batch_size, gen)
-                with torch.no_grad():
-                    tout = target(input_ids=x, output_hidden_states=True)
-                    f = tout.hidden_states[-1]
-                    p_next = torch.softmax(tout.logits[:, 1:].float(), dim=-1)
-                inp = f[:, :-1].half().float()  # features travel to the draft daemon as float16
+                pick = torch.randint(0, n_rows, (batch_size,), generator=gen)
+                x, f = data["ids"][pick], data["hidden"][pick].float()  # features as they travel: float16
+                # the pair (f_i, token i+1) predicts f_{i+1}, whose LM head gives the token after i+1
+                kid, klp = data["topk_ids"][pick][:, 1:].long(), data["topk_logp"][pick][:, 1:].float()
+                inp = f[:, :-1]
                 if feature_noise > 0:
                     inp = inp + (torch.rand(inp.shape, generator=noise_gen) - 0.5) * feature_noise
                 pred = head(inp, input_ids=x[:, 1:], use_cache=False)
-                reg = F.smooth_l1_loss(pred, f[:, 1:])
-                logp = F.log_softmax(F.linear(pred, lm_w).float(), dim=-1)
-                ce = -(p_next * logp).sum(-1).mean()
-                loss = reg + ce_weight * ce
+                loss, values = _head_loss(pred, f[:, 1:], kid, klp, lm_w, ce_weight, gen)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
-                with torch.no_grad():
-                    acc = float((logp.argmax(-1) == p_next.argmax(-1)).float().mean())
-                values = {"reg": float(reg.detach()), "ce": float(ce.detach()), "top1": acc}
                 if not first:
                     first = dict(values)
                 for k, v in values.items():
@@ -366,6 +402,7 @@ def train_eagle_head(
             "heldout": {k: round(v, 4) if isinstance(v, float) else v for k, v in heldout.items()},
             "greedy_path": path_eval,
             "corpus": corpus_info,
+            "training_text": data_info,
             "wall_s": {"setup": round(setup_s, 2), "train": round(train_wall, 2), "eval": round(eval_wall, 2)},
         }
 
@@ -388,6 +425,7 @@ def train_eagle_head(
 
 
 DEMO_EAGLE_NAME = "demo-eagle"
+DEMO_EAGLE_BUDGET_S = 100.0  # on the text the demo build recorded: no generation pass of its own
 
 
 def ensure_demo_eagle_head(progress: bool = True) -> Path:
@@ -395,7 +433,7 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
     import fcntl
 
     from common.models import demo_dir
-    from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
+    from starsd_draftd.demo.checkpoints import TEACHER_NAME, ensure_demo_checkpoints
 
     target_dir, _ = ensure_demo_checkpoints(progress=progress)
     out = demo_dir() / "eagle"
@@ -406,7 +444,8 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
     with open(lock, "a+b") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # one trainer; the others wait and then reuse its head
         if not (out / "config.json").is_file():
-            log.info("training the demo EAGLE head (about 3 minutes, once)")
-            train_eagle_head(target_dir, out, progress=progress)
+            log.info("training the demo EAGLE head (about %.0f s, once)", DEMO_EAGLE_BUDGET_S)
+            train_eagle_head(target_dir, out, progress=progress, time_budget_s=DEMO_EAGLE_BUDGET_S,
+                             teacher=demo_dir() / TEACHER_NAME)
     return out
 

@@ -35,6 +35,7 @@ class DemoConfig:
     backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone
     dtype: str = "auto"  # auto: see demo_dtype
     pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
+    lookup: bool = True  # the draft model's greedy drafts may come from the context (starsd-draftd serve --lookup)
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
     workdir: Path | None = None
@@ -45,6 +46,7 @@ class Phase:
     wall_s: float = 0.0
     per_target: list[dict] = field(default_factory=list)  # summed stats per target
     draft_busy: float | None = None
+    from_context: float | None = None  # share of the greedy drafts taken from the context (lookup)
 
 
 def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.Context,
@@ -91,6 +93,11 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
         with ControlClient(draft_ep, ctx) as cc:
             busy1 = cc.stats()
         phase.draft_busy = (busy1["busy_s"] - busy0["busy_s"]) / max(1e-9, busy1["uptime_s"] - busy0["uptime_s"])
+        b0, b1 = busy0.get("backend", {}), busy1.get("backend", {})
+        if b1.get("lookup"):
+            hits = b1["lookup_hits"] - b0["lookup_hits"]
+            picks = hits + b1["model_picks"] - b0["model_picks"]
+            phase.from_context = hits / picks if picks else 0.0
     return phase
 
 
@@ -148,7 +155,7 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
             "--threads", "1", "--dtype", demo_dtype(cfg)]
     if backend == "eagle":
         return args + ["--backend", "eagle", "--eagle-head", "demo-eagle", "--base-model", cfg.target_model]
-    return args + ["--model", cfg.draft_model]
+    return args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
 
 
 def prepare(cfg: DemoConfig) -> dict[str, Path]:
@@ -234,10 +241,11 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topo
         tps = tokens / ph.wall_s
         system["backends"][name] = {"tokens_per_s": tps, "speedup": tps / alone_tps if alone_tps else 0.0,
                                     "mean_accepted_length": tokens / rounds if rounds else 0.0,
-                                    "draft_busy_fraction": ph.draft_busy}
+                                    "draft_busy_fraction": ph.draft_busy, "drafts_from_context": ph.from_context}
     return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
                        "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
                        "temperature": cfg.temperature, "backends": spec_names, "dtype": demo_dtype(cfg),
+                       "lookup": cfg.lookup,
                        "topology": topo.describe(), "pinned": topo.draft is not None},
             "prompts": [DEMO_PROMPTS[(i * cfg.prompts_per_target + j) % len(DEMO_PROMPTS)]
                         for i in range(cfg.targets) for j in range(cfg.prompts_per_target)],
@@ -259,10 +267,11 @@ def format_table(report: dict) -> str:
     s = report["system"]
     for name in names:
         b = s["backends"][name]
-        busy = b["draft_busy_fraction"]
+        busy, ctx_share = b["draft_busy_fraction"], b.get("drafts_from_context")
         lines.append(f"{'system':10} {name:>6} {b['tokens_per_s']:8.1f} {s['alone_tokens_per_s']:12.1f} "
                      f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f}"
-                     + (f"   draft busy {100 * busy:.0f}%" if busy is not None else ""))
+                     + (f"   draft busy {100 * busy:.0f}%" if busy is not None else "")
+                     + (f", {100 * ctx_share:.0f}% of drafts from the context" if ctx_share is not None else ""))
     same = [b["same_text_as_alone"] for r in report["targets"] for b in r["backends"].values()
             if b["same_text_as_alone"] is not None]
     if same:

@@ -1,0 +1,75 @@
+"""Drafting from the context (ContextLookup) in the model backend: what it proposes, and that
+speculation with it stays exact."""
+
+import numpy as np
+import pytest
+
+from common.models import load_causal_lm
+from common.verify import SamplingParams
+from fakes import running_server, speculate
+from starsd_draftd.backends.base import ContextLookup, DraftRequest
+from starsd_draftd.backends.model import ModelBackend
+from starsd_target.client import DraftClient
+from starsd_target.engine import TargetEngine
+from tiny_models import reference_greedy
+
+
+def test_lookup_takes_what_followed_the_latest_longest_match():
+    look = ContextLookup(n_max=3, n_min=2)
+    a = lambda *xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    assert look(a(5, 6, 7, 9, 5, 6, 7)) == 9  # "5 6 7" occurred before, followed by 9
+    assert look(a(1, 2, 8, 1, 2, 9, 4, 1, 2)) == 9  # the latest occurrence wins
+    assert look(a(3, 4, 0, 7, 4, 1, 3, 4)) == 0  # a 2-token match when no 3-token one exists
+    assert look(a(9, 4, 0, 7, 3, 4)) is None  # one matching token is not enough (n_min = 2)
+    assert look(a(1, 2, 3)) is None and look(a(4)) is None and look(a(2, 2)) is None
+    assert look(a(2, 2, 2)) == 2  # the suffix itself is never its own match, an earlier overlap is
+    with pytest.raises(ValueError):
+        ContextLookup(n_max=1, n_min=2)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_draft):
+    return load_causal_lm(str(tiny_draft))
+
+
+def test_greedy_drafts_copy_a_repeated_context_single_and_batched(draft_model):
+    backend = ModelBackend(draft_model, lookup=ContextLookup())
+    rep = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43]
+    d = backend.draft(backend.new_state(SamplingParams()), rep, 4)
+    assert d.tokens == [44, 45, 40, 41] and backend.lookup_hits == 4
+    # batched: the same drafts, beside a session with nothing to copy (the model's own picks)
+    plain = ModelBackend(draft_model)
+    other = [7, 9, 11, 13, 17]
+    alone = plain.draft(plain.new_state(SamplingParams()), other, 3)
+    both = backend.draft_many([DraftRequest(backend.new_state(SamplingParams()), rep, 4),
+                               DraftRequest(backend.new_state(SamplingParams()), other, 3)])
+    assert both[0].tokens == [44, 45, 40, 41]
+    assert backend.counters()["model_picks"] >= 1
+    # nothing to copy anywhere along the model's chain: exactly the model's chain
+    assert all(ContextLookup()(np.array(other + alone.tokens[:j], dtype=np.int64)) is None for j in range(3))
+    assert both[1].tokens == alone.tokens
+
+
+def test_sampled_sessions_draft_from_the_model_only(draft_model):
+    backend = ModelBackend(draft_model, lookup=ContextLookup())
+    rep = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43]
+    params = SamplingParams(temperature=0.8, seed=3)
+    d = backend.draft(backend.new_state(params), rep, 4)
+    plain = ModelBackend(draft_model)
+    assert d.tokens == plain.draft(plain.new_state(params), rep, 4).tokens  # same seed, same draws
+    assert backend.lookup_hits == 0 and d.q_probs is not None
+
+
+def test_speculation_with_lookup_is_exact_and_uses_the_context(tiny_target, tiny_draft, loaded_target):
+    backend = ModelBackend(load_causal_lm(str(tiny_draft)), lookup=ContextLookup())
+    engine = TargetEngine(loaded_target, depth=4)
+    prompt = engine.encode("for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n" * 2)
+    with running_server(backend) as (server, ctx):
+        client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
+        client.handshake(10)
+        r = speculate(engine, client, prompt, 60, SamplingParams(), 30)
+        stats = server.snapshot()
+        client.close()
+    assert r.token_ids == reference_greedy(tiny_target, prompt, 60)
+    assert r.stats.fallback_rounds == 0 and r.stats.drafted > 0
+    assert stats["backend"]["lookup"] is True and stats["backend"]["lookup_hits"] > 0
