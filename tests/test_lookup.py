@@ -34,9 +34,22 @@ def draft_model(tiny_draft):
 
 def test_greedy_drafts_copy_a_repeated_context_single_and_batched(draft_model):
     backend = ModelBackend(draft_model, lookup=ContextLookup())
+    fed = []
+    forward = backend._forward
+    backend._forward = lambda st, tokens: fed.append(list(tokens)) or forward(st, tokens)
     rep = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43]
-    d = backend.draft(backend.new_state(SamplingParams()), rep, 4)
+    st = backend.new_state(SamplingParams())
+    d = backend.draft(st, rep, 4)
     assert d.tokens == [44, 45, 40, 41] and backend.lookup_hits == 4
+    assert fed == []  # copied tokens cost no forward
+    # the next request (all four kept, then a token the context never had): one forward feeds the
+    # whole backlog, and the model picks what follows it
+    nxt = rep + d.tokens + [7]
+    plain = ModelBackend(draft_model)
+    want = plain.draft(plain.new_state(SamplingParams()), nxt, 1).tokens
+    assert ContextLookup()(np.array(nxt, dtype=np.int64)) is None  # "43 7" never occurred: the model picks
+    assert backend.draft(st, nxt, 1).tokens == want and fed == [nxt]
+    backend._forward = forward
     # batched: the same drafts, beside a session with nothing to copy (the model's own picks)
     plain = ModelBackend(draft_model)
     other = [7, 9, 11, 13, 17]

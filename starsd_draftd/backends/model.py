@@ -65,16 +65,22 @@ class ModelBackend(DraftBackend):
         keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
         crop_cache(st.cache, keep)
         del st.cached[keep:]
-        logits = self._forward(st, verified[keep:])
         chain = ChainDrafter(st.params, st.generator, self.q_topk)
         seq = self._context(st, verified, depth)
+        # Tokens reach the model only when it must pick: a run of tokens copied from the context
+        # costs no forward, and is fed with the next one the model picks after it (or next time).
+        pending, logits = list(verified[keep:]), None
         for j in range(depth):
             found = self._look(seq, len(verified) + j)
-            tok = chain.pick(logits) if found is None else chain.take(found)
+            if found is None:
+                if pending:
+                    logits, pending = self._forward(st, pending), []
+                tok = chain.pick(logits)
+            else:
+                tok = chain.take(found)
             if seq is not None:
                 seq[len(verified) + j] = tok
-            if j + 1 < depth:
-                logits = self._forward(st, [tok])
+            pending.append(tok)
         return chain.result()
 
     def _context(self, st: ModelSession, verified: list[int], depth: int) -> np.ndarray | None:

@@ -106,9 +106,10 @@ def format_report(report: dict) -> str:
     if "real" in report:
         r = report["real"]
         tr = r["models"].get("training") or {}
-        agree = (tr.get("agreement") or {}).get("heldout_top1")
-        about = (f" Demo pair {tr.get('recipe_version')}: target {tr.get('target_params')} parameters, draft "
-                 f"{tr.get('draft_params')}, held-out top-1 agreement {agree}." if tr else "")
+        agree = tr.get("heldout_top1_agreement")
+        about = (f" Demo pair: target {tr.get('target_params')} parameters, draft {tr.get('draft_params')} "
+                 f"({tr.get('draft_layers')} layer), held-out top-1 agreement "
+                 f"{'?' if agree is None else f'{100 * agree:.0f}%'}." if tr else "")
         lines += [f"## Real models on this CPU ({r['models']['kind']} pair)", "", f"*{r['label']}.*{about}", "",
                   "| N | StarSD system tok/s | per-target | target alone system tok/s | per-target | speedup | "
                   "mean acc. len | draft busy | idle gap p50 ms | per-token ms p50 / p99 / std |",

@@ -40,7 +40,8 @@ from starsd_draftd.bench.emulation import EMULATION_LABEL
 from starsd_draftd.bench.batched import batched_section, start_batched
 from starsd_draftd.bench.config import BenchConfig, SCHEMA, TORCH_SAVE_LABEL, batch_max_supported, describe_machine
 from starsd_draftd.bench.pool import Pool
-from starsd_draftd.bench.real import make_tiny_pair, quiet_transformers, real_finish, real_measure, start_real
+from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_transformers, real_finish,
+                                      real_measure, start_real)
 from starsd_draftd.bench.report import _derive, format_report, plot_report
 from starsd_draftd.bench.star import emulation_section, start_emulation
 from starsd_draftd.bench.wire import WIRE_CASES, start_wire, wire_section
@@ -63,7 +64,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
-               "real": min(cfg.real_n_max, cfg.n_max) + 3,
+               "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
