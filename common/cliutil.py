@@ -12,7 +12,7 @@ def env_options(prefix: str):
     variable in --help: ``--draft-timeout`` reads ``STARSD_TARGET_DRAFT_TIMEOUT``."""
 
     def option(*decls: str, **kwargs):
-        long = max((d for d in decls if d.startswith("--")), key=len)
+        long = max((d.split("/")[0] for d in decls if d.startswith("--")), key=len)  # --x/--no-x: X
         kwargs.setdefault("envvar", f"{prefix}_{long[2:].upper().replace('-', '_')}")
         kwargs.setdefault("show_envvar", True)
         if "default" in kwargs and not kwargs.get("is_flag"):

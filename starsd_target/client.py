@@ -72,6 +72,10 @@ class LinkState(enum.Enum):
 Key = tuple[int, int]  # (session, seq) of a draft request
 
 
+RTT_FLOOR_S = 0.03  # an oversubscribed host (targets and draft daemon sharing cores) stalls a process
+# for tens of milliseconds: with a 10 ms floor, a busy but healthy daemon missed deadlines there
+
+
 class DraftClient:
     """The target's link to the draft daemon, driven by one thread and never blocking it.
 
@@ -91,7 +95,7 @@ class DraftClient:
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
-                 backoff: Backoff = Backoff(), rtt_floor_s: float = 0.01):
+                 backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S):
         self.endpoint = endpoint
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint

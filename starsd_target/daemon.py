@@ -131,7 +131,7 @@ class TargetDaemon:
             raise ValueError("max_tokens must be >= 1")
         if max(ids) >= self.loaded.logits_size or min(ids) < 0:
             raise ValueError(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}")
-        return Job(ids, max_tokens, params, tuple(stop or ()), no_draft, on_progress)
+        return Job(ids, max_tokens, params, tuple(stop or ()), no_draft=no_draft, on_progress=on_progress)
 
     def stop(self) -> None:
         self._stop.set()

@@ -12,7 +12,7 @@ class RttEstimator:
     BETA = 1 / 4  # gain of rttvar
     K = 4
 
-    def __init__(self, floor_s: float = 0.01):
+    def __init__(self, floor_s: float = 0.03):
         self.floor_s = floor_s
         self.srtt: float | None = None
         self.rttvar = 0.0

@@ -40,8 +40,8 @@ class Job:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     no_draft: bool = False
-    draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
     on_progress: Callable[[Generation], None] | None = None  # streaming: called after each round that added tokens
+    draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     submitted: float = field(default_factory=time.monotonic)
 

@@ -19,15 +19,16 @@ log = logging.getLogger("starsd.bench")
 def start_batched(cfg: BenchConfig, pool: Pool, draft_dir: Path) -> tuple[str, dict[str, str]]:
     """Draft daemons with the real draft model, all through the same traced launcher and
     DraftServer: one session at a time (the real section's when it runs), batch_max at a time
-    strictly work-conserving, and batch_max at a time with a batch window."""
+    strictly work-conserving, and batch_max at a time with a batch window. All three draft with the
+    model alone (--no-lookup), so that they do the same work per request: a request whose drafts
+    come from the context costs the one-at-a-time loop fewer forwards, the batched one no fewer."""
     def args(b: int, window_ms: float = 0.0):
         return lambda ep: ["starsd_draftd.bench.emulation_serve", "serve", "--backend", "model", "--model", str(draft_dir),
                            "--bind", ep, "--depth", str(cfg.depth), "--batch-max", str(b), "--batch-window-ms",
-                           str(window_ms), "--q-topk", str(cfg.q_topk), "--threads", "1", "--log-level", "warning"]
+                           str(window_ms), "--q-topk", str(cfg.q_topk), "--threads", "1", "--no-lookup",
+                           "--log-level", "warning"]
 
-    one_name = "real-draftd" if "real" in cfg.sections and cfg.real_batch_max == 1 else "batch1-draftd"
-    if one_name == "real-draftd" and not pool.running("real-draftd"):
-        raise RuntimeError("the real section's draft daemon is needed for the one-at-a-time capacity")
+    one_name = "batch1-draftd"
     b = cfg.batch_max
     return one_name, {"one": pool.start(one_name, args(1)),
                       "batched": pool.start(f"batch{b}-draftd", args(b)),
@@ -124,8 +125,7 @@ def batched_section(cfg: BenchConfig, pool: Pool, step, draft_dir: Path, target_
             step(f"batched {label} k={k}")
     pool.stop(f"batch{b}-draftd")
     pool.stop(f"batch{b}-window-draftd")
-    if one_name != "real-draftd":
-        pool.stop(one_name)
+    pool.stop(one_name)
     one = runs["one"][0]
 
     def at_k(label: str) -> dict:

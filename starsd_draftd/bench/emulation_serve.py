@@ -76,10 +76,11 @@ def main() -> None:
 @_option("--device", default="cpu", help="--backend model or eagle: device.")
 @_option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help="--backend model or eagle: " + DTYPE_HELP)
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
+@_option("--lookup/--no-lookup", default=True, help="--backend model: greedy drafts from the context (see starsd-draftd serve).")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
 def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
-          model, eagle_head, device, dtype, threads, trace, log_level) -> None:
+          model, eagle_head, device, dtype, threads, lookup, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -95,7 +96,7 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
 
         inner = build_backend(ServeConfig(server=server_config(), model=model, backend=backend, eagle_head=eagle_head,
                                           base_model=model, device=device, dtype=dtype, q_topk=q_topk,
-                                          threads=threads))
+                                          threads=threads, lookup=lookup))
         name = "starsd-draftd-traced"
     run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
 

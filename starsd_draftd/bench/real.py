@@ -168,8 +168,8 @@ def colocated_baseline(target_dir: Path, draft_dir: Path, prompts: list[str], ma
         draft = load_causal_lm(str(draft_dir), dtype=dtype).model
         tok = target.tokenizer
         eos = sorted(target.eos_token_ids)
-        gen_kw = dict(do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id or eos[0],
-                      eos_token_id=eos)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+        gen_kw = dict(do_sample=False, max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos or None)
         out: dict = {}
         for name, extra in (("assisted", {"assistant_model": draft}), ("target_generate", {})):
             jobs = []
@@ -346,7 +346,8 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         "models": {"target": str(target_dir), "draft": str(draft_dir), "kind": cfg.models,
                    "training": _train_summary(Path(target_dir).parent / "build_report.json")},
         "config": {"jobs_per_target": cfg.jobs_per_target, "max_tokens": cfg.max_tokens, "depth": cfg.depth,
-                   "temperature": 0.0, "draft_batch_max": cfg.real_batch_max, "threads_per_process": 1},
+                   "temperature": 0.0, "draft_batch_max": cfg.real_batch_max, "threads_per_process": 1,
+                   "draft_lookup": True},
         "rows": rows,
         "interleaving": interleaving,
         "greedy_outputs_identical": same_all,

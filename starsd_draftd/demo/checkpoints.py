@@ -107,15 +107,17 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
         tokenizer = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
         # the teacher is the target as the demo serves it (on most CPUs with float16 weights)
         served_dtype = demo_dtype(DemoConfig())
-        served = load_causal_lm(str(out / "target"), dtype=served_dtype if served_dtype != "bfloat16" else "float32")
+        served_dtype = served_dtype if served_dtype != "bfloat16" else "float32"  # bf16 trains no better
+        served = load_causal_lm(str(out / "target"), dtype=served_dtype)
         train, heldout, corpus = load_corpus(byte_budget=corpus_bytes, heldout_bytes=60_000, code_only=False)
         prompts = token_windows(tokenizer, train, PROMPT_LEN, GEN_ROWS, seed=5)
-        teacher = target_generations(served.model, prompts, GEN_TOKENS, teacher_budget_s, progress=progress)
+        teacher = target_generations(served.model, prompts, GEN_TOKENS, teacher_budget_s, progress=progress,
+                                     eos_ids=served.eos_token_ids)
         _save_teacher(teacher, out / TEACHER_NAME)
         draft = first_layers_draft(target, layers)
         training = distill(draft, teacher, distill_budget_s, progress=progress)
         held = target_generations(served.model, token_windows(tokenizer, heldout, PROMPT_LEN, HELDOUT_ROWS, seed=1),
-                                  GEN_TOKENS, float("inf"), progress=False)
+                                  GEN_TOKENS, float("inf"), progress=False, eos_ids=served.eos_token_ids)
         agreement = greedy_agreement(draft, held["ids"], served.model, start=PROMPT_LEN - 1)
         draft.save_pretrained(out / "draft", safe_serialization=True)
         tokenizer.save_pretrained(out / "draft")
@@ -129,6 +131,7 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
                         "data": f"the target's greedy continuations ({GEN_TOKENS} tokens) of {PROMPT_LEN}-token "
                                 "prompts from the standard library's sources",
                         "teacher_dtype": served_dtype, "teacher_rows": int(teacher["ids"].shape[0]),
+                        "teacher_rows_ended_early": teacher["dropped_rows"],
                         "teacher_tokens": int(teacher["ids"].numel()), "teacher_s": round(teacher["wall_s"], 1),
                         **training, "heldout_top1_agreement": round(agreement, 4),
                         "heldout": "teacher-forced top-1 agreement on the target's continuations of held-out prompts"},
@@ -138,9 +141,10 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
 
 
 def _save_teacher(teacher: dict, path: Path) -> None:
+    import torch
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in teacher.items() if k != "wall_s"}, str(path))
+    save_file({k: v.contiguous() for k, v in teacher.items() if isinstance(v, torch.Tensor)}, str(path))
 
 
 def load_teacher(path: Path) -> dict:

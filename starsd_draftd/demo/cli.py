@@ -25,7 +25,7 @@ _demo = DemoConfig()
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError, ImportError)
 def train_eagle(base_model, out, time_budget, threads, log_level, log_format) -> None:
-    """Train an EAGLE-1 head for a target on the Python standard library's sources (CPU, a few minutes)."""
+    """Train an EAGLE-1 head for a target on its own continuations of standard-library prompts (CPU, minutes)."""
     setup_logging(log_level, log_format)
     from starsd_draftd.demo.eagle_train import train_eagle_head
 

@@ -228,7 +228,8 @@ def _head_loss(pred: torch.Tensor, f_next: torch.Tensor, kid: torch.Tensor, klp:
     ce = -(tp.reshape(-1, tp.shape[-1])[pos] * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
     loss = reg + ce_weight * (kl + ce)
     top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the target's pick
-    return loss, {"reg": float(reg.detach()), "ce": float(ce.detach()), "kl": float(kl.detach()), "top1": top1}
+    return loss, {"reg": float(reg.detach()), "ce": float(ce.detach()), "kl": float(kl.detach()),
+                  "top1_in_topk": top1}
 
 
 def _lr_at(step: int, frac: float, lr: float, warmup: int, min_frac: float = 0.1) -> float:
@@ -307,7 +308,7 @@ def train_eagle_head(
             budget = float("inf") if time_budget_s is None else teacher_share * time_budget_s
             prompts = token_windows(loaded.tokenizer, train_bytes, prompt_len, rows, seed=seed + 5)
             data = target_generations(target, prompts, seq_len - prompt_len, budget, progress=progress,
-                                      rows=min(64, rows))
+                                      rows=min(64, rows), eos_ids=loaded.eos_token_ids)
             data_info = {"source": "written by the target for this run", "wall_s": round(data["wall_s"], 1)}
         n_rows = int(data["ids"].shape[0])
         data_info.update(rows=n_rows, tokens=int(data["ids"].numel()))
@@ -389,7 +390,7 @@ def train_eagle_head(
             "stopped_by_time_budget": stopped_by_time,
             "batch_size": batch_size,
             "seq_len": seq_len,
-            "tokens_seen": step * batch_size * seq_len,
+            "tokens_seen": step * batch_size * int(data["ids"].shape[1]),
             "lr": lr,
             "ce_weight": ce_weight,
             "feature_noise": feature_noise,
@@ -445,7 +446,8 @@ def ensure_demo_eagle_head(progress: bool = True) -> Path:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # one trainer; the others wait and then reuse its head
         if not (out / "config.json").is_file():
             log.info("training the demo EAGLE head (about %.0f s, once)", DEMO_EAGLE_BUDGET_S)
+            teacher = demo_dir() / TEACHER_NAME  # what the build recorded; a cache without it trains from scratch
             train_eagle_head(target_dir, out, progress=progress, time_budget_s=DEMO_EAGLE_BUDGET_S,
-                             teacher=demo_dir() / TEACHER_NAME)
+                             teacher=teacher if teacher.is_file() else None)
     return out
 

@@ -97,7 +97,7 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
         if b1.get("lookup"):
             hits = b1["lookup_hits"] - b0["lookup_hits"]
             picks = hits + b1["model_picks"] - b0["model_picks"]
-            phase.from_context = hits / picks if picks else 0.0
+            phase.from_context = hits / picks if picks else None  # None: no greedy drafts (sampling)
     return phase
 
 
@@ -270,8 +270,9 @@ def format_table(report: dict) -> str:
         busy, ctx_share = b["draft_busy_fraction"], b.get("drafts_from_context")
         lines.append(f"{'system':10} {name:>6} {b['tokens_per_s']:8.1f} {s['alone_tokens_per_s']:12.1f} "
                      f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f}"
-                     + (f"   draft busy {100 * busy:.0f}%" if busy is not None else "")
-                     + (f", {100 * ctx_share:.0f}% of drafts from the context" if ctx_share is not None else ""))
+                     + "".join(f"{', ' if i else '   '}{part}" for i, part in enumerate(
+                         ([f"draft busy {100 * busy:.0f}%"] if busy is not None else [])
+                         + ([f"{100 * ctx_share:.0f}% of drafts from the context"] if ctx_share is not None else []))))
     same = [b["same_text_as_alone"] for r in report["targets"] for b in r["backends"].values()
             if b["same_text_as_alone"] is not None]
     if same:
