@@ -70,12 +70,12 @@ def make_tiny_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
     return target, target
 
 
-def measure_target_forward(target_dir: Path, depth: int, reps: int = 30) -> dict:
+def measure_target_forward(target_dir: Path, depth: int, reps: int = 30, dtype: str = "auto") -> dict:
     """V: the target's forward over [last token, x_1..x_d] after a 64-token prefix, and V1: its
     single-token forward (one thread, median of ``reps``)."""
     from common.models import crop_cache, load_causal_lm, new_cache
 
-    loaded = load_causal_lm(str(target_dir))
+    loaded = load_causal_lm(str(target_dir), dtype=dtype)  # as the daemons ran it
     model = loaded.model
     prefix = torch.tensor([[3 + (7 * i) % 200 for i in range(64)]])
     out = {}
@@ -338,7 +338,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         colocated[k].pop("token_ids")
     step("real co-located")
     with quiet_transformers():
-        forward = measure_target_forward(target_dir, cfg.depth)
+        forward = measure_target_forward(target_dir, cfg.depth, dtype=pool.state.get("real_dtype", "auto"))
     step("real forward timing")
     return {
         "label": f"real models on this machine's CPU ({pool.state.get('real_topology', 'unpinned')}, "
