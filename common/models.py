@@ -177,7 +177,8 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    log.info("loading model %s on %s as %s", path, dev, dtype if dtype == "fp16-weights" else str(torch_dtype).replace("torch.", ""))
+    shown = dtype if dtype == "fp16-weights" else str(torch_dtype).replace("torch.", "")
+    log.info("loading model %s on %s as %s", path, dev, shown)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:

@@ -107,7 +107,8 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
         tokenizer = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
         # the teacher is the target as the demo serves it (on most CPUs with float16 weights)
         served_dtype = demo_dtype(DemoConfig())
-        served_dtype = served_dtype if served_dtype != "bfloat16" else "float32"  # where the demo serves bf16, it writes in fp32
+        if served_dtype == "bfloat16":  # where the demo serves bf16, the teacher writes in float32
+            served_dtype = "float32"
         served = load_causal_lm(str(out / "target"), dtype=served_dtype)
         train, heldout, corpus = load_corpus(byte_budget=corpus_bytes, heldout_bytes=60_000, code_only=False)
         prompts = token_windows(tokenizer, train, PROMPT_LEN, GEN_ROWS, seed=5)
