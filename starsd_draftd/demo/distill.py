@@ -99,6 +99,25 @@ def target_generations(target, prompts: torch.Tensor, new_tokens: int, time_budg
     return out
 
 
+def teacher_losses(hidden: torch.Tensor, hidden_want: torch.Tensor, kid: torch.Tensor, klp: torch.Tensor,
+                   head: torch.Tensor, gen: torch.Generator, full_positions: int = 128) -> tuple:
+    """The losses of a student's final hidden states ``hidden`` [B, T, H] against the recorded
+    teacher (``hidden_want``, its top-k ids ``kid`` and log-probabilities ``klp`` [B, T, K]), with
+    the output layer ``head`` [V, H]: (smooth-L1 on the hidden states, KL over the teacher's
+    top-k, full-vocabulary cross-entropy on ``full_positions`` sampled positions, and the share of
+    positions whose top-1 among the teacher's top-k is the teacher's own pick)."""
+    reg = F.smooth_l1_loss(hidden, hidden_want)
+    logits_k = torch.einsum("bth,btkh->btk", hidden, head[kid])  # the student's logits on the teacher's top-k
+    tp = torch.softmax(klp, -1)
+    kl = (tp * (torch.log(tp + 1e-9) - torch.log_softmax(logits_k, -1))).sum(-1).mean()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    pos = torch.randint(0, flat.shape[0], (min(full_positions, flat.shape[0]),), generator=gen)
+    full = torch.log_softmax(F.linear(flat[pos], head).float(), -1)
+    ce = -(tp.reshape(-1, tp.shape[-1])[pos] * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
+    top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the teacher's pick
+    return reg, kl, ce, top1
+
+
 def distill(draft, teacher: dict, time_budget_s: float, lr: float = 3e-3, rows_per_step: int = 8,
             full_positions: int = 128, seed: int = 0, progress: bool = True) -> dict:
     """Train the draft's decoder layers and final norm (embedding and LM head frozen) on the
@@ -122,21 +141,12 @@ def distill(draft, teacher: dict, time_budget_s: float, lr: float = 3e-3, rows_p
         x, kid = teacher["ids"][pick], teacher["topk_ids"][pick].long()
         ht, klp = teacher["hidden"][pick].float(), teacher["topk_logp"][pick].float()
         hd = draft.model(input_ids=x).last_hidden_state
-        reg = F.smooth_l1_loss(hd, ht)
-        logits_k = torch.einsum("bth,btkh->btk", hd, head[kid])  # the draft's logits on the target's top-k
-        tp = torch.softmax(klp, -1)
-        kl = (tp * (torch.log(tp + 1e-9) - torch.log_softmax(logits_k, -1))).sum(-1).mean()
-        flat = hd.reshape(-1, hd.shape[-1])
-        pos = torch.randint(0, flat.shape[0], (min(full_positions, flat.shape[0]),), generator=gen)
-        full = torch.log_softmax(F.linear(flat[pos], head), -1)
-        soft = torch.softmax(klp.reshape(-1, klp.shape[-1])[pos], -1)
-        ce = -(soft * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
+        reg, kl, ce, top1 = teacher_losses(hd, ht, kid, klp, head, gen, full_positions)
         loss = reg + kl + ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the target's pick
         cur = (reg.item(), kl.item(), ce.item(), top1)
         ema = cur if ema is None else tuple(0.9 * a + 0.1 * b for a, b in zip(ema, cur))
         step += 1

@@ -35,6 +35,7 @@ from common.models import ModelLoadError, load_causal_lm, torch_threads
 from common.verify import SamplingParams
 from starsd_draftd.backends.eagle import EagleBackend, EagleHead
 from starsd_draftd.backends.eagle_compat import build_head
+from starsd_draftd.demo.distill import target_generations, teacher_losses, token_windows
 
 log = logging.getLogger("starsd.eagle")
 
@@ -218,16 +219,8 @@ def _head_loss(pred: torch.Tensor, f_next: torch.Tensor, kid: torch.Tensor, klp:
     target's distribution, taken over the target's top-k tokens (a KL on every position, no
     vocabulary-wide softmax) and over the whole vocabulary on ``full_positions`` sampled
     positions (which pushes down the tokens outside the top-k)."""
-    reg = F.smooth_l1_loss(pred, f_next)
-    logits_k = torch.einsum("bth,btkh->btk", pred, lm_w[kid])
-    tp = torch.softmax(klp, -1)
-    kl = (tp * (torch.log(tp + 1e-9) - torch.log_softmax(logits_k, -1))).sum(-1).mean()
-    flat = pred.reshape(-1, pred.shape[-1])
-    pos = torch.randint(0, flat.shape[0], (min(full_positions, flat.shape[0]),), generator=gen)
-    full = torch.log_softmax(F.linear(flat[pos], lm_w).float(), -1)
-    ce = -(tp.reshape(-1, tp.shape[-1])[pos] * full.gather(1, kid.reshape(-1, kid.shape[-1])[pos])).sum(-1).mean()
+    reg, kl, ce, top1 = teacher_losses(pred, f_next, kid, klp, lm_w, gen, full_positions)
     loss = reg + ce_weight * (kl + ce)
-    top1 = float((logits_k.detach().argmax(-1) == 0).float().mean())  # top-k is sorted: 0 = the target's pick
     return loss, {"reg": float(reg.detach()), "ce": float(ce.detach()), "kl": float(kl.detach()),
                   "top1_in_topk": top1}
 
@@ -301,8 +294,6 @@ def train_eagle_head(
             data = load_teacher(Path(teacher))
             data_info = {"source": str(teacher), "wall_s": 0.0}
         else:
-            from starsd_draftd.demo.distill import target_generations, token_windows
-
             prompt_len = max(2, seq_len // 4)
             rows = 4 * batch_size if time_budget_s is None else 100_000
             budget = float("inf") if time_budget_s is None else teacher_share * time_budget_s
