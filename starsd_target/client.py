@@ -18,7 +18,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteEr
 from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
-from starsd_target.rtt import RttEstimator
+from starsd_target.rtt import RTT_FLOOR_S, RttEstimator
 
 log = logging.getLogger("starsd.target.client")
 
@@ -70,10 +70,6 @@ class LinkState(enum.Enum):
 
 
 Key = tuple[int, int]  # (session, seq) of a draft request
-
-
-RTT_FLOOR_S = 0.03  # an oversubscribed host (targets and draft daemon sharing cores) stalls a process
-# for tens of milliseconds: with a 10 ms floor, a busy but healthy daemon missed deadlines there
 
 
 class DraftClient:

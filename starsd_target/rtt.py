@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+RTT_FLOOR_S = 0.03  # an oversubscribed host (targets and draft daemon sharing cores) stalls a process
+# for tens of milliseconds: with a 10 ms floor, a busy but healthy daemon missed deadlines there
+
+
 class RttEstimator:
     """Smoothed round trip (srtt) and its mean deviation (rttvar), as RFC 6298 keeps them; the
     deadline for a reply is ``clamp(srtt + 4 * rttvar, floor, cap)``, where ``cap`` is the
@@ -12,7 +16,7 @@ class RttEstimator:
     BETA = 1 / 4  # gain of rttvar
     K = 4
 
-    def __init__(self, floor_s: float = 0.03):
+    def __init__(self, floor_s: float = RTT_FLOOR_S):
         self.floor_s = floor_s
         self.srtt: float | None = None
         self.rttvar = 0.0
