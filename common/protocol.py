@@ -21,6 +21,9 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      that the session holds features for all but the last
                                      verified token.
     CLOSE   -> (nothing)
+                                     An ERROR names the request it answers (``re``: "OPEN",
+                                     "DRAFT", ...) and echoes its session and seq where it had
+                                     them, so a refused OPEN reaches the session that sent it.
     STATS   -> STATS_REPLY          counters of the draft daemon
     PING    -> PONG                 application-level lease: keeps the peer known, tells
                                      the target whether the daemon is alive and draining
@@ -44,7 +47,7 @@ import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ERROR names the request it answers (re)
 
 
 class MsgType(bytes, enum.Enum):
@@ -106,18 +109,21 @@ class Message:
 class ProtocolError(Exception):
     """Input that violates the protocol; carries what an ERROR reply needs."""
 
-    def __init__(self, code: ErrorCode, message: str, session: int | None = None, seq: int | None = None):
+    def __init__(self, code: ErrorCode, message: str, session: int | None = None, seq: int | None = None,
+                 re: MsgType | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.session = session
         self.seq = seq
+        self.re = re  # the request refused, when known (the handler fills it in)
 
 
 class RemoteError(Exception):
     """An ERROR message received from the other side."""
 
-    def __init__(self, code: int, message: str, session: int | None = None, seq: int | None = None):
+    def __init__(self, code: int, message: str, session: int | None = None, seq: int | None = None,
+                 re: str | None = None):
         try:
             name = ErrorCode(code).name
         except ValueError:
@@ -128,6 +134,7 @@ class RemoteError(Exception):
         self.message = message
         self.session = session
         self.seq = seq
+        self.re = re  # the type name of the request it answers ("OPEN", "DRAFT", ...), if the daemon said
 
 
 # ---------------------------------------------------------------- schema
@@ -169,6 +176,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "message": ("str", True),
         "session": ("opt_uint", False),
         "seq": ("opt_uint", False),
+        "re": ("str", False),  # the request type this error answers
     },
     MsgType.STATS: {},
     MsgType.STATS_REPLY: {"stats": ("map", True)},
@@ -403,19 +411,28 @@ def _decode_tensors(specs: Any, frames: list, session, seq) -> dict[str, np.ndar
 
 
 # ---------------------------------------------------------------- constructors
-def error(code: ErrorCode, message: str, session: int | None = None, seq: int | None = None) -> Message:
+def error(code: ErrorCode, message: str, session: int | None = None, seq: int | None = None,
+          re: MsgType | None = None) -> Message:
     # echo the request's session and seq only when they are valid: the reply must pass the schema
     session = session if _CHECKS["uint"](session) else None
     seq = seq if _CHECKS["uint"](seq) else None
-    return Message(MsgType.ERROR, {"code": int(code), "message": message, "session": session, "seq": seq})
+    header = {"code": int(code), "message": message, "session": session, "seq": seq}
+    if re is not None:
+        header["re"] = re.name
+    return Message(MsgType.ERROR, header)
 
 
 def error_from(exc: ProtocolError) -> Message:
-    return error(exc.code, exc.message, exc.session, exc.seq)
+    return error(exc.code, exc.message, exc.session, exc.seq, exc.re)
+
+
+def remote_error(header: dict) -> RemoteError:
+    """The RemoteError an ERROR message's (validated) header describes."""
+    h = header
+    return RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"), h.get("re"))
 
 
 def raise_if_error(msg: Message) -> Message:
     if msg.type is MsgType.ERROR:
-        h = msg.header
-        raise RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
+        raise remote_error(msg.header)
     return msg

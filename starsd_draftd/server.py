@@ -256,7 +256,11 @@ class DraftServer:
             if self.allow is not None:
                 principal = frames[1].get("User-Id").encode()
             msg = P.decode(frames[1:])
-            self._on_message(identity, principal, msg)
+            try:
+                self._on_message(identity, principal, msg)
+            except ProtocolError as exc:
+                exc.re = exc.re or msg.type  # the refusal names the request it answers
+                raise
         except ProtocolError as exc:
             self._error(identity, exc)
         except Exception:  # a bug must cost one request, never the daemon
@@ -436,6 +440,7 @@ class DraftServer:
                 admitted.append((identity, msg.header, (principal, msg.header["session"]),
                                  self._admit(principal, msg)))
             except ProtocolError as exc:
+                exc.re = MsgType.DRAFT
                 self._error(identity, exc)
         if not admitted:
             return
@@ -445,7 +450,8 @@ class DraftServer:
         except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
             log.exception("drafting failed for %d session(s)", len(admitted))
             for identity, h, _, _ in admitted:
-                self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"]))
+                self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
+                                                    MsgType.DRAFT))
             return
         finally:
             elapsed = time.perf_counter() - t0

@@ -117,6 +117,8 @@ class DraftClient:
         self.missed = 0  # all of them
         self.stale_replies = 0  # replies that came after their session gave up on them
         self.unexpected = 0  # messages nobody asked for (replies to unknown requests, stray types)
+        self.open_refusals = 0  # OPENs the daemon refused (busy, too large): their sessions back off
+        self._open_refusals: dict[int, RemoteError] = {}  # session -> the refusal, until it looks
         self.hellos = 0
         self.reconnects = 0  # times the link came up
         self.errors: dict[str, int] = {}
@@ -132,9 +134,13 @@ class DraftClient:
 
     # ------------------------------------------------------------ plumbing
     def _send(self, msg: Message) -> bool:
-        """False when the message cannot go out now (not connected, or the pipe is full)."""
+        """False when the message cannot go out now (not connected, or the pipe is full).
+        A message that cannot be encoded (a value msgpack cannot hold) raises ValueError."""
         try:
             frames = P.encode(msg)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot encode {msg.type.name}: {exc}") from None
+        try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=P.needs_copy(frames))
             return True
         except zmq.Again:
@@ -253,18 +259,10 @@ class DraftClient:
         if msg.type is MsgType.DRAFTED:
             self._reply((h["session"], h["seq"]),
                         DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs")))
-        elif msg.type is MsgType.ERROR and h.get("session") is not None and h.get("seq") is not None:
-            err = RemoteError(h["code"], h["message"], h.get("session"), h.get("seq"))
-            self._count(err.name)
-            if err.code == ErrorCode.NO_HANDSHAKE:  # the daemon forgot this peer (restart, expiry): greet again
-                self._set_state(LinkState.DOWN, "the draft daemon does not know this target", retry_in=0.0)
-            self._reply((h["session"], h["seq"]), err)
+        elif msg.type is MsgType.ERROR:
+            self._on_error(P.remote_error(h))
         elif msg.type is MsgType.WELCOME:
             self._on_welcome(h)
-        elif msg.type is MsgType.ERROR and h.get("session") is not None:
-            self._count(RemoteError(h["code"], h["message"]).name)  # about an OPEN: the next DRAFT re-opens
-        elif msg.type is MsgType.ERROR and self.state is LinkState.CONNECTING:
-            self._on_refusal(RemoteError(h["code"], h["message"]))
         elif msg.type is MsgType.PONG:
             if self.welcome is not None and h["instance"] != self.welcome.instance and self.up:
                 self._set_state(LinkState.DOWN, "draft daemon restarted", retry_in=0.0)
@@ -272,9 +270,29 @@ class DraftClient:
             log.info("draft daemon at %s is stopping; generating without drafts until it is back", self.endpoint)
             self._set_state(LinkState.DOWN, "goodbye")
         else:
-            if msg.type is MsgType.ERROR:
-                self._count(RemoteError(h["code"], h["message"]).name)
             self.unexpected += 1
+
+    def _on_error(self, err: RemoteError) -> None:
+        """Route an ERROR: to the draft request it answers, to the session whose OPEN it refuses,
+        or to the handshake."""
+        self._count(err.name)
+        if err.code == ErrorCode.NO_HANDSHAKE:  # the daemon forgot this connection (restart, expiry): greet again
+            self._set_state(LinkState.DOWN, "the draft daemon does not know this target", retry_in=0.0)
+        if err.session is not None and err.seq is not None:
+            self._reply((err.session, err.seq), err)
+        elif err.re == MsgType.OPEN.name and err.session is not None:
+            self.open_refusals += 1
+            self._open_refusals[err.session] = err
+            while len(self._open_refusals) > self.ABANDONED_KEPT:
+                del self._open_refusals[next(iter(self._open_refusals))]
+        elif err.re == MsgType.HELLO.name or (err.re is None and self.state is LinkState.CONNECTING):
+            self._on_refusal(err)
+        elif err.code != ErrorCode.NO_HANDSHAKE:
+            self.unexpected += 1
+
+    def take_open_refusal(self, session: int) -> RemoteError | None:
+        """The ERROR that refused ``session``'s latest OPEN, if one came (taken once)."""
+        return self._open_refusals.pop(session, None)
 
     def _reply(self, key: Key, reply: DraftReply | RemoteError) -> None:
         now = time.monotonic()
@@ -436,6 +454,9 @@ class RemoteDraftSession:
         self.sent_at = 0.0  # the request in flight: when it went out,
         self.cap_at = 0.0  # and when waiting for it ends in any case
         self.opening = False  # it opened the session (carries the prompt's prefill)
+        self.open_refusals = 0  # OPENs of this session the daemon refused
+        self._open_delay = client.backoff.initial_s  # after a refusal, the next OPEN waits this long,
+        self._open_at = 0.0  # until then; doubling up to the backoff's cap
 
     @property
     def feature_size(self) -> int:
@@ -450,7 +471,15 @@ class RemoteDraftSession:
         welcome = client.welcome
         opening = self.instance != welcome.instance
         if opening:
-            if not client.open(self.session, tokens, self.params):
+            if not self._may_open():
+                return None
+            try:
+                sent = client.open(self.session, tokens, self.params)
+            except ValueError as exc:  # parameters the wire cannot carry: this generation drafts no more
+                log.warning("session %d cannot be opened (%s); it runs on the target alone", self.session, exc)
+                self.disabled = True
+                return None
+            if not sent:
                 client.mark_down("not connected")
                 return None
             self.instance = welcome.instance
@@ -474,6 +503,26 @@ class RemoteDraftSession:
         self.cap_at = self.sent_at + self.timeout_s
         self.opening = opening
         return self.seq
+
+    def _may_open(self) -> bool:
+        """Whether to (re-)open the session now. After the daemon refused an OPEN, the next one
+        waits a backoff that doubles up to the link's cap (a busy daemon is not sent the whole
+        prompt every round); a refusal no retry can cure (the prompt outgrows the drafter, or
+        parameters it rejects) ends drafting for this generation."""
+        refusal = self.client.take_open_refusal(self.session)
+        now = time.monotonic()
+        if refusal is not None:
+            self.open_refusals += 1
+            if refusal.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE_MODEL):
+                log.info("the draft daemon refused session %d (%s); the rest runs on the target alone",
+                         self.session, refusal)
+                self.disabled = True
+                return False
+            self._open_at = now + self._open_delay
+            log.debug("the draft daemon refused session %d (%s); next OPEN in %.2fs", self.session, refusal,
+                      self._open_delay)
+            self._open_delay = min(self.client.backoff.cap_s, 2 * self._open_delay)
+        return now >= self._open_at
 
     def expired(self, idle: bool = True) -> bool:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
@@ -506,6 +555,7 @@ class RemoteDraftSession:
             log.debug("draft request failed (%s); re-opening session %d", reply, self.session)
             self.instance = None
             return None
+        self._open_delay = self.client.backoff.initial_s  # the session is served: a later refusal starts afresh
         return reply
 
     def kept(self, n: int) -> None:
@@ -513,5 +563,6 @@ class RemoteDraftSession:
 
     def close(self) -> None:
         self.client.abandon(self.session, self.seq)  # a reply still in flight is nobody's now
+        self.client.take_open_refusal(self.session)
         if self.instance is not None:
             self.client.close_session(self.session)

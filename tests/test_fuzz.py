@@ -315,7 +315,7 @@ def malformed_message(draw, lv: Live) -> tuple[list, set[str]]:
         return draw(st.lists(small_frame, min_size=9, max_size=12)), {"TOO_LARGE"}
     if way == "unknown_type":
         t = draw(small_frame.filter(lambda b: b not in {m.value for m in MsgType}))
-        return [t, msgpack.packb({"v": 1}), *draw(st.lists(small_frame, max_size=3))], {"UNKNOWN_TYPE"}
+        return [t, msgpack.packb({"v": P.PROTOCOL_VERSION}), *draw(st.lists(small_frame, max_size=3))], {"UNKNOWN_TYPE"}
     mtype = draw(st.sampled_from(REQUEST_TYPES[:4]))  # HELLO, OPEN, DRAFT, CLOSE
     header = {"v": P.PROTOCOL_VERSION, **tpl[mtype]}
     if way == "not_msgpack":
@@ -581,7 +581,7 @@ def test_many_connections_are_forgotten(live):
 def test_deeply_nested_header_is_rejected_as_bad_input():
     with running_server() as (server, ctx):
         peer = Peer(ctx, None, server.endpoint)
-        peer.send([b"DRAFT", msgpack.packb({"v": 1, "session": 1, "seq": 1, "accepted": 0, "pos": 1, "depth": 1,
+        peer.send([b"DRAFT", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 1, "seq": 1, "accepted": 0, "pos": 1, "depth": 1,
                                             "new": nested_list(1000)})])
         t, h = peer.recv(5)
         assert ErrorCode(h["code"]).name in {"MALFORMED", "TOO_LARGE", "BAD_REQUEST"}, h
@@ -589,9 +589,9 @@ def test_deeply_nested_header_is_rejected_as_bad_input():
 
 
 @pytest.mark.parametrize("frames", [
-    [b"DRAFT", msgpack.packb({"v": 1, "session": -1, "seq": 1})],
-    [b"CLOSE", msgpack.packb({"v": 1, "session": U64})],
-    [b"GENERATE", msgpack.packb({"v": 1, "session": "abc", "id": 1, "max_tokens": 1})],  # before HELLO
+    [b"DRAFT", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": -1, "seq": 1})],
+    [b"CLOSE", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": U64})],
+    [b"GENERATE", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": "abc", "id": 1, "max_tokens": 1})],  # before HELLO
 ], ids=["negative", "u64", "string"])
 def test_error_replies_satisfy_the_protocol_schema(frames):
     with running_server() as (server, ctx):

@@ -53,18 +53,18 @@ def test_wrong_version_hello_is_refused():
 BAD_INPUTS = [
     ([b"\x00\x01"], "MALFORMED"),
     ([b"DRAFT", b"\xc1"], "MALFORMED"),
-    ([b"NOPE", msgpack.packb({"v": 1})], "UNKNOWN_TYPE"),
-    ([b"DRAFT", msgpack.packb({"v": 1, "session": 1})], "BAD_REQUEST"),
-    ([b"DRAFTED", msgpack.packb({"v": 1, "session": 1, "seq": 1, "tokens": []})], "UNKNOWN_TYPE"),
-    ([b"DRAFT", msgpack.packb({"v": 1, "session": 99, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 1})],
+    ([b"NOPE", msgpack.packb({"v": P.PROTOCOL_VERSION})], "UNKNOWN_TYPE"),
+    ([b"DRAFT", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 1})], "BAD_REQUEST"),
+    ([b"DRAFTED", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 1, "seq": 1, "tokens": []})], "UNKNOWN_TYPE"),
+    ([b"DRAFT", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 99, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 1})],
      "UNKNOWN_SESSION"),
-    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [], "sampling": {"temperature": 0.0}})],
+    ([b"OPEN", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 5, "prompt": [], "sampling": {"temperature": 0.0}})],
      "BAD_REQUEST"),
-    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [1], "sampling": {"temperature": -1.0}})],
+    ([b"OPEN", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 5, "prompt": [1], "sampling": {"temperature": -1.0}})],
      "BAD_REQUEST"),
-    ([b"OPEN", msgpack.packb({"v": 1, "session": 5, "prompt": [100000], "sampling": {"temperature": 0.0}})],
+    ([b"OPEN", msgpack.packb({"v": P.PROTOCOL_VERSION, "session": 5, "prompt": [100000], "sampling": {"temperature": 0.0}})],
      "BAD_REQUEST"),
-    ([b"DRAFT", msgpack.packb({"v": 1})] + [b"x"] * 12, "TOO_LARGE"),
+    ([b"DRAFT", msgpack.packb({"v": P.PROTOCOL_VERSION})] + [b"x"] * 12, "TOO_LARGE"),
 ]
 
 
