@@ -346,6 +346,11 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
                                  max_bin_len=0, max_ext_len=0, max_array_len=limits.max_array_len,
                                  max_map_len=limits.max_map_len)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
+        first = bufs[1][0] if len(bufs[1]) else 0
+        is_map = 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+        if is_map and any(f"exceeds max_{k}_len" in str(exc) for k in ("array", "map", "str")):
+            # a map holding something beyond the limits: the refusal says which session it was
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"header: {exc}", *_peek_ids(bufs[1], limits)) from None
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {exc}") from None
     if header.__class__ is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
@@ -373,6 +378,25 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
         header["v"] = version
     tensors = _decode_tensors(specs, bufs, session, seq) if specs is not None or len(bufs) > 2 else {}
     return Message(mtype, header, tensors)
+
+
+def _peek_ids(buf, limits: Limits) -> tuple[int | None, int | None]:
+    """The session and seq of a header too large to decode, read without building the rest
+    (msgpack skips values without materialising them), so a refusal still reaches its session."""
+    found: dict[str, Any] = {}
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(buf) + 1, max_str_len=limits.max_str_len)
+        unpacker.feed(buf)
+        for _ in range(min(unpacker.read_map_header(), limits.max_map_len)):
+            key = unpacker.unpack()
+            if key in ("session", "seq"):
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:  # garbage after the part that could be read: keep what was found
+        pass
+    session, seq = found.get("session"), found.get("seq")
+    return (session if _CHECKS["uint"](session) else None), (seq if _CHECKS["uint"](seq) else None)
 
 
 def _nesting(obj: Any) -> int:

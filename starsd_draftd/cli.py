@@ -56,6 +56,13 @@ def main() -> None:
 @option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
         help="Sessions one target may hold at once.")
 @option("--max-queue", type=click.IntRange(1), default=_s.max_queue, help="Draft requests waiting at once.")
+@option("--max-queue-mib", type=click.IntRange(1), default=_s.max_queue_bytes >> 20,
+        help="Memory queued draft requests may hold, all targets (MiB, estimated from their sizes); BUSY beyond.")
+@option("--max-peer-queue", type=click.IntRange(1), default=_s.max_peer_queue,
+        help="Draft requests one target may have waiting at once; BUSY beyond.")
+@option("--max-peer-queue-mib", type=click.IntRange(1), default=_s.max_peer_queue_bytes >> 20,
+        help="Memory one target's queued requests may hold (MiB); BUSY beyond, TOO_LARGE for one request "
+             "larger than this.")
 @option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
         help="Seconds after which a silent session is dropped and its cache freed.")
 @option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
@@ -77,7 +84,8 @@ def main() -> None:
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk, max_sessions, max_sessions_per_peer, max_queue, session_ttl,
+def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk,
+          max_sessions, max_sessions_per_peer, max_queue, max_queue_mib, max_peer_queue, max_peer_queue_mib, session_ttl,
           peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, lookup,
           log_level, log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
@@ -88,6 +96,8 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
     server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
                           max_sessions=max_sessions,
                           max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
+                          max_queue_bytes=max_queue_mib << 20, max_peer_queue=max_peer_queue,
+                          max_peer_queue_bytes=max_peer_queue_mib << 20,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle,
                           drain_s=drain_timeout,
                           curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,

@@ -63,6 +63,12 @@ class DraftMetrics:
         yield GaugeMetricFamily("starsd_draftd_live_sessions", "Draft sessions held", value=s["live_sessions"])
         yield GaugeMetricFamily("starsd_draftd_queue_depth", "Draft requests waiting (Q_in)", value=s["queue_depth"])
         yield GaugeMetricFamily("starsd_draftd_peers", "Targets that completed the handshake", value=s["peers"])
+        yield GaugeMetricFamily("starsd_draftd_queue_bytes", "Memory held by queued draft requests (estimated)",
+                                value=s["queue_bytes"])
+        limits = GaugeMetricFamily("starsd_draftd_limit", "Configured bounds, by name", labels=["name"])
+        for name, value in sorted(s["limits"].items()):
+            limits.add_metric([name], value)
+        yield limits
         yield GaugeMetricFamily("starsd_draftd_busy_fraction",
                                 "Share of the last interval spent drafting (1.0 = never idle)",
                                 value=self.busy_fraction)

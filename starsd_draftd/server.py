@@ -8,6 +8,7 @@ is waiting, so the draft model is busy whenever any target is waiting for drafts
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import secrets
 import signal
@@ -48,6 +49,12 @@ class ServerConfig:
     max_sessions_per_peer: int = 64
     max_peers: int = 4096
     max_queue: int = 4096
+    # Queued draft requests are charged what they hold in memory, estimated from their frame sizes
+    # (QueueCost); beyond a budget a request gets BUSY. Per peer too, so no one target's backlog
+    # crowds out the others.
+    max_queue_bytes: int = 256 << 20
+    max_peer_queue: int = 64  # requests of one peer waiting at once (one per session is the norm)
+    max_peer_queue_bytes: int = 64 << 20
     session_ttl_s: float = 600.0
     peer_ttl_s: float = 60.0
     evict_idle_s: float = 10.0  # a full table gives way to its least recently used session idle this long
@@ -57,6 +64,30 @@ class ServerConfig:
     insecure: bool = False
     metrics_port: int | None = None
     name: str = "starsd-draftd"
+
+
+# A msgpack byte can become up to about 12 bytes of Python objects (a uint16 token id is 3 bytes
+# on the wire, a 28-byte int plus an 8-byte list slot once decoded); tensor frames are held as
+# they arrived (decoded arrays are views of them). Measured: 2**18 uint32 ids (1.3 MiB) decode to
+# about 11 MB, 8.4 bytes per wire byte.
+HEADER_EXPANSION = 12
+MESSAGE_OVERHEAD = 1024  # the Message, its dicts and the queue's tuple
+
+
+def queue_cost(frames: list) -> int:
+    """What a queued request costs in memory, from its frame sizes (frames[0]: the type,
+    frames[1]: the msgpack header, the rest tensors), before anything is decoded."""
+    return MESSAGE_OVERHEAD + HEADER_EXPANSION * len(frames[1]) + sum(len(f) for f in frames[2:])
+
+
+def message_limits(backend: DraftBackend) -> P.Limits:
+    """Bounds for what this daemon accepts: no token list longer than the drafter's context, no
+    message larger than the largest a target can need (a prompt of that length, or features for
+    every position of it), so ZeroMQ's own size check drops anything beyond before it is read."""
+    base = P.DEFAULT_LIMITS
+    n = min(base.max_array_len, backend.max_len or base.max_array_len)
+    largest = (64 << 10) + 5 * n + 4 * n * backend.feature_size  # headers, ids (5 bytes each), float32 features
+    return dataclasses.replace(base, max_array_len=n, max_message_bytes=min(base.max_message_bytes, largest))
 
 
 class Stats:
@@ -75,6 +106,7 @@ class Stats:
         self.batched_requests = 0
         self.batch_waits = 0  # passes that waited for a batch to fill (batch window)
         self.batch_wait_s = 0.0
+        self.queue_bytes_peak = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -96,6 +128,7 @@ class Stats:
             "batched_requests": self.batched_requests,
             "batch_waits": self.batch_waits,
             "batch_wait_s": self.batch_wait_s,
+            "queue_bytes_peak": self.queue_bytes_peak,
             "errors": dict(self.errors),
         }
 
@@ -114,7 +147,10 @@ class DraftServer:
         self.ctx = ctx or zmq.Context.instance()
         self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s,
                                      config.peer_ttl_s, config.max_peers, config.evict_idle_s)
-        self.q_in: collections.deque[tuple[bytes, bytes, Message]] = collections.deque()
+        self.q_in: collections.deque[tuple[bytes, bytes, Message, int]] = collections.deque()  # ..., cost
+        self.queue_bytes = 0
+        self._peer_queue: dict[bytes, list[int]] = {}  # principal -> [requests, bytes] queued
+        self.limits = message_limits(backend)
         self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
@@ -147,7 +183,8 @@ class DraftServer:
         if self.config.curve_secret is not None:
             curve = server_keys(self.config.curve_secret)
             self.allow = AllowList(self.ctx, self.config.curve_allow)
-        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve))
+        self.sock = make_socket(self.ctx, zmq.ROUTER,
+                                SocketOptions(curve=curve, max_msg_bytes=self.limits.max_message_bytes))
         self.sock.bind(self.config.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.metrics_port is not None:
@@ -255,9 +292,15 @@ class DraftServer:
             principal = identity
             if self.allow is not None:
                 principal = frames[1].get("User-Id").encode()
-            msg = P.decode(frames[1:])
+            cost = 0
+            if len(frames) > 2 and frames[1].bytes == MsgType.DRAFT.value:
+                cost = queue_cost(frames[1:])
+                if cost > min(self.config.max_peer_queue_bytes, self.config.max_queue_bytes):
+                    raise ProtocolError(ErrorCode.TOO_LARGE, f"a draft request of {cost} bytes (estimated in "
+                                        f"memory) exceeds the queue's budget per target", re=MsgType.DRAFT)
+            msg = P.decode(frames[1:], self.limits)
             try:
-                self._on_message(identity, principal, msg)
+                self._on_message(identity, principal, msg, cost)
             except ProtocolError as exc:
                 exc.re = exc.re or msg.type  # the refusal names the request it answers
                 raise
@@ -267,17 +310,15 @@ class DraftServer:
             log.exception("internal error while handling a message from %r", identity)
             self._error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
 
-    def _on_message(self, identity: bytes, principal: bytes, msg: Message) -> None:
+    def _on_message(self, identity: bytes, principal: bytes, msg: Message, cost: int = 0) -> None:
         h = msg.header
         mtype = msg.type
         if mtype is MsgType.DRAFT:  # the hot path first
             if self.sessions.touch(principal, identity) is None:
                 raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
-            if len(self.q_in) >= self.config.max_queue:
-                raise ProtocolError(ErrorCode.BUSY, f"request queue is full ({self.config.max_queue})",
-                                    h["session"], h["seq"])
-            self.q_in.append((identity, principal, msg))
+            self._check_draft(session, msg)
+            self._enqueue(identity, principal, msg, cost)
             if self.config.batch_window_s > 0:
                 session.returned(time.monotonic())
                 self._awaited.pop(session.key, None)
@@ -304,6 +345,67 @@ class DraftServer:
                 self.backend.release(s.state)
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
+
+    def _enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int) -> None:
+        """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)."""
+        h, cfg = msg.header, self.config
+        mine = self._peer_queue.get(principal) or [0, 0]
+        why = None
+        if len(self.q_in) >= cfg.max_queue:
+            why = f"the request queue is full ({cfg.max_queue} requests)"
+        elif self.queue_bytes + cost > cfg.max_queue_bytes:
+            why = f"the request queue holds {self.queue_bytes} of its {cfg.max_queue_bytes} bytes"
+        elif mine[0] >= cfg.max_peer_queue:
+            why = f"this target already has {mine[0]} requests queued (limit {cfg.max_peer_queue})"
+        elif mine[1] + cost > cfg.max_peer_queue_bytes:
+            why = f"this target's queued requests hold {mine[1]} of its {cfg.max_peer_queue_bytes} bytes"
+        if why is not None:
+            raise ProtocolError(ErrorCode.BUSY, why, h["session"], h["seq"])
+        mine[0] += 1
+        mine[1] += cost
+        self._peer_queue[principal] = mine
+        self.queue_bytes += cost
+        self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
+        self.q_in.append((identity, principal, msg, cost))
+
+    def _dequeued(self, item: tuple) -> None:
+        principal, cost = item[1], item[3]
+        self.queue_bytes -= cost
+        mine = self._peer_queue[principal]
+        mine[0] -= 1
+        mine[1] -= cost
+        if not mine[0]:
+            del self._peer_queue[principal]
+
+    def _check_draft(self, session: Session, msg: Message) -> None:
+        """What a DRAFT request can be checked for on arrival, before it is queued: depth, token
+        ids, the length it claims, and its features' type and size (at most one per position).
+        What depends on the session's state when it is served (seq, accepted, pos) is checked then."""
+        h = msg.header
+        sid, seq, pos = h["session"], h["seq"], h["pos"]
+        if not 1 <= h["depth"] <= self.config.max_depth:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"depth {h['depth']} is outside 1..{self.config.max_depth}",
+                                sid, seq)
+        if len(h["new"]) > pos:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(h['new'])} new tokens cannot make a sequence of {pos}",
+                                sid, seq)
+        self._check_ids(h["new"], sid, seq)
+        self._check_len(pos + h["depth"], sid, seq)
+        f = msg.tensors.get("features")
+        need = self.backend.feature_size
+        if not need:
+            if f is not None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this draft daemon takes no features", sid, seq)
+            return
+        if f is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend needs target features",
+                                sid, seq)
+        dtype, shape = f.dtype, f.shape
+        if dtype not in FEATURE_DTYPES or len(shape) != 2 or shape[1] != need or shape[0] > pos:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"features must be float [m, {need}] with m <= pos ({pos}), "
+                                f"got {dtype_name(dtype)} {list(shape)}", sid, seq)
+        if not all_finite(f):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
 
     def _hello(self, identity: bytes, principal: bytes, h: dict) -> None:
         mine = (self.backend.vocab_size, self.backend.fingerprint)
@@ -403,18 +505,21 @@ class DraftServer:
         """The oldest waiting requests, at most batch_max, one per session (a session's later
         request waits for the next pass, so each session's requests stay in order)."""
         if len(self.q_in) <= 1 or self.config.batch_max == 1:
-            return [self.q_in.popleft()] if self.q_in else []
-        batch, seen, rest = [], set(), collections.deque()
-        while self.q_in and len(batch) < self.config.batch_max:
-            item = self.q_in.popleft()
-            key = (item[1], item[2].header["session"])
-            if key in seen:
-                rest.append(item)
-                continue
-            seen.add(key)
-            batch.append(item)
-        rest.extend(self.q_in)
-        self.q_in = rest
+            batch = [self.q_in.popleft()] if self.q_in else []
+        else:
+            batch, seen, rest = [], set(), collections.deque()
+            while self.q_in and len(batch) < self.config.batch_max:
+                item = self.q_in.popleft()
+                key = (item[1], item[2].header["session"])
+                if key in seen:
+                    rest.append(item)
+                    continue
+                seen.add(key)
+                batch.append(item)
+            rest.extend(self.q_in)
+            self.q_in = rest
+        for item in batch:
+            self._dequeued(item)
         return batch
 
     def _admit(self, principal: bytes, msg: Message) -> DraftRequest:
@@ -422,12 +527,13 @@ class DraftServer:
         h = msg.header
         sid, seq = h["session"], h["seq"]
         session = self.sessions.get(principal, sid, seq)
-        if not 1 <= h["depth"] <= self.config.max_depth:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"depth {h['depth']} is outside 1..{self.config.max_depth}",
-                                sid, seq)
-        self._check_ids(h["new"], sid, seq)
-        self._check_len(h["pos"] + h["depth"], sid, seq)
-        features = self._check_features(session, msg, h["pos"])
+        features = msg.tensors.get("features") if self.backend.feature_size else None
+        if features is not None and session.features + features.shape[0] != h["pos"] - 1:
+            raise ProtocolError(
+                ErrorCode.DESYNC,
+                f"the session holds {session.features} features; {features.shape[0]} more make "
+                f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
+                sid, seq)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:
             session.features += features.shape[0]
@@ -435,7 +541,7 @@ class DraftServer:
 
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request)
-        for identity, principal, msg in self._take_batch():
+        for identity, principal, msg, _ in self._take_batch():
             try:
                 admitted.append((identity, msg.header, (principal, msg.header["session"]),
                                  self._admit(principal, msg)))
@@ -480,31 +586,6 @@ class DraftServer:
                     self._awaited[key] = session
         self.metrics.on_batch(len(admitted), elapsed)
 
-    def _check_features(self, session, msg: Message, pos: int):
-        """The features a feature backend needs with this request, validated; None otherwise."""
-        sid, seq = session.key[1], msg.header["seq"]
-        f = msg.tensors.get("features")
-        need = self.backend.feature_size
-        if not need:
-            if f is not None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "this draft daemon takes no features", sid, seq)
-            return None
-        if f is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend needs target features",
-                                sid, seq)
-        dtype, shape = f.dtype, f.shape
-        if dtype not in FEATURE_DTYPES or len(shape) != 2 or shape[1] != need:
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"features must be float [m, {need}], got {dtype_name(dtype)} {list(shape)}", sid, seq)
-        if session.features + shape[0] != pos - 1:
-            raise ProtocolError(
-                ErrorCode.DESYNC,
-                f"the session holds {session.features} features; {shape[0]} more make "
-                f"{session.features + shape[0]}, but {pos - 1} are needed; re-open the session", sid, seq)
-        if not all_finite(f):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
-        return f
-
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark
         busy = (self.stats.busy_s - busy0) / max(1e-9, now - t0)
@@ -520,4 +601,13 @@ class DraftServer:
     def snapshot(self) -> dict:
         snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers))
         snap["backend"] = self.backend.counters()
+        snap["queue_bytes"] = self.queue_bytes
+        snap["limits"] = self.budgets()
         return snap
+
+    def budgets(self) -> dict:
+        """The configured bounds a snapshot's usage figures are measured against."""
+        c = self.config
+        return {"max_queue": c.max_queue, "max_queue_bytes": c.max_queue_bytes, "max_peer_queue": c.max_peer_queue,
+                "max_peer_queue_bytes": c.max_peer_queue_bytes, "max_sessions": c.max_sessions,
+                "max_sessions_per_peer": c.max_sessions_per_peer, "max_peers": c.max_peers}

@@ -182,7 +182,15 @@ def test_size_limits():
     assert info.value.code == ErrorCode.TOO_LARGE
     with pytest.raises(ProtocolError) as info:
         P.decode([b"OPEN", hdr(session=1, prompt=list(range(50)), sampling={})], small)
-    assert info.value.code == ErrorCode.MALFORMED  # msgpack's own array bound refuses it
+    # msgpack's own array bound refuses it, and the refusal still names the session
+    assert info.value.code == ErrorCode.TOO_LARGE and info.value.session == 1
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"DRAFT", hdr(**{**GOOD_DRAFT, "session": 7, "seq": 3, "new": list(range(50))})],
+                 Limits(max_array_len=10))
+    assert (info.value.code, info.value.session, info.value.seq) == (ErrorCode.TOO_LARGE, 7, 3)
+    with pytest.raises(ProtocolError) as info:  # not a map at all: malformed, however long
+        P.decode([b"OPEN", msgpack.packb(list(range(50)))], small)
+    assert info.value.code == ErrorCode.MALFORMED
 
 
 def test_errors_keep_session_and_seq():
