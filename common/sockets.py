@@ -69,6 +69,16 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
+def is_local_address(address: str) -> bool:
+    """True for a peer address on this machine: a loopback IP, or none at all (ipc, inproc)."""
+    if not address:
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
     """An endpoint on a port that is free right now (for tests and the demo)."""
     with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:

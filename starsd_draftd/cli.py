@@ -55,6 +55,13 @@ def main() -> None:
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
 @option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
         help="Sessions one target may hold at once.")
+@option("--max-peers", type=click.IntRange(1), default=_s.max_peers,
+        help="Target connections held at once (each completed HELLO); a full table gives way to its least "
+             "recently seen connection idle for --evict-idle, else BUSY.")
+@option("--max-peers-per-address", type=click.IntRange(1), default=_s.max_peers_per_address,
+        help="Without CURVE: connections one remote address may hold.")
+@option("--max-sessions-per-address", type=click.IntRange(1), default=_s.max_sessions_per_address,
+        help="Without CURVE: sessions one remote address may hold, over all its connections.")
 @option("--max-queue", type=click.IntRange(1), default=_s.max_queue, help="Draft requests waiting at once.")
 @option("--max-queue-mib", type=click.IntRange(1), default=_s.max_queue_bytes >> 20,
         help="Memory queued draft requests may hold, all targets (MiB, estimated from their sizes); BUSY beyond.")
@@ -85,7 +92,7 @@ def main() -> None:
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk,
-          max_sessions, max_sessions_per_peer, max_queue, max_queue_mib, max_peer_queue, max_peer_queue_mib, session_ttl,
+          max_sessions, max_sessions_per_peer, max_peers, max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue, max_peer_queue_mib, session_ttl,
           peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, lookup,
           log_level, log_format) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
@@ -95,7 +102,9 @@ def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, ba
     setup_logging(log_level, log_format)
     server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
                           max_sessions=max_sessions,
-                          max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue,
+                          max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue, max_peers=max_peers,
+                          max_peers_per_address=max_peers_per_address,
+                          max_sessions_per_address=max_sessions_per_address,
                           max_queue_bytes=max_queue_mib << 20, max_peer_queue=max_peer_queue,
                           max_peer_queue_bytes=max_peer_queue_mib << 20,
                           session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle,

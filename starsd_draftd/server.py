@@ -18,18 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import AllowList, server_keys
-from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
+from common.sockets import SocketOptions, is_local_address, is_loopback_endpoint, make_socket
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend, DraftRequest
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.sessions import Session, SessionTable
+from starsd_draftd.sessions import Session, SessionTable, TableLimits
 
 log = logging.getLogger("starsd.draftd")
 
@@ -47,7 +48,10 @@ class ServerConfig:
     batch_window_s: float = 0.0
     max_sessions: int = 1024
     max_sessions_per_peer: int = 64
-    max_peers: int = 4096
+    max_peers: int = 4096  # connections that completed the handshake
+    # Without CURVE every connection is its own principal: bound what one remote address may hold.
+    max_peers_per_address: int = 64
+    max_sessions_per_address: int = 256
     max_queue: int = 4096
     # Queued draft requests are charged what they hold in memory, estimated from their frame sizes
     # (QueueCost); beyond a budget a request gets BUSY. Per peer too, so no one target's backlog
@@ -80,14 +84,28 @@ def queue_cost(frames: list) -> int:
     return MESSAGE_OVERHEAD + HEADER_EXPANSION * len(frames[1]) + sum(len(f) for f in frames[2:])
 
 
+def _origin(frame: zmq.Frame) -> tuple[int, str]:
+    """The socket a message arrived on and the remote address ZeroMQ reports ("" for ipc)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        address = ""
+    return frame.get(zmq.SRCFD), address
+
+
 def message_limits(backend: DraftBackend) -> P.Limits:
     """Bounds for what this daemon accepts: no token list longer than the drafter's context, no
     message larger than the largest a target can need (a prompt of that length, or features for
-    every position of it), so ZeroMQ's own size check drops anything beyond before it is read."""
+    every position of it)."""
     base = P.DEFAULT_LIMITS
     n = min(base.max_array_len, backend.max_len or base.max_array_len)
     largest = (64 << 10) + 5 * n + 4 * n * backend.feature_size  # headers, ids (5 bytes each), float32 features
     return dataclasses.replace(base, max_array_len=n, max_message_bytes=min(base.max_message_bytes, largest))
+
+
+class LoopFailed(RuntimeError):
+    """The serving loop kept failing outside any one request: the daemon exits non-zero (and
+    systemd restarts it) rather than look alive and serve nothing."""
 
 
 class Stats:
@@ -99,6 +117,8 @@ class Stats:
         self.sessions_opened = 0
         self.sessions_expired = 0
         self.sessions_evicted = 0
+        self.sessions_disconnected = 0  # dropped with their connection (gone, or its identity reused)
+        self.disconnects = 0
         self.unroutable = 0
         self.dropped_replies = 0
         self.key_reloads = 0
@@ -107,6 +127,7 @@ class Stats:
         self.batch_waits = 0  # passes that waited for a batch to fill (batch window)
         self.batch_wait_s = 0.0
         self.queue_bytes_peak = 0
+        self.loop_errors = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -118,6 +139,8 @@ class Stats:
             "sessions_opened": self.sessions_opened,
             "sessions_expired": self.sessions_expired,
             "sessions_evicted": self.sessions_evicted,
+            "sessions_disconnected": self.sessions_disconnected,
+            "disconnects": self.disconnects,
             "live_sessions": live_sessions,
             "queue_depth": queue_depth,
             "peers": peers,
@@ -129,6 +152,7 @@ class Stats:
             "batch_waits": self.batch_waits,
             "batch_wait_s": self.batch_wait_s,
             "queue_bytes_peak": self.queue_bytes_peak,
+            "loop_errors": self.loop_errors,
             "errors": dict(self.errors),
         }
 
@@ -145,8 +169,11 @@ class DraftServer:
         self.backend = backend
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
-        self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_peer, config.session_ttl_s,
-                                     config.peer_ttl_s, config.max_peers, config.evict_idle_s)
+        c = config
+        self.sessions = SessionTable(TableLimits(c.max_sessions, c.max_sessions_per_peer, c.session_ttl_s, c.peer_ttl_s,
+                                                 c.max_peers, c.evict_idle_s, c.max_peers_per_address,
+                                                 c.max_sessions_per_address),
+                                     durable=c.curve_secret is not None)
         self.q_in: collections.deque[tuple[bytes, bytes, Message, int]] = collections.deque()  # ..., cost
         self.queue_bytes = 0
         self._peer_queue: dict[bytes, list[int]] = {}  # principal -> [requests, bytes] queued
@@ -183,9 +210,14 @@ class DraftServer:
         if self.config.curve_secret is not None:
             curve = server_keys(self.config.curve_secret)
             self.allow = AllowList(self.ctx, self.config.curve_allow)
-        self.sock = make_socket(self.ctx, zmq.ROUTER,
-                                SocketOptions(curve=curve, max_msg_bytes=self.limits.max_message_bytes))
+        # ZeroMQ drops a connection that sends more than this before buffering it; up to it, an
+        # oversized message is read and answered TOO_LARGE (the decode limits), so a careless
+        # peer learns why
+        hard = min(P.DEFAULT_LIMITS.max_message_bytes, max(16 << 20, 4 * self.limits.max_message_bytes))
+        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve, max_msg_bytes=hard))
         self.sock.bind(self.config.bind)
+        # disconnects, so a connection's entry and sessions go when it does, not a TTL later
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.metrics_port is not None:
             serve_metrics(self.metrics.registry, self.config.metrics_port)
@@ -200,8 +232,10 @@ class DraftServer:
             ready.set()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        next_sweep = time.monotonic() + 1.0
+        poller.register(self.monitor, zmq.POLLIN)
+        self._next_sweep = time.monotonic() + 1.0
         drain_deadline = None
+        failures = 0
         watchdog = Watchdog()
         notify("READY=1", f"STATUS=serving drafts on {self.endpoint}")
         try:
@@ -214,40 +248,80 @@ class DraftServer:
                 if self.draining and (not self.q_in or time.monotonic() >= drain_deadline):
                     self._flush_out()
                     break
-                if self._reload.is_set():
-                    self._reload.clear()
-                    if self.allow is not None:
-                        self.allow.reload()
-                        self.stats.key_reloads += 1
-                timeout = 0 if (self.q_in or self.q_out) else 100
-                if poller.poll(timeout):
-                    self._drain_socket()
-                if self.q_in:
-                    self._fill_batch()
-                    self._serve_batch()
-                self._flush_out()
-                now = time.monotonic()
-                if now >= next_sweep:
-                    self._expire(now)
-                    self._sample_metrics(now)
-                    next_sweep = now + 1.0
+                try:
+                    self._pass(poller)
+                    failures = 0
+                except Exception as exc:  # outside any one request: count it, and give up only if it persists
+                    failures += 1
+                    self.stats.loop_errors += 1
+                    log.exception("the serving loop failed (%d pass(es) in a row)", failures)
+                    if failures >= self.MAX_FAILED_PASSES:
+                        raise LoopFailed(f"the serving loop failed {failures} passes in a row") from exc
+                    time.sleep(0.01)
         finally:
             if self.q_in:
                 log.warning("stopping with %d draft requests unanswered", len(self.q_in))
             # a short linger lets the GOODBYEs and last replies leave; LINGER 0 would drop them
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
             self.sock.close(linger=500 if self.draining else 0)
             self.sock = None
             if self.allow is not None:
                 self.allow.stop()
             log.info("draft daemon stopped")
 
+    MAX_FAILED_PASSES = 50  # passes in a row that fail outside any request: then the daemon exits non-zero
+
+    def _pass(self, poller: zmq.Poller) -> None:
+        """One pass: read what arrived, serve the oldest waiting batch, send replies, and once a
+        second expire silent peers and sample the metrics."""
+        if self._reload.is_set():
+            self._reload.clear()
+            if self.allow is not None:
+                self.allow.reload()
+                self.stats.key_reloads += 1
+        timeout = 0 if (self.q_in or self.q_out) else 100
+        if poller.poll(timeout):
+            self._drain_monitor()  # disconnects first: a message from a reused socket is then a new connection
+            self._drain_socket()
+        if self.q_in:
+            self._fill_batch()
+            self._serve_batch()
+        self._flush_out()
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self.sessions.expire(now)
+            self._free_dropped()
+            self._sample_metrics(now)
+            self._next_sweep = now + 1.0
+
+    def _drain_monitor(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
+                self.sessions.disconnected(event["value"])
+        self._free_dropped()
+
+    def _free_dropped(self) -> None:
+        """Free the backend state of sessions the table dropped on its own, counted by why."""
+        for s, why in self.sessions.take_dropped():
+            self.backend.release(s.state)
+            if why == "expired":
+                self.stats.sessions_expired += 1
+                log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
+            elif why == "evicted":
+                self.stats.sessions_evicted += 1
+            else:
+                self.stats.sessions_disconnected += 1
+
     def _start_draining(self) -> None:
         """Stop taking sessions, tell every peer we are leaving, answer what is already queued."""
         self.draining = True
         notify("STOPPING=1", "STATUS=draining")
-        log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.peers))
-        for peer in self.sessions.peers.values():
-            self._send(peer.identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
+        log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.conns))
+        for identity in self.sessions.conns:
+            self._send(identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
 
     # ------------------------------------------------------------ I/O
     def _drain_socket(self, budget: int = 1024) -> None:
@@ -300,7 +374,7 @@ class DraftServer:
                                         f"memory) exceeds the queue's budget per target", re=MsgType.DRAFT)
             msg = P.decode(frames[1:], self.limits)
             try:
-                self._on_message(identity, principal, msg, cost)
+                self._on_message(identity, principal, msg, _origin(frames[1]), cost)
             except ProtocolError as exc:
                 exc.re = exc.re or msg.type  # the refusal names the request it answers
                 raise
@@ -309,12 +383,19 @@ class DraftServer:
         except Exception:  # a bug must cost one request, never the daemon
             log.exception("internal error while handling a message from %r", identity)
             self._error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
+        finally:
+            if self.sessions.dropped:
+                self._free_dropped()
 
-    def _on_message(self, identity: bytes, principal: bytes, msg: Message, cost: int = 0) -> None:
+    def _on_message(self, identity: bytes, principal: bytes, msg: Message, origin: tuple[int, str],
+                    cost: int = 0) -> None:
+        """Handle one decoded message; ``origin`` is (socket fd, remote address) of its connection."""
         h = msg.header
         mtype = msg.type
+        fd, address = origin
+        conn = self.sessions.touch(principal, identity, fd)
         if mtype is MsgType.DRAFT:  # the hot path first
-            if self.sessions.touch(principal, identity) is None:
+            if conn is None:
                 raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             self._check_draft(session, msg)
@@ -323,22 +404,21 @@ class DraftServer:
                 session.returned(time.monotonic())
                 self._awaited.pop(session.key, None)
             return
-        if mtype is MsgType.STATS:
+        if mtype is MsgType.STATS and (conn is not None or self.allow is not None or is_local_address(address)):
+            # operators' status: for targets, authenticated peers and this machine
             self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
-            return
-        peer = self.sessions.touch(principal, identity)
-        if mtype is MsgType.PING:
-            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
             return
         if self.draining and mtype in (MsgType.HELLO, MsgType.OPEN):
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the draft daemon is shutting down", h.get("session"))
         if mtype is MsgType.HELLO:
-            self._hello(identity, principal, h)
+            self._hello(identity, principal, h, origin)
             return
-        if peer is None:
+        if conn is None:
             raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
-        if mtype is MsgType.OPEN:
-            self._open(principal, h)
+        if mtype is MsgType.PING:
+            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
+        elif mtype is MsgType.OPEN:
+            self._open(principal, h, conn.address)
         elif mtype is MsgType.CLOSE:
             s = self.sessions.close(principal, h["session"])
             if s is not None:
@@ -407,7 +487,7 @@ class DraftServer:
         if not all_finite(f):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
 
-    def _hello(self, identity: bytes, principal: bytes, h: dict) -> None:
+    def _hello(self, identity: bytes, principal: bytes, h: dict, origin: tuple[int, str]) -> None:
         mine = (self.backend.vocab_size, self.backend.fingerprint)
         theirs = (h["vocab_size"], h["tokenizer"])
         need = self.backend.feature_size
@@ -425,14 +505,15 @@ class DraftServer:
                 ErrorCode.INCOMPATIBLE_MODEL,
                 f"draft model vocabulary {mine[0]} (tokenizer {mine[1]}) does not match the target's "
                 f"vocabulary {theirs[0]} (tokenizer {theirs[1]})")
-        peer = self.sessions.welcome(principal, identity, h.get("name", ""))
-        log.info("target %s connected", peer.name or identity.hex())
+        fd, address = origin
+        conn = self.sessions.welcome(principal, identity, h.get("name", ""), address, fd)
+        log.info("target %s connected from %s", conn.name or identity.hex(), address or "ipc")
         self._send(identity, Message(MsgType.WELCOME, {
             "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
             "feature_size": need, "instance": self.instance, "server": self.config.name}))
 
-    def _open(self, principal: bytes, h: dict) -> None:
+    def _open(self, principal: bytes, h: dict, address: str) -> None:
         sid = h["session"]
         P.validate_fields(P.SAMPLING_SCHEMA, h["sampling"], "OPEN.sampling", sid)
         try:
@@ -444,14 +525,10 @@ class DraftServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt must hold at least one token", sid)
         self._check_len(len(prompt), sid, None)
         self._check_ids(prompt, sid, None)
-        old = self.sessions.sessions.get((principal, sid))
+        old = self.sessions.close(principal, sid)
         if old is not None:
             self.backend.release(old.state)
-        evicted: list = []
-        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), evicted)
-        for s in evicted:
-            self.backend.release(s.state)
-            self.stats.sessions_evicted += 1
+        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), address)
         self.stats.sessions_opened += 1
 
     def _check_len(self, length: int, sid, seq) -> None:
@@ -592,14 +669,9 @@ class DraftServer:
         self._busy_mark = (now, self.stats.busy_s)
         self.metrics.busy_fraction = min(1.0, busy)
 
-    def _expire(self, now: float) -> None:
-        for s in self.sessions.expire(now):
-            self.backend.release(s.state)
-            self.stats.sessions_expired += 1
-            log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
-
     def snapshot(self) -> dict:
-        snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.peers))
+        snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.conns))
+        snap["addresses"] = len(self.sessions.address_conns)
         snap["backend"] = self.backend.counters()
         snap["queue_bytes"] = self.queue_bytes
         snap["limits"] = self.budgets()
@@ -610,4 +682,6 @@ class DraftServer:
         c = self.config
         return {"max_queue": c.max_queue, "max_queue_bytes": c.max_queue_bytes, "max_peer_queue": c.max_peer_queue,
                 "max_peer_queue_bytes": c.max_peer_queue_bytes, "max_sessions": c.max_sessions,
-                "max_sessions_per_peer": c.max_sessions_per_peer, "max_peers": c.max_peers}
+                "max_sessions_per_peer": c.max_sessions_per_peer, "max_peers": c.max_peers,
+                "max_peers_per_address": c.max_peers_per_address,
+                "max_sessions_per_address": c.max_sessions_per_address}

@@ -1,8 +1,18 @@
-"""Per-peer, per-session state of the draft daemon, isolated by the peer's principal: its CURVE
-public key when the daemon authenticates peers, its connection's routing identity otherwise."""
+"""The draft daemon's bounded tables: connections that completed the handshake, the peers
+(principals) behind them, and their sessions.
+
+A session belongs to a principal: its CURVE public key when the daemon authenticates peers
+(``durable``: the key's sessions outlive a reconnect), the connection's routing identity
+otherwise (a connection's sessions go with it). Every connection completes its own HELLO
+before anything else is served to it; one that disconnects, or a new connection that reuses a
+routing identity, starts from nothing. Without CURVE, what one remote address may hold
+(connections, sessions) is bounded too, so one host cannot fill the tables with throwaway
+identities. Whatever a table drops on its own (expiry, eviction, a disconnect) is kept in
+``dropped`` until the server takes it and frees the sessions' backend state."""
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +26,7 @@ class Session:
     params: SamplingParams
     state: object  # the backend's per-session state
     verified: list[int]
+    address: str = ""  # the remote address that opened it (per-address accounting)
     last_draft: list[int] = field(default_factory=list)
     features: int = 0  # target features held (feature backends): one per verified token but the last
     last_seq: int = -1
@@ -55,67 +66,152 @@ class Session:
 
 
 @dataclass
+class Conn:
+    """One connection that completed the handshake."""
+
+    identity: bytes  # its routing identity: where replies go
+    principal: bytes
+    address: str  # the remote address ZeroMQ reports ("" for ipc)
+    fd: int  # the socket it arrives on: a reused identity on another fd is another connection
+    name: str = ""
+    seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Peer:
     principal: bytes
-    identity: bytes  # routing identity of its latest connection: where replies go
-    name: str = ""
+    conns: set[bytes] = field(default_factory=set)  # identities of its live connections
     sessions: set[int] = field(default_factory=set)
     seen: float = field(default_factory=time.monotonic)
 
 
-class SessionTable:
-    """Bounded tables of peers and sessions. Only peers that completed the handshake get an
-    entry; sessions untouched for ``ttl_s`` and peers silent for ``peer_ttl_s`` expire."""
+@dataclass(frozen=True)
+class TableLimits:
+    max_sessions: int = 1024
+    max_sessions_per_peer: int = 64
+    session_ttl_s: float = 600.0
+    peer_ttl_s: float = 60.0
+    max_peers: int = 4096  # connections that completed the handshake, all addresses
+    evict_idle_s: float = 10.0  # a full table gives way to its least recently used entry idle this long
+    max_peers_per_address: int = 64  # without CURVE
+    max_sessions_per_address: int = 256  # without CURVE
 
-    def __init__(self, max_sessions: int, max_sessions_per_peer: int, ttl_s: float,
-                 peer_ttl_s: float = 60.0, max_peers: int = 4096, evict_idle_s: float = 10.0):
-        self.max_sessions = max_sessions
-        self.max_per_peer = max_sessions_per_peer
-        self.ttl_s = ttl_s
-        self.peer_ttl_s = peer_ttl_s
-        self.max_peers = max_peers
-        self.evict_idle_s = evict_idle_s
+
+class SessionTable:
+    def __init__(self, limits: TableLimits = TableLimits(), durable: bool = False):
+        self.limits = limits
+        self.durable = durable  # principals are keys (CURVE): a key's sessions survive its reconnects
+        self.conns: dict[bytes, Conn] = {}
         self.peers: dict[bytes, Peer] = {}
         self.sessions: dict[tuple[bytes, int], Session] = {}
+        self.address_conns: collections.Counter[str] = collections.Counter()
+        self.address_sessions: collections.Counter[str] = collections.Counter()
+        self.dropped: list[tuple[Session, str]] = []  # (session, why) dropped by the table, not yet freed
 
-    def welcome(self, principal: bytes, identity: bytes, name: str) -> Peer:
-        p = self.peers.get(principal)
-        if p is None:
-            if len(self.peers) >= self.max_peers:
-                raise ProtocolError(ErrorCode.BUSY, f"the draft daemon serves its maximum of {self.max_peers} peers")
-            p = self.peers[principal] = Peer(principal, identity)
-        p.identity, p.name, p.seen = identity, name, time.monotonic()
-        return p
+    def take_dropped(self) -> list[tuple[Session, str]]:
+        out, self.dropped = self.dropped, []
+        return out
 
-    def touch(self, principal: bytes, identity: bytes) -> Peer | None:
-        """The peer, if it completed the handshake; its reply address and lease are refreshed."""
-        p = self.peers.get(principal)
-        if p is not None:
-            p.identity, p.seen = identity, time.monotonic()
-        return p
+    # ------------------------------------------------------------ connections
+    def welcome(self, principal: bytes, identity: bytes, name: str, address: str, fd: int) -> Conn:
+        """Register a connection that completed HELLO (again, for one already known). A full
+        table, in all or for this address, first gives way to its least recently seen
+        connection idle for ``evict_idle_s``; otherwise the HELLO gets BUSY."""
+        lim = self.limits
+        old = self.conns.get(identity)
+        if old is not None and (old.fd != fd or old.principal != principal):
+            self._drop_conn(old, "replaced")  # a new connection reusing the identity starts from nothing
+            old = None
+        if old is None:
+            if not self.durable and self.address_conns[address] >= lim.max_peers_per_address:
+                self._make_room([c for c in self.conns.values() if c.address == address],
+                                f"address {address or 'ipc'} already holds {lim.max_peers_per_address} connections")
+            if len(self.conns) >= lim.max_peers:
+                self._make_room(list(self.conns.values()),
+                                f"the draft daemon serves its maximum of {lim.max_peers} connections")
+            old = self.conns[identity] = Conn(identity, principal, address, fd)
+            self.address_conns[address] += 1
+            self.peers.setdefault(principal, Peer(principal)).conns.add(identity)
+        now = time.monotonic()
+        old.name, old.seen = name, now
+        self.peers[principal].seen = now
+        return old
 
+    def _make_room(self, candidates: list[Conn], why: str) -> None:
+        idle = min(candidates, key=lambda c: c.seen, default=None)
+        if idle is None or time.monotonic() - idle.seen < self.limits.evict_idle_s:
+            raise ProtocolError(ErrorCode.BUSY, why)
+        self._drop_conn(idle, "evicted")
+
+    def touch(self, principal: bytes, identity: bytes, fd: int) -> Conn | None:
+        """The connection, if it completed the handshake on this very socket; its lease is
+        renewed. A message on another socket under a known identity is a new connection that
+        reused the identity: the old one is dropped, and the new one must say HELLO."""
+        c = self.conns.get(identity)
+        if c is None:
+            return None
+        if c.fd != fd or c.principal != principal:
+            self._drop_conn(c, "replaced")
+            return None
+        now = time.monotonic()
+        c.seen = now
+        self.peers[principal].seen = now
+        return c
+
+    def disconnected(self, fd: int) -> int:
+        """The connection on socket ``fd`` is gone (the socket monitor says so): forget it."""
+        gone = [c for c in self.conns.values() if c.fd == fd]
+        for c in gone:
+            self._drop_conn(c, "disconnected")
+        return len(gone)
+
+    def _drop_conn(self, c: Conn, why: str) -> None:
+        del self.conns[c.identity]
+        self.address_conns[c.address] -= 1
+        if not self.address_conns[c.address]:
+            del self.address_conns[c.address]
+        peer = self.peers.get(c.principal)
+        if peer is None:
+            return
+        peer.conns.discard(c.identity)
+        if not peer.conns and not self.durable:  # a connection's sessions go with it
+            self._drop_peer(peer, why)
+
+    def _drop_peer(self, peer: Peer, why: str) -> None:
+        for sid in list(peer.sessions):
+            s = self.close(peer.principal, sid)
+            if s is not None:
+                self.dropped.append((s, why))
+        self.peers.pop(peer.principal, None)
+
+    # ------------------------------------------------------------ sessions
     def open(self, principal: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object,
-             evicted: list | None = None) -> Session:
-        """Add (or replace) a session. When the table is full, the least recently used session
-        idle for ``evict_idle_s`` makes room (appended to ``evicted`` so its state can be freed);
-        otherwise the request gets BUSY."""
+             address: str = "") -> Session:
+        """Add (or replace) a session. Beyond a peer's or an address's share the request gets
+        BUSY; when the whole table is full, its least recently used session idle for
+        ``evict_idle_s`` makes room (it lands in ``dropped``), otherwise BUSY."""
+        lim = self.limits
         peer = self.peers[principal]
         key = (principal, sid)
-        old = self.sessions.pop(key, None)  # re-opening replaces the session
+        old = self.close(principal, sid)  # re-opening replaces the session
         if old is None:
-            if len(peer.sessions) >= self.max_per_peer:
-                raise ProtocolError(ErrorCode.BUSY, f"this peer already holds {self.max_per_peer} sessions", sid)
-            if len(self.sessions) >= self.max_sessions:
+            if len(peer.sessions) >= lim.max_sessions_per_peer:
+                raise ProtocolError(ErrorCode.BUSY, f"this peer already holds {lim.max_sessions_per_peer} sessions",
+                                    sid)
+            if not self.durable and self.address_sessions[address] >= lim.max_sessions_per_address:
+                raise ProtocolError(ErrorCode.BUSY, f"address {address or 'ipc'} already holds "
+                                                    f"{lim.max_sessions_per_address} sessions", sid)
+            if len(self.sessions) >= lim.max_sessions:
                 lru = min(self.sessions.values(), key=lambda s: s.touched)
-                if time.monotonic() - lru.touched < self.evict_idle_s:
+                if time.monotonic() - lru.touched < lim.evict_idle_s:
                     raise ProtocolError(ErrorCode.BUSY,
-                                        f"the draft daemon holds its maximum of {self.max_sessions} sessions", sid)
+                                        f"the draft daemon holds its maximum of {lim.max_sessions} sessions", sid)
                 self.close(*lru.key)
-                if evicted is not None:
-                    evicted.append(lru)
-        s = Session(key, params, state, list(prompt))
+                self.dropped.append((lru, "evicted"))
+        s = Session(key, params, state, list(prompt), address)
         self.sessions[key] = s
         peer.sessions.add(sid)
+        self.address_sessions[address] += 1
         return s
 
     def get(self, principal: bytes, sid: int, seq: int | None = None) -> Session:
@@ -129,16 +225,22 @@ class SessionTable:
         peer = self.peers.get(principal)
         if peer is not None:
             peer.sessions.discard(sid)
+        if s is not None:
+            self.address_sessions[s.address] -= 1
+            if not self.address_sessions[s.address]:
+                del self.address_sessions[s.address]
         return s
 
-    def expire(self, now: float | None = None) -> list[Session]:
-        """Drop sessions untouched for the session TTL, and silent peers with all their sessions;
-        return the dropped sessions so their state can be freed."""
+    def expire(self, now: float | None = None) -> None:
+        """Drop connections silent for the peer TTL (with them, their peers' sessions unless
+        durable), peers with no connection silent that long, and sessions untouched for the
+        session TTL; the sessions land in ``dropped``."""
         now = time.monotonic() if now is None else now
-        silent = {k for k, p in self.peers.items() if now - p.seen > self.peer_ttl_s}
-        dropped = [s for s in self.sessions.values() if s.key[0] in silent or now - s.touched > self.ttl_s]
-        for s in dropped:
+        lim = self.limits
+        for c in [c for c in self.conns.values() if now - c.seen > lim.peer_ttl_s]:
+            self._drop_conn(c, "expired")
+        for peer in [p for p in self.peers.values() if not p.conns and now - p.seen > lim.peer_ttl_s]:
+            self._drop_peer(peer, "expired")
+        for s in [s for s in self.sessions.values() if now - s.touched > lim.session_ttl_s]:
             self.close(*s.key)
-        for k in silent:
-            del self.peers[k]
-        return dropped
+            self.dropped.append((s, "expired"))

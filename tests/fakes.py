@@ -27,9 +27,10 @@ class CountingBackend(DraftBackend):
 
     name = "fake"
 
-    def __init__(self, vocab_size: int = 259, fingerprint: str = "fake-tok"):
+    def __init__(self, vocab_size: int = 259, fingerprint: str = "fake-tok", max_len: int | None = None):
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
+        self.max_len = max_len
         self.released = 0
 
     def new_state(self, params):

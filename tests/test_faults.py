@@ -193,5 +193,6 @@ def test_silent_and_vanished_targets_expire_without_hurting_others(tiny_target, 
             time.sleep(0.2)
         s = server.snapshot()
         assert s["peers"] == 1 and s["live_sessions"] == 0
-        assert s["sessions_expired"] >= 3, s
+        # the deaf peer's session expired with its lease; the vanished one's went with its connection
+        assert s["sessions_expired"] >= 1 and s["sessions_disconnected"] >= 2, s
         client.close()

@@ -27,8 +27,9 @@ from common.control import ControlClient
 from common.protocol import ErrorCode, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
-from fakes import nested as nested_list, running_server, speculate
+from fakes import CountingBackend, nested as nested_list, running_server, speculate
 from starsd_draftd.bench.procs import ProcessSet as Daemons
+from starsd_draftd.server import message_limits
 from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import reference_greedy
@@ -44,6 +45,8 @@ REPLY_TYPES = {t.value for t in (MsgType.ERROR, MsgType.WELCOME, MsgType.DRAFTED
 REQUEST_TYPES = [MsgType.HELLO, MsgType.OPEN, MsgType.DRAFT, MsgType.CLOSE, MsgType.STATS, MsgType.PING]
 OTHER_TYPES = [t for t in MsgType if t not in REQUEST_TYPES]
 
+# the daemon refuses messages larger than the largest a target can send to this draft model
+LARGEST_MESSAGE = message_limits(CountingBackend(max_len=512)).max_message_bytes
 FUZZ = dict(deadline=None, database=None, derandomize=True, print_blob=True,
             suppress_health_check=list(HealthCheck))
 
@@ -466,6 +469,8 @@ def test_malformed_messages_on_a_handshaken_connection_get_typed_errors(live):
         @given(case=malformed_message(live))
         def fuzz(case):
             frames, expected = case
+            if sum(map(len, frames)) > LARGEST_MESSAGE:  # beyond what any target could need
+                expected = expected | {"TOO_LARGE"}
             peer.send(frames)
             r = peer.recv(10)
             assert r is not None, f"no reply to {frames!r:.200}"
@@ -541,7 +546,7 @@ def test_garbage_session_traffic_after_a_valid_hello(live):
 @pytest.mark.slow
 def test_many_connections_are_forgotten(live):
     """Hundreds of short-lived connections, most greeting and opening sessions, none closing them:
-    sessions and peers stay within their limits and are purged after the peer TTL."""
+    sessions and peers stay within their limits and go when their connections do."""
     rng = random.Random(1234)
     n = 300
     ctx = zmq.Context()
@@ -568,7 +573,7 @@ def test_many_connections_are_forgotten(live):
         ctx.destroy(linger=0)
     s = wait_stats(live, lambda s: s["peers"] == 0 and s["live_sessions"] == 0, PEER_TTL_S + 8)
     assert s["peers"] == 0 and s["live_sessions"] == 0, s
-    assert s["sessions_expired"] > 0 and s["errors"].get("BUSY", 0) > 0, s
+    assert s["sessions_disconnected"] > 0 and s["errors"].get("BUSY", 0) > 0, s
     # closed connections give their file descriptors back
     deadline = time.monotonic() + 5
     while open_fds(live.pid) > live.baseline_fds + 8 and time.monotonic() < deadline:

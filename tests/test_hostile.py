@@ -11,8 +11,10 @@ import pytest
 import zmq
 
 from common.protocol import ErrorCode, Message, MsgType
+from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
 from fakes import CountingBackend, RawPeer, running_server
+from starsd_draftd.sessions import SessionTable, TableLimits
 from starsd_target.client import Backoff, DraftClient, DraftReply, RemoteDraftSession
 
 
@@ -113,3 +115,121 @@ def test_a_request_larger_than_any_budget_is_refused_before_it_is_decoded():
         r = peer.recv()
         assert ErrorCode(r.header["code"]).name == "TOO_LARGE" and r.header["re"] == "DRAFT"
         assert peer.draft(1, 2, 0, [], 3).type is MsgType.DRAFTED  # the connection goes on
+
+
+# ---------------------------------------------------------------- the tables: connections, addresses
+def _peer_from(ctx, endpoint: str, source: str, identity: bytes | None = None) -> RawPeer:
+    """A raw peer whose TCP connection leaves from ``source`` (another loopback address stands
+    for another host)."""
+    peer = RawPeer.__new__(RawPeer)
+    peer.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
+    if identity is not None:
+        peer.sock.setsockopt(zmq.ROUTING_ID, identity)
+    host, port = endpoint.rsplit(":", 1)
+    peer.sock.connect(f"tcp://{source}:0;{host.split('//')[1]}:{port}")
+    return peer
+
+
+def _code(msg: Message) -> str:
+    return ErrorCode(msg.header["code"]).name if msg.type is MsgType.ERROR else msg.type.name
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_every_connection_says_hello_before_anything_is_served():
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.send(Message(MsgType.PING))
+        assert _code(peer.recv()) == "NO_HANDSHAKE"
+        peer.open(1, [1, 2, 3])
+        assert _code(peer.recv()) == "NO_HANDSHAKE"
+        peer.send(Message(MsgType.STATS))  # operators' status, from this machine
+        assert peer.recv().type is MsgType.STATS_REPLY
+        assert peer.hello().type is MsgType.WELCOME
+        peer.send(Message(MsgType.PING))
+        assert peer.recv().type is MsgType.PONG
+
+
+def test_an_identity_reused_by_a_new_connection_starts_from_nothing():
+    with running_server() as (server, ctx):
+        first = _peer_from(ctx, server.endpoint, "127.0.0.1", identity=b"target-1")
+        assert first.hello().type is MsgType.WELCOME
+        first.open(1, [5, 6, 7])
+        assert first.draft(1, 1, 0, [], 3).type is MsgType.DRAFTED
+        first.sock.close(linger=0)
+        assert _until(lambda: server.stats.disconnects == 1)  # ZeroMQ frees the identity only then
+        second = _peer_from(ctx, server.endpoint, "127.0.0.1", identity=b"target-1")
+        reply = second.draft(1, 2, 0, [], 3)  # the old connection's session, without a HELLO
+        assert _code(reply) == "NO_HANDSHAKE"
+        assert second.hello().type is MsgType.WELCOME
+        assert _code(second.draft(1, 3, 0, [], 3)) == "UNKNOWN_SESSION"  # nothing of the old one is left
+        assert server.stats.sessions_disconnected == 1
+
+
+def test_a_connection_that_goes_takes_its_entry_and_sessions_with_it():
+    backend = CountingBackend()
+    with running_server(backend, peer_ttl_s=3600) as (server, ctx):
+        peers = [RawPeer(ctx, server.endpoint) for _ in range(10)]
+        for peer in peers:
+            assert peer.hello().type is MsgType.WELCOME
+            peer.open(1, [1, 2])
+        assert _until(lambda: server.snapshot()["live_sessions"] == 10)
+        for peer in peers:
+            peer.sock.close(linger=0)
+        # not a TTL later: as soon as the daemon sees the connections close
+        assert _until(lambda: server.snapshot()["peers"] == 0 and server.snapshot()["live_sessions"] == 0)
+        assert backend.released == 10 and server.stats.sessions_disconnected == 10
+
+
+def test_one_address_cannot_fill_the_tables():
+    cfg = dict(max_peers_per_address=4, max_sessions_per_address=12, max_sessions=64, evict_idle_s=3600)
+    with running_server(**cfg) as (server, ctx):
+        hostile = [_peer_from(ctx, server.endpoint, "127.0.0.2") for _ in range(6)]
+        greeted = [_code(p.hello()) for p in hostile]
+        assert greeted.count("WELCOME") == 4 and greeted.count("BUSY") == 2
+        opened = []
+        for p in hostile[:2]:
+            for sid in range(1, 11):
+                p.open(sid, [1, 2, 3])
+            p.send(Message(MsgType.STATS))
+            while (r := p.recv()).type is not MsgType.STATS_REPLY:
+                opened.append(_code(r))
+        assert opened.count("BUSY") == 8 and server.snapshot()["live_sessions"] == 12
+        # a target on another address still gets in, and gets drafts
+        client = _client(server, ctx)
+        s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
+        assert isinstance(_reply(client, s.session, s.send([1, 2, 3], 3)), DraftReply)
+        client.close()
+
+
+def test_throwaway_hellos_give_way_to_a_new_target():
+    with running_server(max_peers=20, max_peers_per_address=1000, evict_idle_s=0.3) as (server, ctx):
+        squatters = [RawPeer(ctx, server.endpoint) for _ in range(40)]
+        codes = [_code(p.hello()) for p in squatters]  # connections that greet and then stay silent
+        assert codes.count("WELCOME") == 20 and codes.count("BUSY") == 20
+        time.sleep(0.4)  # they are idle now: the least recently seen makes room for a newcomer
+        client = _client(server, ctx)
+        s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
+        assert isinstance(_reply(client, s.session, s.send([1, 2, 3], 3)), DraftReply)
+        assert server.snapshot()["peers"] <= 20
+        # the evicted squatter has to greet again
+        squatters[0].send(Message(MsgType.PING))
+        assert _code(squatters[0].recv()) == "NO_HANDSHAKE"
+        client.close()
+
+
+def test_the_table_tells_a_reused_identity_by_its_socket():
+    """Should the disconnect be read after the new connection's first message, the socket it
+    came on still tells the two connections apart."""
+    table = SessionTable(TableLimits())
+    table.welcome(b"id", b"id", "t", "10.0.0.1", fd=7)
+    table.open(b"id", 1, SamplingParams(), [1, 2], state=None, address="10.0.0.1")
+    assert table.touch(b"id", b"id", fd=7) is not None
+    assert table.touch(b"id", b"id", fd=9) is None  # same identity, another socket: a new connection
+    assert not table.sessions and not table.conns and [why for _, why in table.take_dropped()] == ["replaced"]
+    assert not table.address_conns and not table.address_sessions

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from common import protocol as P
-from common.protocol import Message, MsgType
+from common.protocol import ErrorCode, Message, MsgType
 from common.security import client_keys, keygen, server_keys
 from common.sockets import SocketOptions, make_socket
 from fakes import CountingBackend
@@ -88,10 +88,14 @@ def test_sessions_follow_the_key_across_connections(curve_server):
     first.send_multipart(P.encode(Message(MsgType.OPEN, {"session": 1, "prompt": [10],
                                                          "sampling": {"temperature": 0.0}})))
     first.close(linger=0)
-    # the same key on a new connection reaches its session (replies go to the new connection)
+    # the same key on a new connection reaches its session once that connection has said HELLO
+    # (replies go to the new connection)
     second = peer(ctx, server.endpoint, keys)
-    r = ask(second, Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1,
-                                            "depth": 2}))
+    draft = Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2})
+    r = ask(second, draft)
+    assert r.type is MsgType.ERROR and ErrorCode(r.header["code"]) is ErrorCode.NO_HANDSHAKE
+    assert ask(second, HELLO).type is MsgType.WELCOME
+    r = ask(second, draft)
     assert r.type is MsgType.DRAFTED and r.header["tokens"] == [11, 12]
 
 
