@@ -78,6 +78,7 @@ class _Active:
     wanted: bool = False
     ready_at: float = 0.0
     sent_at: float = 0.0
+    prefill_turn: int = 0  # the pass in which it last prefilled a chunk (turns go round)
 
     @property
     def verifiable(self) -> bool:
@@ -102,6 +103,7 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        self._chunks = 0  # prefill chunks run so far: the clock the turns are taken by
         self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
@@ -307,9 +309,14 @@ class Scheduler:
         a.seq, a.ready, a.proposal, a.ready_at = None, True, proposal, time.monotonic()
 
     def _prefill_one(self) -> None:
-        """One chunk of the oldest generation still prefilling (``active`` is in arrival order)."""
-        a = next((a for a in self.active if a.gen.prefilling), None)
-        if a is not None:
+        """One chunk of a generation still prefilling, taking turns: the one whose last chunk is
+        the oldest goes (among equals, the first to arrive), so a short prompt waits one chunk of
+        each long one at most, and a long one still advances every few passes."""
+        prefilling = [a for a in self.active if a.gen.prefilling]
+        if prefilling:
+            a = min(prefilling, key=lambda p: p.prefill_turn)
+            self._chunks += 1
+            a.prefill_turn = self._chunks
             with self._confined(a):
                 a.gen.prefill()
 
