@@ -20,12 +20,11 @@ import zmq
 from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
-from common.sockets import SocketOptions, make_socket
+from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import AllowList, client_keys, server_keys
-from common.sockets import is_loopback_endpoint
 from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics

@@ -156,6 +156,8 @@ class Scheduler:
                 return
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(self._refusal())
+            else:
+                self._count("cancelled")  # cancelled while it waited, as _start counts it
 
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
