@@ -7,6 +7,7 @@ import zmq
 
 from common import protocol as P
 from common.protocol import Message
+from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
 
 
@@ -15,13 +16,16 @@ class ControlTimeout(TimeoutError):
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, ctx: zmq.Context | None = None):
+    """``curve``: client keys (``common.security.client_keys``) for an endpoint that speaks CURVE."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
         self.endpoint = endpoint
         self.ctx = ctx or zmq.Context.instance()
+        self.curve = curve
         self._connect()
 
     def _connect(self) -> None:
-        self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions())
+        self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions(curve=self.curve))
         self.sock.connect(self.endpoint)
 
     def call(self, msg: Message, timeout_s: float) -> Message:

@@ -206,6 +206,13 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") 
     )
 
 
+def context_length(model) -> int | None:
+    """The most positions the model was built for (its config's ``max_position_embeddings``,
+    which GPT-2's ``n_positions`` maps to), or None when its config declares none."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def new_cache(model):
     from transformers import DynamicCache
 

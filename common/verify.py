@@ -23,6 +23,8 @@ import torch
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature overflows float32
+MAX_TOP_K = (1 << 31) - 1  # token ids are int32 on the wire and in torch.topk
+MAX_SEED = (1 << 63) - 1  # the wire protocol's uint range (msgpack cannot carry more)
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,17 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        """Every field within what the verification math and the wire can carry: a value
+        beyond (a top_k msgpack cannot encode, a seed torch cannot take) raises here, where the
+        request came in, instead of in the scheduler thread that later uses it."""
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in 0..{MAX_TOP_K}, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in 0..{MAX_SEED}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,7 @@ from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
-from starsd_target.daemon import TargetConfig, TargetDaemon
+from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
 
 option = env_options("STARSD_TARGET")
 _d = TargetConfig()
@@ -42,6 +42,9 @@ def model_options(f):
                help="This target's CURVE secret key file; enables encryption."),
         option("--curve-server-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                help="The draft daemon's CURVE public key file."),
+        option("--prefill-chunk", type=click.IntRange(1), default=_d.prefill_chunk,
+               help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
+                    "generations' rounds, so it delays them by one chunk at most."),
         logging_options(option),
     ]
     for dec in reversed(decorators):
@@ -53,8 +56,8 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
     return TargetConfig(model=kw["model"], draft=draft, device=kw["device"], dtype=kw["dtype"], depth=kw["depth"],
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
-                        curve_secret=kw["curve_secret"],
-                        curve_server_key=kw["curve_server_key"])
+                        curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
+                        prefill_chunk=kw["prefill_chunk"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -105,7 +108,14 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 
 @main.command()
 @model_options
-@option("--listen", default=_d.listen, help="Local ZeroMQ endpoint that takes generation jobs.")
+@option("--listen", default=_d.listen,
+        help="ZeroMQ endpoint that takes generation jobs: loopback or ipc, unless CURVE is configured "
+             "(--listen-curve-secret, --listen-curve-allow) or --insecure-listen is given.")
+@option("--listen-curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="The job socket's CURVE secret key file (from `starsd-draftd keygen`); needs --listen-curve-allow.")
+@option("--listen-curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Directory of client public keys (*.key) the job socket admits; re-read on SIGHUP.")
+@option("--insecure-listen", is_flag=True, help="Allow a non-loopback --listen without encryption.")
 @option("--max-active", type=click.IntRange(1), default=_d.max_active,
         help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
@@ -116,15 +126,20 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--served-model-name", default=None, help="Model name in the HTTP API (default: the model directory's name).")
 @option("--metrics-port", type=click.IntRange(1, 65535), default=None,
         help="Expose Prometheus metrics on this port (/metrics).")
-@fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
-def serve(listen, max_active, max_queue, http_addr, served_model_name, metrics_port, **kw) -> None:
-    """Keep the target model loaded and take generation jobs on a local endpoint.
+@fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
+def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_queue, http_addr,
+          served_model_name, metrics_port, **kw) -> None:
+    """Keep the target model loaded and take generation jobs on an endpoint.
 
-    SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits."""
+    SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
+    Should the scheduler fail or stall, it exits with status 1, for systemd to restart it."""
     setup_logging(kw["log_level"], kw["log_format"])
-    ctx = zmq.Context()
     cfg = _config(kw, kw["draft"], listen)
     cfg.max_active, cfg.max_queue, cfg.metrics_port = max_active, max_queue, metrics_port
+    cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
+    cfg.insecure_listen = insecure_listen
+    check_listen(cfg)  # before the model loads
+    ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)
     daemon.connect()
     daemon.scheduler()
@@ -133,6 +148,8 @@ def serve(listen, max_active, max_queue, http_addr, served_model_name, metrics_p
         daemon.serve_forever()
     else:
         _serve_http(daemon, http_addr, served_model_name or daemon.loaded.path.name)
+    if daemon.failure is not None:
+        raise daemon.failure  # no ctx.term(): a stalled scheduler thread still holds its socket
     ctx.term()  # returns once the last replies have left, within the sockets' linger
 
 
@@ -158,6 +175,10 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
             await super().startup(sockets)
             if self.started:  # listening now: tell systemd
                 notify("READY=1", f"STATUS=serving HTTP on {addr}")
+
+        async def on_tick(self, counter: int) -> bool:
+            # the job socket's thread ends serving when the scheduler fails: HTTP ends with it
+            return await super().on_tick(counter) or daemon.failure is not None
 
     config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=30)

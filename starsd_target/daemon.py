@@ -1,4 +1,9 @@
-"""The target daemon: a loaded target model, its link to the draft daemon, and a local control socket."""
+"""The target daemon: a loaded target model, its link to the draft daemon, and a job socket.
+
+The job socket (GENERATE, STATS) serves the demo, the bench, `starsd-target status` and scripts
+that speak the wire protocol. It takes jobs from anyone who can reach it, so it binds loopback or
+ipc only, unless CURVE admits just the listed client keys (or --insecure-listen says plaintext
+on purpose), as the draft daemon refuses a routable bind without CURVE."""
 
 from __future__ import annotations
 
@@ -15,13 +20,13 @@ import zmq
 from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
-from common.sockets import SocketOptions, make_socket
+from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
 from common.verify import SamplingParams
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
-from common.security import client_keys
+from common.security import AllowList, client_keys, server_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
-from starsd_target.engine import GenerationResult, TargetEngine
+from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
 
@@ -46,6 +51,24 @@ class TargetConfig:
     metrics_port: int | None = None
     curve_secret: Path | None = None  # this target's .key_secret file
     curve_server_key: Path | None = None  # the draft daemon's public .key file
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill forward, between other rounds
+    listen_curve_secret: Path | None = None  # the job socket's .key_secret file
+    listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
+    insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
+
+
+class ServiceFailed(RuntimeError):
+    """The scheduler died or stalled: the daemon stops serving and exits non-zero to be restarted."""
+
+
+def check_listen(config: TargetConfig) -> None:
+    """ValueError unless the job socket is safe to bind: loopback or ipc, CURVE, or insecure on purpose."""
+    if (config.listen_curve_secret is None) != (config.listen_curve_allow is None):
+        raise ValueError("CURVE on the job socket needs both --listen-curve-secret and --listen-curve-allow")
+    if config.listen_curve_secret is None and not config.insecure_listen and not is_loopback_endpoint(config.listen):
+        raise ValueError(f"refusing to take jobs on {config.listen} without encryption: anyone who reaches it could "
+                         "submit jobs; give --listen-curve-secret and --listen-curve-allow, or --insecure-listen "
+                         "to serve plaintext on a network you trust")
 
 
 class TargetDaemon:
@@ -53,13 +76,17 @@ class TargetDaemon:
         set_torch_threads(config.threads)
         if (config.curve_secret is None) != (config.curve_server_key is None):
             raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
+        check_listen(config)
         self.curve = client_keys(config.curve_secret, config.curve_server_key) if config.curve_secret else None
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
-        self.engine = TargetEngine(self.loaded, depth=config.depth)
+        self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk)
         self.client: DraftClient | None = None
         self._stop = threading.Event()
+        self._reload_keys = threading.Event()  # SIGHUP: re-read --listen-curve-allow
+        self.allow: AllowList | None = None
+        self.failure: ServiceFailed | None = None  # set when serving ended because the scheduler failed
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
         self.served = 0
@@ -125,13 +152,16 @@ class TargetDaemon:
 
     def job(self, prompt: str | list[int], max_tokens: int, params: SamplingParams, stop=(), no_draft: bool = False,
             on_progress=None) -> Job:
-        """A job for the scheduler; ValueError for bad input (empty prompt, ids outside the vocabulary)."""
+        """A job for the scheduler, checked against the target's bounds (``TargetEngine.check``)
+        before it queues: ValueError (InvalidRequest) for bad input, the same for every front end."""
         ids = self._prompt_ids(prompt)
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if max(ids) >= self.loaded.logits_size or min(ids) < 0:
-            raise ValueError(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}")
-        return Job(ids, max_tokens, params, tuple(stop or ()), no_draft=no_draft, on_progress=on_progress)
+        stop = tuple(stop or ())
+        self.engine.check(ids, max_tokens, params, stop)
+        return Job(ids, max_tokens, params, stop, no_draft=no_draft, on_progress=on_progress)
+
+    def healthy(self) -> bool:
+        """The scheduler runs and makes passes: what /health and the systemd watchdog report."""
+        return self._scheduler is not None and self._scheduler.healthy()
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,6 +169,17 @@ class TargetDaemon:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+        signal.signal(signal.SIGHUP, lambda *_: self._reload_keys.set())
+
+    def _job_socket(self) -> zmq.Socket:
+        """The bound ROUTER that takes jobs; CURVE with an allow-list when configured."""
+        curve = None
+        if self.config.listen_curve_secret is not None:
+            curve = server_keys(self.config.listen_curve_secret)
+            self.allow = AllowList(self.ctx, self.config.listen_curve_allow)
+        sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve))
+        sock.bind(self.config.listen)
+        return sock
 
     def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
         """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
@@ -147,10 +188,9 @@ class TargetDaemon:
         sched.start()
         if self.config.metrics_port is not None:
             serve_metrics(self.metrics.registry, self.config.metrics_port)
-        sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions())
-        sock.bind(self.config.listen)
+        sock = self._job_socket()
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("target daemon taking jobs on %s", self.endpoint)
+        log.info("target daemon taking jobs on %s (%s)", self.endpoint, "CURVE" if self.allow else "plaintext")
         if ready is not None:
             ready.set()
         if notify_ready:
@@ -160,14 +200,20 @@ class TargetDaemon:
         pending = 0
         try:
             while not self._stop.is_set():
-                if watchdog.due() and sched.healthy():
+                if not sched.healthy():
+                    self._fail(sched)
+                    break
+                if watchdog.due():
                     watchdog.tick()
+                if self._reload_keys.is_set() and self.allow is not None:
+                    self._reload_keys.clear()
+                    self.allow.reload()
                 if sock.poll(20, zmq.POLLIN):
                     frames = sock.recv_multipart(copy=False)
                     pending += self._on_control(frames, replies)
                 pending -= self._send_replies(sock, replies)
             notify("STOPPING=1", "STATUS=finishing jobs in progress")
-            sched.stop()  # queued jobs fail with SHUTTING_DOWN, running ones finish
+            sched.stop(0.0 if self.failure else 60.0)  # queued jobs fail with SHUTTING_DOWN, running ones finish
             while sock.poll(0, zmq.POLLIN):  # requests that arrived meanwhile are refused
                 pending += self._on_control(sock.recv_multipart(copy=False), replies)
             deadline = time.monotonic() + 5.0
@@ -176,9 +222,19 @@ class TargetDaemon:
             log.info("target daemon stopped")
         finally:
             # give the last replies (results, refusals) a moment to leave
-            sock.close(linger=1000 if self._stop.is_set() else 0)
+            sock.close(linger=1000 if self._stop.is_set() or self.failure else 0)
+            if self.allow is not None:
+                self.allow.stop()
             if self.client is not None and not (sched.thread is not None and sched.thread.is_alive()):
                 self.client.close()  # the scheduler thread owns the link while it runs (ZeroMQ sockets are not thread-safe)
+
+    def _fail(self, sched: Scheduler) -> None:
+        """The scheduler died or stalled: stop serving, for the process to exit non-zero (and
+        systemd to restart it) rather than look alive and serve nothing."""
+        why = f"failed: {sched.failure!r}" if sched.failure is not None else "stalled"
+        self.failure = ServiceFailed(f"the target's scheduler {why}; exiting to be restarted")
+        log.critical("%s", self.failure)
+        notify(f"STATUS=scheduler {why}")
 
     @staticmethod
     def _send_replies(sock: zmq.Socket, replies: queue.Queue, wait_s: float = 0.0) -> int:
@@ -223,6 +279,9 @@ class TargetDaemon:
             future.add_done_callback(lambda f: replies.put((identity, self._result_message(rid, f))))
         except ProtocolError as exc:
             replies.put((identity, P.error_from(exc)))
+        except Exception as exc:  # a request this code did not foresee costs that request only
+            log.exception("a job request failed")
+            replies.put((identity, P.error(ErrorCode.INTERNAL, f"internal error: {exc}")))
         return 1
 
     def _result_message(self, rid: int, future) -> Message:

@@ -15,11 +15,26 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.models import LoadedModel, crop_cache, new_cache
+from common.models import LoadedModel, context_length, crop_cache, new_cache
 from common.tensors import as_torch, to_wire
 from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
 
 log = logging.getLogger("starsd.target.engine")
+
+# Bounds on one request, the same on every front end (HTTP and the job socket): each stop string
+# is searched in the decoded output after every round, so their number and length bound that work.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_NEW_TOKENS = 1 << 16  # for models that declare no context length (those that do are bounded by it)
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward: what one long prompt delays the others by
+
+
+class InvalidRequest(ValueError):
+    """A request outside the target's bounds; ``param`` names the field at fault (for HTTP's error)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Proposal(Protocol):
@@ -111,10 +126,37 @@ def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, depth: int = 5):
+    def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
         self.model = loaded.model
         self.depth = depth
+        self.prefill_chunk = prefill_chunk
+        self.context = context_length(loaded.model)  # None: the model declares none
+
+    def check(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=()) -> None:
+        """InvalidRequest unless the request fits the target's bounds: prompt ids in the
+        vocabulary, prompt plus max_tokens within the model's context, top_k at most the
+        vocabulary, stop strings bounded in number and length. One check for every front end."""
+        if not prompt:
+            raise InvalidRequest("the prompt must hold at least one token", "prompt")
+        if max_tokens < 1:
+            raise InvalidRequest("max_tokens must be >= 1", "max_tokens")
+        if max(prompt) >= self.loaded.logits_size or min(prompt) < 0:
+            raise InvalidRequest(f"prompt token ids must lie in 0..{self.loaded.logits_size - 1}", "prompt")
+        if self.context is not None and len(prompt) + max_tokens > self.context:
+            raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                 f"model's context of {self.context} tokens", "max_tokens")
+        if max_tokens > MAX_NEW_TOKENS:
+            raise InvalidRequest(f"max_tokens must be at most {MAX_NEW_TOKENS}, got {max_tokens}", "max_tokens")
+        if params.top_k > self.loaded.logits_size:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size {self.loaded.logits_size}, "
+                                 f"got {params.top_k}", "top_k")
+        if len(stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS
+                                               for s in stop):
+            raise InvalidRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                                 f"{MAX_STOP_CHARS} characters", "stop")
 
     def encode(self, text: str) -> list[int]:
         tok = self.loaded.tokenizer
@@ -152,7 +194,8 @@ class TargetEngine:
 
     def start(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
               features: bool = False) -> "Generation":
-        """A generation, prefilled, ready for its first round (see Generation)."""
+        """A generation, not yet prefilled: ``prefill()`` it until ``prefilling`` is false, then
+        run its rounds (see Generation). A scheduler interleaves the chunks with other rounds."""
         return Generation(self, prompt, max_tokens, params, stop, features)
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
@@ -162,6 +205,8 @@ class TargetEngine:
         ``starsd_target.scheduler.Scheduler`` (one job or many), never through this loop."""
         g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0)
         try:
+            while g.prefilling:
+                g.prefill()
             while not g.done:
                 depth = g.draft_depth()
                 prop = None
@@ -188,6 +233,10 @@ class TargetEngine:
 class Generation:
     """One request's state between rounds, so a scheduler can interleave many of them.
 
+    Prefill: the prompt but its last token enters the cache in chunks of the engine's
+    ``prefill_chunk``, one per ``prefill()`` call while ``prefilling``, so that a scheduler can
+    verify other generations' rounds between the chunks of a long prompt.
+
     Round protocol: ``draft_depth()`` says how many drafts are worth asking for (0: none),
     ``features()`` gives what feature-based drafters need, ``verify(proposal)`` runs the
     target's forward over the proposal and appends the kept tokens. ``done`` turns true at
@@ -196,12 +245,7 @@ class Generation:
     def __init__(self, engine: TargetEngine, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop=(), features: bool = False):
         loaded = engine.loaded
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if max(prompt) >= loaded.logits_size or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must lie in 0..{loaded.logits_size - 1}")
+        engine.check(prompt, max_tokens, params, tuple(stop or ()))
         self.engine = engine
         self.max_tokens = max_tokens
         self.params = params
@@ -217,11 +261,23 @@ class Generation:
         self.feats = None
         if features:
             self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))
-        if len(self.tokens) > 1:
-            _, hidden = engine._forward(self.cache, self.tokens[:-1], self.feats is not None)
-            if self.feats is not None:
-                self.feats.append(hidden.to("cpu", self.feats.buf.dtype))
-        self.stats.prefill_s = time.perf_counter() - self.t_start
+        self.to_prefill = len(prompt) - 1  # the prompt but its last token (a round feeds that one)
+        self.prefilled = 0  # of those, in the cache so far
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt positions are still to enter the cache: no round can run yet."""
+        return self.prefilled < self.to_prefill
+
+    def prefill(self) -> None:
+        """Feed the next chunk of the prompt into the cache (and its features, if collected)."""
+        t0 = time.perf_counter()
+        end = min(self.prefilled + self.engine.prefill_chunk, self.to_prefill)
+        _, hidden = self.engine._forward(self.cache, self.tokens[self.prefilled: end], self.feats is not None)
+        if self.feats is not None:
+            self.feats.append(hidden.to("cpu", self.feats.buf.dtype))
+        self.prefilled = end
+        self.stats.prefill_s += time.perf_counter() - t0
 
     def draft_depth(self) -> int:
         return 0 if self.done else min(self.engine.depth, self.max_tokens - len(self.out) - 1)
@@ -233,6 +289,8 @@ class Generation:
         """One round: verify ``prop`` (None: the target alone). Returns how many drafts were kept,
         or None when the proposal was unusable. ``wanted`` says drafts were asked for this round,
         so a round without them counts as a fallback."""
+        if self.prefilling:
+            raise RuntimeError("a round cannot run before the prompt is prefilled")
         engine, stats = self.engine, self.stats
         depth = self.draft_depth()
         if prop is not None and not engine._valid(prop, depth, self.params.greedy):

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API of a target daemon (FastAPI): completions, chat completions, models,
 health. Requests become scheduler jobs (first come, first served, each its own draft session);
-bad requests get 400 in OpenAI's error shape; a full queue 429, a stopping daemon 503."""
+bad requests get 400 in OpenAI's error shape; a full queue 429, a stopping daemon 503. Every
+field is bounded here or by ``TargetEngine.check`` (the bounds the job socket applies too), and a
+client that hangs up cancels its job."""
 
 from __future__ import annotations
 
@@ -15,11 +17,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.verify import SamplingParams
-from starsd_target.engine import Generation, GenerationResult
-from starsd_target.scheduler import Overloaded, ShuttingDown
+from common.verify import MAX_SEED, MAX_TOP_K, SamplingParams
+from starsd_target.engine import Generation, GenerationResult, InvalidRequest
+from starsd_target.scheduler import Job, Overloaded, ShuttingDown
 
 MAX_TOKENS_DEFAULT = 16
+DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready; its job was cancelled."""
 
 
 class ApiError(Exception):
@@ -37,12 +44,12 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # an extension many servers accept
+    max_tokens: int | None = Field(default=None, ge=1)  # the upper bound is the model's (TargetEngine.check)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)  # an extension many servers accept
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
     n: int = 1
 
@@ -54,12 +61,10 @@ class _Sampling(BaseModel):
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings as a tuple (their bounds are checked with the rest of the job's)."""
         if self.stop is None:
             return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, "stop takes up to 4 non-empty strings", param="stop")
-        return stops
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class CompletionRequest(_Sampling):
@@ -122,7 +127,10 @@ def create_app(daemon, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while the scheduler runs; 503 once it died or stalled (the daemon then exits)."""
         status = daemon.status()
+        if not daemon.healthy():
+            return JSONResponse(status_code=503, content={"status": "unhealthy", **status})
         return {"status": "ok", **status}
 
     @app.get("/v1/models")
@@ -130,7 +138,7 @@ def create_app(daemon, model_name: str) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "starsd"}]}
 
-    def _submit(prompt_ids: list[int], req: _Sampling, on_progress=None):
+    def _submit(prompt_ids: list[int], req: _Sampling, on_progress=None) -> Job:
         req.checked()
         if req.model is not None and req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
@@ -138,7 +146,10 @@ def create_app(daemon, model_name: str) -> FastAPI:
         try:
             job = daemon.job(prompt_ids, req.max_tokens or MAX_TOKENS_DEFAULT, req.params(), req.stops(),
                              on_progress=on_progress)
-            return daemon.submit(job)
+            daemon.submit(job)
+            return job
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -160,13 +171,12 @@ def create_app(daemon, model_name: str) -> FastAPI:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def _run(prompt_ids: list[int], req: _Sampling, kind: str):
+    async def _run(request: Request, prompt_ids: list[int], req: _Sampling, kind: str):
         """A finished response, or a streaming one; ``kind`` is "text" or "chat"."""
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         now = int(time.time())
         if not req.stream:
-            future = _submit(prompt_ids, req)
-            result = await _await(future)
+            result = await _await(request, _submit(prompt_ids, req))
             choice = {"index": 0, "finish_reason": result.finish_reason}
             if kind == "chat":
                 choice["message"] = {"role": "assistant", "content": result.text}
@@ -184,7 +194,7 @@ def create_app(daemon, model_name: str) -> FastAPI:
             if text:
                 loop.call_soon_threadsafe(deltas.put_nowait, text)
 
-        future = _submit(prompt_ids, req, on_progress)
+        job = _submit(prompt_ids, req, on_progress)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
@@ -199,49 +209,76 @@ def create_app(daemon, model_name: str) -> FastAPI:
             return f"data: {json.dumps(body)}\n\n"
 
         async def events():
-            yield chunk("", None, first=True)
-            wrapped = asyncio.wrap_future(future)
-            while True:
-                getter = asyncio.ensure_future(deltas.get())
-                done, _ = await asyncio.wait({getter, wrapped}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield chunk(getter.result(), None)
-                    continue
-                getter.cancel()
-                break
-            while not deltas.empty():
-                yield chunk(deltas.get_nowait(), None)
+            """The chunks as the generation grows. However the stream ends early (the client
+            hung up, the server closed the response), the job is cancelled with it."""
+            wrapped = asyncio.wrap_future(job.future)
             try:
-                result = wrapped.result()
-            except Exception as exc:  # the generation failed after streaming began
-                err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
-                yield f"data: {json.dumps(err)}\n\n"
+                yield chunk("", None, first=True)
+                while True:
+                    getter = asyncio.ensure_future(deltas.get())
+                    try:
+                        done = await _wait(request, job, getter, wrapped)
+                    finally:
+                        getter.cancel()
+                    if getter in done:
+                        yield chunk(getter.result(), None)
+                        continue
+                    break
+                while not deltas.empty():
+                    yield chunk(deltas.get_nowait(), None)
+                try:
+                    result = wrapped.result()
+                except Exception as exc:  # the generation failed after streaming began
+                    err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
+                yield chunk(stream.final(result.text), result.finish_reason)
+                yield "data: [DONE]\n\n"
+            except ClientGone:
                 return
-            yield chunk(stream.final(result.text), result.finish_reason)
-            yield "data: [DONE]\n\n"
+            finally:
+                if not job.future.done():
+                    job.cancel()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def _await(future) -> GenerationResult:
+    async def _wait(request: Request, job: Job, *waitables) -> set:
+        """Those of ``waitables`` done first; ClientGone, with the job cancelled, if the client
+        disconnects meanwhile (looked at every DISCONNECT_POLL_S)."""
+        while True:
+            done, _ = await asyncio.wait(waitables, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return done
+            if await request.is_disconnected():
+                job.cancel()
+                raise ClientGone()
+
+    async def _await(request: Request, job: Job) -> GenerationResult:
+        wrapped = asyncio.wrap_future(job.future)
         try:
-            return await asyncio.wrap_future(future)
+            await _wait(request, job, wrapped)
+            return wrapped.result()
+        except ClientGone:
+            raise ApiError(499, "the client closed the request", "cancelled") from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), "server_error") from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+        except Exception as exc:
+            raise ApiError(500, f"generation failed: {exc}", "server_error") from None
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         if req.logprobs is not None or req.echo:
             raise ApiError(400, "logprobs and echo are not supported", param="logprobs" if req.logprobs else "echo")
-        return await _run(_encode_prompt(req.prompt), req, "text")
+        return await _run(request, _encode_prompt(req.prompt), req, "text")
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
         text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
                                              add_generation_prompt=True)
-        return await _run(_encode_prompt(text), req, "chat")
+        return await _run(request, _encode_prompt(text), req, "chat")
 
     return app

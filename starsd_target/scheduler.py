@@ -5,11 +5,17 @@ generation that needs one, collects whatever replies have arrived, and verifies 
 whose drafts are in (or whose deadline passed: that round runs without drafts). While one
 generation waits for its drafts, another is verified: work conservation at the target, the
 mirror of the draft daemon's. Jobs are admitted first come, first served.
+
+A long prompt is prefilled one chunk per pass, between the other generations' rounds, so it
+delays them by one chunk at most. Whatever one job brings (its parameters, its draft session,
+its streaming callback) can fail that job only; should the loop itself fail, its jobs fail at
+once and ``healthy()`` turns false, for the daemon to exit and be restarted.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -33,6 +39,14 @@ class ShuttingDown(RuntimeError):
     """The target daemon is stopping and takes no new jobs."""
 
 
+class SchedulerFailed(ShuttingDown):
+    """The scheduler's loop died: its jobs fail with this, and the daemon exits to be restarted."""
+
+
+class Cancelled(RuntimeError):
+    """The job was cancelled (its client went away) and dropped before its end."""
+
+
 @dataclass
 class Job:
     prompt: list[int]
@@ -44,6 +58,13 @@ class Job:
     draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     submitted: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Abandon the job (from any thread): a queued one never starts; a running one is dropped
+        at the scheduler's next pass, its cache freed and its draft session closed."""
+        self.cancelled = True
+        self.future.cancel()  # takes effect only while the job waits in the queue
 
 
 @dataclass
@@ -57,6 +78,12 @@ class _Active:
     wanted: bool = False
     ready_at: float = 0.0
     sent_at: float = 0.0
+    prefill_turn: int = 0  # the pass in which it last prefilled a chunk (turns go round)
+
+    @property
+    def verifiable(self) -> bool:
+        """Its drafts are in (or given up) and its prompt is in the cache: a round can run."""
+        return self.ready and not self.gen.prefilling
 
 
 class Scheduler:
@@ -69,10 +96,14 @@ class Scheduler:
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.heartbeat_s = heartbeat_s
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # orders submit() against the refusal of new jobs
         self._accepting = True
+        self.failure: BaseException | None = None  # what killed the loop, if it died
         self.active: list[_Active] = []
         self.completed = 0
         self.failed = 0
+        self.cancelled = 0
+        self._chunks = 0  # prefill chunks run so far: the clock the turns are taken by
         self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
@@ -80,29 +111,24 @@ class Scheduler:
 
     # ------------------------------------------------------------ public
     def submit(self, job: Job) -> concurrent.futures.Future:
-        if not self._accepting:
-            raise ShuttingDown("the target daemon is shutting down")
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise Overloaded(f"{self.jobs.maxsize} jobs are already waiting") from None
+        with self._lock:
+            if not self._accepting:
+                raise self._refusal()
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise Overloaded(f"{self.jobs.maxsize} jobs are already waiting") from None
         return job.future
 
     def start(self) -> None:
+        self.last_pass = time.monotonic()
         self.thread = threading.Thread(target=self.run, name="starsd-scheduler", daemon=True)
         self.thread.start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Take no new jobs, fail the queued ones, finish those in progress, then stop the thread."""
-        self._accepting = False
         self._stop.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ShuttingDown("the target daemon is shutting down"))
+        self._refuse_queued()
         if self.thread is not None:
             self.thread.join(timeout_s)
 
@@ -112,11 +138,42 @@ class Scheduler:
 
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
-                "failed": self.failed}
+                "failed": self.failed, "cancelled": self.cancelled}
+
+    def _refusal(self) -> ShuttingDown:
+        if self.failure is not None:
+            return SchedulerFailed(f"the target's scheduler failed ({self.failure!r}); the daemon is restarting")
+        return ShuttingDown("the target daemon is shutting down")
+
+    def _refuse_queued(self) -> None:
+        """Take no new jobs; fail those still queued with the reason."""
+        with self._lock:
+            self._accepting = False
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(self._refusal())
+            else:
+                self._count("cancelled")  # cancelled while it waited, as _start counts it
 
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
-        """The round driver, in the scheduler's thread (``start()``)."""
+        """The round driver, in the scheduler's thread (``start()``). Should it fail outside any
+        one job, every job it holds fails at once with SchedulerFailed and the thread ends
+        (``healthy()`` then says so): never a loop that looks alive and serves nothing."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.critical("the scheduler loop failed; failing its jobs", exc_info=True)
+            self.failure = exc
+            self._refuse_queued()
+            for a in list(self.active):
+                self._finish(a, self._refusal())
+
+    def _loop(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
         while True:
             self.last_pass = time.monotonic()
@@ -153,10 +210,23 @@ class Scheduler:
         return future.result()
 
     def _step(self) -> None:
-        """One pass over the active generations: requests out, replies in, one round verified."""
+        """One pass over the active generations: cancelled ones dropped, requests out, replies
+        in, one prefill chunk and one round verified."""
+        for a in [a for a in self.active if a.job.cancelled]:
+            self._finish(a, Cancelled("the request was cancelled"))
         self._request_drafts()
         self._collect()
+        self._prefill_one()
         self._verify_one()
+
+    @contextlib.contextmanager
+    def _confined(self, a: _Active):
+        """Whatever goes wrong in one job's work fails that job alone; the loop goes on."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("a generation failed")
+            self._finish(a, exc)
 
     def _admit(self) -> None:
         while len(self.active) < self.max_active and not self._stop.is_set():
@@ -168,6 +238,7 @@ class Scheduler:
 
     def _start(self, job: Job) -> None:
         if not job.future.set_running_or_notify_cancel():
+            self._count("cancelled")  # cancelled while it waited
             return
         try:
             client = None if job.no_draft else self.link()
@@ -178,70 +249,92 @@ class Scheduler:
             features = client is not None and client.feature_size > 0
             gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features)
         except Exception as exc:  # a bad job fails alone
-            self.failed += 1
-            job.future.set_exception(exc)
+            self._settle(job, exc=exc)
             return
         self.active.append(_Active(job, gen, drafts))
 
     def _request_drafts(self) -> None:
+        """Draft requests for the generations that want one. One whose drafter needs features
+        waits for its prefill (the features come from it); the others ask at once, so the draft
+        daemon prefills its side while the target prefills its own."""
         now = time.monotonic()
-        for a in self.active:
-            if a.ready or a.seq is not None:
+        for a in list(self.active):
+            if a.ready or a.seq is not None or (a.gen.prefilling and a.gen.feats is not None):
                 continue
-            depth = a.gen.draft_depth()
-            a.wanted = a.drafts is not None and depth > 0
-            if a.wanted:
-                a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
-                if a.seq is not None:
-                    a.sent_at = time.perf_counter()
-                    continue
-            a.ready, a.proposal, a.ready_at = True, None, now
+            with self._confined(a):
+                self._request(a, now)
+
+    @staticmethod
+    def _request(a: _Active, now: float) -> None:
+        depth = a.gen.draft_depth()
+        a.wanted = a.drafts is not None and depth > 0
+        if a.wanted:
+            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
+            if a.seq is not None:
+                a.sent_at = time.perf_counter()
+                return
+        a.ready, a.proposal, a.ready_at = True, None, now
+
+    def _busy(self) -> bool:
+        """The target has work besides waiting for drafts: a round to verify or a chunk to prefill."""
+        return any(a.verifiable or a.gen.prefilling for a in self.active)
 
     def _collect(self) -> None:
         """Take the replies that have come. A request the link says is lost is given up (its
-        round runs without drafts) once no other generation is ready to verify, or past the cap
+        round runs without drafts) once the target has nothing else to do, or past the cap
         in any case: while the target has other work, waiting costs nothing."""
         waiting = [a for a in self.active if a.seq is not None]
         if not waiting:
             return
         client = waiting[0].drafts.client
         now = time.monotonic()
-        any_ready = any(a.ready for a in self.active)
-        timeout = 0.0 if any_ready else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
+        timeout = 0.0 if self._busy() else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
         client.poll(timeout)
         left = []
         for a in waiting:
-            reply = a.drafts.client.take(a.drafts.session, a.seq)
-            if reply is None:
-                left.append(a)
-                continue
-            if self.metrics is not None:
-                self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
-            self._ready(a, a.drafts.resolve(reply))
-        idle = not any(a.ready for a in self.active)
+            with self._confined(a):
+                reply = client.take(a.drafts.session, a.seq)
+                if reply is None:
+                    left.append(a)
+                    continue
+                if self.metrics is not None:
+                    self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
+                self._ready(a, a.drafts.resolve(reply))
+        idle = not self._busy()
         for a in left:
-            if not client.up or a.drafts.expired(idle):
-                self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
+            with self._confined(a):
+                if not client.up or a.drafts.expired(idle):
+                    self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
 
     @staticmethod
     def _ready(a: _Active, proposal) -> None:
         a.seq, a.ready, a.proposal, a.ready_at = None, True, proposal, time.monotonic()
 
+    def _prefill_one(self) -> None:
+        """One chunk of a generation still prefilling, taking turns: the one whose last chunk is
+        the oldest goes (among equals, the first to arrive), so a short prompt waits one chunk of
+        each long one at most, and a long one still advances every few passes."""
+        prefilling = [a for a in self.active if a.gen.prefilling]
+        if prefilling:
+            a = min(prefilling, key=lambda p: p.prefill_turn)
+            self._chunks += 1
+            a.prefill_turn = self._chunks
+            with self._confined(a):
+                a.gen.prefill()
+
     def _verify_one(self) -> None:
-        ready = [a for a in self.active if a.ready]
-        if not ready:
-            return
-        a = min(ready, key=lambda r: r.ready_at)  # the longest-waiting generation goes first
+        ready = [a for a in self.active if a.verifiable]
+        if ready:
+            a = min(ready, key=lambda r: r.ready_at)  # the longest-waiting generation goes first
+            with self._confined(a):
+                self._round(a)
+
+    def _round(self, a: _Active) -> None:
         before = len(a.gen.out)
         s = a.gen.stats
         counts = (s.drafted, s.accepted, s.fallback_rounds, len(a.gen.tokens))
         t0 = time.perf_counter()
-        try:
-            n = a.gen.verify(a.proposal, wanted=a.wanted)
-        except Exception as exc:
-            log.exception("generation failed")
-            self._finish(a, exc)
-            return
+        n = a.gen.verify(a.proposal, wanted=a.wanted)
         if a.proposal is not None and n is not None:
             a.drafts.kept(n)
         verify_s = time.perf_counter() - t0
@@ -259,16 +352,39 @@ class Scheduler:
             self._finish(a, None)
 
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
+        """Take ``a`` off the model (its cache goes with it), close its draft session, settle its job."""
         self.active.remove(a)
         if self.metrics is not None:
-            self.metrics.requests.labels(outcome="error" if exc is not None else "ok").inc()
             self.metrics.active.set(len(self.active))
         if a.drafts is not None:
-            a.drafts.close()
-        if exc is not None:
+            try:
+                a.drafts.close()
+            except Exception:
+                log.exception("closing a draft session failed")
+        result = None
+        if exc is None:
+            try:
+                result = a.gen.result()
+            except Exception as err:
+                log.exception("a generation failed at its end")
+                exc = err
+        self._settle(a.job, result, exc)
+
+    def _settle(self, job: Job, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:
+        """Give a started job its outcome, and count it."""
+        if exc is None:
+            job.future.set_result(result)
+            self._count("ok")
+        else:
+            job.future.set_exception(exc)
+            self._count("cancelled" if isinstance(exc, Cancelled) else "error")
+
+    def _count(self, outcome: str) -> None:
+        if outcome == "ok":
+            self.completed += 1
+        elif outcome == "cancelled":
+            self.cancelled += 1
+        else:
             self.failed += 1
-            a.job.future.set_exception(exc)
-            return
-        result: GenerationResult = a.gen.result()
-        self.completed += 1
-        a.job.future.set_result(result)
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome=outcome).inc()

@@ -17,7 +17,7 @@ from fakes import RawPeer, running_server, speculate
 from starsd_draftd.backends.model import ModelBackend
 from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
-from tiny_models import reference_greedy
+from tiny_models import make_tiny_checkpoint, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -126,11 +126,13 @@ def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, 
         d.close()
 
 
-def test_sigterm_target_finishes_current_job_and_refuses_queued(tiny_target, star):
+def test_sigterm_target_finishes_current_job_and_refuses_queued(tmp_path, star):
     d = star
+    # a context long enough for a job that outlasts the signal (prompt plus max_tokens must fit it)
+    long_target = make_tiny_checkpoint(tmp_path / "long", "llama", seed=1, hidden=48, layers=2, context=2048)
     try:
         ep = free_tcp_endpoint()
-        d.start("t", "starsd_target", "serve", "--model", str(tiny_target), "--listen", ep, "--draft",
+        d.start("t", "starsd_target", "serve", "--model", str(long_target), "--listen", ep, "--draft",
                 free_tcp_endpoint(), "--connect-timeout", "0", "--max-active", "1")
         d.wait_ready("t", ep)
         out = {}
