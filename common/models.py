@@ -213,6 +213,16 @@ def context_length(model) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes one position occupies in a KV cache of this architecture (keys and values of every
+    layer, or of ``layers``), from its config: what a session's cache grows by per token."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    n = layers if layers is not None else getattr(config, "num_hidden_layers", None) or config.n_layer
+    return 2 * n * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def new_cache(model):
     from transformers import DynamicCache
 

@@ -17,6 +17,7 @@ from starsd_draftd.server import ServerConfig
 
 option = env_options("STARSD_DRAFTD")
 _s = ServerConfig()
+_MIB = 1 << 20
 
 TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
            "demo": "starsd_draftd.demo.cli:demo", "train-eagle": "starsd_draftd.demo.cli:train_eagle"}
@@ -70,6 +71,14 @@ def main() -> None:
 @option("--max-peer-queue-mib", type=click.IntRange(1), default=_s.max_peer_queue_bytes >> 20,
         help="Memory one target's queued requests may hold (MiB); BUSY beyond, TOO_LARGE for one request "
              "larger than this.")
+@option("--max-kv-mib", type=click.IntRange(1), default=_s.max_kv_bytes >> 20,
+        help="Draft cache memory all sessions may hold (MiB, estimated per position from the draft model's "
+             "config); beyond, idle sessions make room, else BUSY.")
+@option("--max-peer-kv-mib", type=click.IntRange(1), default=_s.max_peer_kv_bytes >> 20,
+        help="Draft cache memory one target's sessions may hold (MiB); BUSY beyond.")
+@option("--max-session-kv-mib", type=click.IntRange(1), default=_s.max_session_kv_bytes >> 20,
+        help="Draft cache memory one session may hold (MiB); TOO_LARGE beyond (that generation goes on "
+             "without drafts).")
 @option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
         help="Seconds after which a silent session is dropped and its cache freed.")
 @option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
@@ -91,28 +100,32 @@ def main() -> None:
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, bind, depth, device, dtype, batch_max, batch_window_ms, q_topk,
-          max_sessions, max_sessions_per_peer, max_peers, max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue, max_peer_queue_mib, session_ttl,
-          peer_ttl, evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port, threads, lookup,
-          log_level, log_format) -> None:
+def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads, lookup, log_level, log_format,
+          **limits) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
     to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
-    server = ServerConfig(bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
-                          max_sessions=max_sessions,
-                          max_sessions_per_peer=max_sessions_per_peer, max_queue=max_queue, max_peers=max_peers,
-                          max_peers_per_address=max_peers_per_address,
-                          max_sessions_per_address=max_sessions_per_address,
-                          max_queue_bytes=max_queue_mib << 20, max_peer_queue=max_peer_queue,
-                          max_peer_queue_bytes=max_peer_queue_mib << 20,
-                          session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle,
-                          drain_s=drain_timeout,
-                          curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure,
-                          metrics_port=metrics_port)
+    server = _server_config(**limits)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
                             device=device, dtype=dtype, q_topk=q_topk, threads=threads, lookup=lookup))
+
+
+def _server_config(bind, depth, batch_max, batch_window_ms, max_sessions, max_sessions_per_peer, max_peers,
+                   max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue,
+                   max_peer_queue_mib, max_kv_mib, max_peer_kv_mib, max_session_kv_mib, session_ttl, peer_ttl,
+                   evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port) -> ServerConfig:
+    """The serving loop's configuration from the command line's units (ms, MiB)."""
+    return ServerConfig(
+        bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
+        max_sessions=max_sessions, max_sessions_per_peer=max_sessions_per_peer, max_peers=max_peers,
+        max_peers_per_address=max_peers_per_address, max_sessions_per_address=max_sessions_per_address,
+        max_queue=max_queue, max_queue_bytes=max_queue_mib * _MIB, max_peer_queue=max_peer_queue,
+        max_peer_queue_bytes=max_peer_queue_mib * _MIB, max_kv_bytes=max_kv_mib * _MIB,
+        max_peer_kv_bytes=max_peer_kv_mib * _MIB, max_session_kv_bytes=max_session_kv_mib * _MIB,
+        session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle, drain_s=drain_timeout,
+        curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure, metrics_port=metrics_port)
 
 
 @main.command()

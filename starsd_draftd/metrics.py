@@ -65,6 +65,8 @@ class DraftMetrics:
         yield GaugeMetricFamily("starsd_draftd_peers", "Targets that completed the handshake", value=s["peers"])
         yield GaugeMetricFamily("starsd_draftd_queue_bytes", "Memory held by queued draft requests (estimated)",
                                 value=s["queue_bytes"])
+        yield GaugeMetricFamily("starsd_draftd_kv_bytes", "Cache memory reserved by sessions (estimated)",
+                                value=s["kv_bytes"])
         limits = GaugeMetricFamily("starsd_draftd_limit", "Configured bounds, by name", labels=["name"])
         for name, value in sorted(s["limits"].items()):
             limits.add_metric([name], value)

@@ -52,6 +52,10 @@ class ServerConfig:
     # Without CURVE every connection is its own principal: bound what one remote address may hold.
     max_peers_per_address: int = 64
     max_sessions_per_address: int = 256
+    # Cache memory, estimated per position from the drafter's config: in all, per target, per session
+    max_kv_bytes: int = 4 << 30
+    max_peer_kv_bytes: int = 1 << 30
+    max_session_kv_bytes: int = 256 << 20
     max_queue: int = 4096
     # Queued draft requests are charged what they hold in memory, estimated from their frame sizes
     # (QueueCost); beyond a budget a request gets BUSY. Per peer too, so no one target's backlog
@@ -172,7 +176,8 @@ class DraftServer:
         c = config
         self.sessions = SessionTable(TableLimits(c.max_sessions, c.max_sessions_per_peer, c.session_ttl_s, c.peer_ttl_s,
                                                  c.max_peers, c.evict_idle_s, c.max_peers_per_address,
-                                                 c.max_sessions_per_address),
+                                                 c.max_sessions_per_address, backend.kv_bytes_per_token,
+                                                 c.max_kv_bytes, c.max_peer_kv_bytes, c.max_session_kv_bytes),
                                      durable=c.curve_secret is not None)
         self.q_in: collections.deque[tuple[bytes, bytes, Message, int]] = collections.deque()  # ..., cost
         self.queue_bytes = 0
@@ -528,7 +533,8 @@ class DraftServer:
         old = self.sessions.close(principal, sid)
         if old is not None:
             self.backend.release(old.state)
-        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), address)
+        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), address,
+                           reserve=len(prompt) + self.config.max_depth)
         self.stats.sessions_opened += 1
 
     def _check_len(self, length: int, sid, seq) -> None:
@@ -612,6 +618,7 @@ class DraftServer:
                 f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
                 sid, seq)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
+        self.sessions.reserve(session, h["pos"] + h["depth"], seq)  # refused: the target re-opens it
         if features is not None:
             session.features += features.shape[0]
         return DraftRequest(session.state, session.verified, h["depth"], features)
@@ -625,6 +632,8 @@ class DraftServer:
             except ProtocolError as exc:
                 exc.re = MsgType.DRAFT
                 self._error(identity, exc)
+        if self.sessions.dropped:  # sessions evicted to make room for these
+            self._free_dropped()
         if not admitted:
             return
         t0 = time.perf_counter()
@@ -672,6 +681,7 @@ class DraftServer:
     def snapshot(self) -> dict:
         snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.conns))
         snap["addresses"] = len(self.sessions.address_conns)
+        snap["kv_bytes"] = self.sessions.kv_bytes
         snap["backend"] = self.backend.counters()
         snap["queue_bytes"] = self.queue_bytes
         snap["limits"] = self.budgets()
@@ -684,4 +694,6 @@ class DraftServer:
                 "max_peer_queue_bytes": c.max_peer_queue_bytes, "max_sessions": c.max_sessions,
                 "max_sessions_per_peer": c.max_sessions_per_peer, "max_peers": c.max_peers,
                 "max_peers_per_address": c.max_peers_per_address,
-                "max_sessions_per_address": c.max_sessions_per_address}
+                "max_sessions_per_address": c.max_sessions_per_address, "max_kv_bytes": c.max_kv_bytes,
+                "max_peer_kv_bytes": c.max_peer_kv_bytes, "max_session_kv_bytes": c.max_session_kv_bytes,
+                "kv_bytes_per_token": self.backend.kv_bytes_per_token}

@@ -27,6 +27,7 @@ class Session:
     state: object  # the backend's per-session state
     verified: list[int]
     address: str = ""  # the remote address that opened it (per-address accounting)
+    reserved: int = 0  # positions of cache memory reserved for it (verified tokens plus drafts)
     last_draft: list[int] = field(default_factory=list)
     features: int = 0  # target features held (feature backends): one per verified token but the last
     last_seq: int = -1
@@ -83,6 +84,7 @@ class Peer:
     conns: set[bytes] = field(default_factory=set)  # identities of its live connections
     sessions: set[int] = field(default_factory=set)
     seen: float = field(default_factory=time.monotonic)
+    kv_bytes: int = 0  # cache memory reserved for its sessions
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,11 @@ class TableLimits:
     evict_idle_s: float = 10.0  # a full table gives way to its least recently used entry idle this long
     max_peers_per_address: int = 64  # without CURVE
     max_sessions_per_address: int = 256  # without CURVE
+    # Cache memory, estimated from the drafter's config (0 bytes per token: nothing to bound)
+    kv_bytes_per_token: int = 0
+    max_kv_bytes: int = 4 << 30
+    max_peer_kv_bytes: int = 1 << 30
+    max_session_kv_bytes: int = 256 << 20
 
 
 class SessionTable:
@@ -106,6 +113,7 @@ class SessionTable:
         self.sessions: dict[tuple[bytes, int], Session] = {}
         self.address_conns: collections.Counter[str] = collections.Counter()
         self.address_sessions: collections.Counter[str] = collections.Counter()
+        self.kv_bytes = 0  # cache memory reserved, all sessions
         self.dropped: list[tuple[Session, str]] = []  # (session, why) dropped by the table, not yet freed
 
     def take_dropped(self) -> list[tuple[Session, str]]:
@@ -186,10 +194,11 @@ class SessionTable:
 
     # ------------------------------------------------------------ sessions
     def open(self, principal: bytes, sid: int, params: SamplingParams, prompt: list[int], state: object,
-             address: str = "") -> Session:
-        """Add (or replace) a session. Beyond a peer's or an address's share the request gets
-        BUSY; when the whole table is full, its least recently used session idle for
-        ``evict_idle_s`` makes room (it lands in ``dropped``), otherwise BUSY."""
+             address: str = "", reserve: int = 0) -> Session:
+        """Add (or replace) a session, with cache memory for ``reserve`` positions. Beyond a
+        peer's or an address's share the request gets BUSY; when the whole table is full, its
+        least recently used session idle for ``evict_idle_s`` makes room (it lands in
+        ``dropped``), otherwise BUSY."""
         lim = self.limits
         peer = self.peers[principal]
         key = (principal, sid)
@@ -212,7 +221,42 @@ class SessionTable:
         self.sessions[key] = s
         peer.sessions.add(sid)
         self.address_sessions[address] += 1
+        try:
+            self.reserve(s, reserve)
+        except ProtocolError:
+            self.close(principal, sid)
+            raise
         return s
+
+    def reserve(self, s: Session, positions: int, seq: int | None = None) -> None:
+        """Reserve cache memory for ``positions`` of session ``s`` (it only grows). TOO_LARGE
+        beyond one session's bound; BUSY beyond the peer's share, or beyond the total once no
+        idle session (least recently used first, idle ``evict_idle_s``) can make room."""
+        lim = self.limits
+        per = lim.kv_bytes_per_token
+        if not per or positions <= s.reserved:
+            return
+        sid = s.key[1]
+        if positions * per > lim.max_session_kv_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{positions} positions need {positions * per} bytes of cache, "
+                                f"beyond one session's {lim.max_session_kv_bytes}", sid, seq)
+        extra = (positions - s.reserved) * per
+        peer = self.peers[s.key[0]]
+        if peer.kv_bytes + extra > lim.max_peer_kv_bytes:
+            raise ProtocolError(ErrorCode.BUSY, f"this peer's sessions hold {peer.kv_bytes} of its "
+                                f"{lim.max_peer_kv_bytes} bytes of cache", sid, seq)
+        while self.kv_bytes + extra > lim.max_kv_bytes:
+            now = time.monotonic()
+            idle = [o for o in self.sessions.values() if o is not s and now - o.touched >= lim.evict_idle_s]
+            if not idle:
+                raise ProtocolError(ErrorCode.BUSY, f"the sessions hold {self.kv_bytes} of the daemon's "
+                                    f"{lim.max_kv_bytes} bytes of cache", sid, seq)
+            lru = min(idle, key=lambda o: o.touched)
+            self.close(*lru.key)
+            self.dropped.append((lru, "evicted"))
+        s.reserved = positions
+        self.kv_bytes += extra
+        peer.kv_bytes += extra
 
     def get(self, principal: bytes, sid: int, seq: int | None = None) -> Session:
         s = self.sessions.get((principal, sid))
@@ -229,6 +273,10 @@ class SessionTable:
             self.address_sessions[s.address] -= 1
             if not self.address_sessions[s.address]:
                 del self.address_sessions[s.address]
+            freed = s.reserved * self.limits.kv_bytes_per_token
+            self.kv_bytes -= freed
+            if peer is not None:
+                peer.kv_bytes -= freed
         return s
 
     def expire(self, now: float | None = None) -> None:

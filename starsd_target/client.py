@@ -510,7 +510,6 @@ class RemoteDraftSession:
         prompt every round); a refusal no retry can cure (the prompt outgrows the drafter, or
         parameters it rejects) ends drafting for this generation."""
         refusal = self.client.take_open_refusal(self.session)
-        now = time.monotonic()
         if refusal is not None:
             self.open_refusals += 1
             if refusal.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE_MODEL):
@@ -518,11 +517,15 @@ class RemoteDraftSession:
                          self.session, refusal)
                 self.disabled = True
                 return False
-            self._open_at = now + self._open_delay
-            log.debug("the draft daemon refused session %d (%s); next OPEN in %.2fs", self.session, refusal,
-                      self._open_delay)
-            self._open_delay = min(self.client.backoff.cap_s, 2 * self._open_delay)
-        return now >= self._open_at
+            self._back_off(refusal)
+        return time.monotonic() >= self._open_at
+
+    def _back_off(self, refusal: RemoteError) -> None:
+        """The daemon is busy for this session: the next OPEN waits, twice as long each time."""
+        self._open_at = time.monotonic() + self._open_delay
+        log.debug("the draft daemon refused session %d (%s); next OPEN in %.2fs", self.session, refusal,
+                  self._open_delay)
+        self._open_delay = min(self.client.backoff.cap_s, 2 * self._open_delay)
 
     def expired(self, idle: bool = True) -> bool:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
@@ -553,6 +556,8 @@ class RemoteDraftSession:
                 self.disabled = True
                 return None
             log.debug("draft request failed (%s); re-opening session %d", reply, self.session)
+            if reply.code == ErrorCode.BUSY:  # not at once: a busy daemon is not sent the prompt every round
+                self._back_off(reply)
             self.instance = None
             return None
         self._open_delay = self.client.backoff.initial_s  # the session is served: a later refusal starts afresh

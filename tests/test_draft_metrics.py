@@ -24,7 +24,7 @@ def test_buckets_count_values_at_or_below_each_bound():
 
 def test_series_follow_the_daemons_counters():
     stats = {"live_sessions": 3, "queue_depth": 1, "peers": 2, "requests": 10, "drafted_tokens": 50,
-             "errors": {"BAD_REQUEST": 2, "DESYNC": 1}, "queue_bytes": 4096,
+             "errors": {"BAD_REQUEST": 2, "DESYNC": 1}, "queue_bytes": 4096, "kv_bytes": 8192,
              "limits": {"max_queue_bytes": 1 << 20, "max_sessions": 8}}
     m = DraftMetrics(lambda: stats)
     m.busy_fraction = 0.75
@@ -35,6 +35,7 @@ def test_series_follow_the_daemons_counters():
     assert got[("starsd_draftd_queue_depth", ())] == 1
     assert got[("starsd_draftd_peers", ())] == 2
     assert got[("starsd_draftd_queue_bytes", ())] == 4096
+    assert got[("starsd_draftd_kv_bytes", ())] == 8192
     assert got[("starsd_draftd_limit", (("name", "max_queue_bytes"),))] == 1 << 20
     assert got[("starsd_draftd_limit", (("name", "max_sessions"),))] == 8
     assert got[("starsd_draftd_busy_fraction", ())] == 0.75

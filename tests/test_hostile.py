@@ -233,3 +233,60 @@ def test_the_table_tells_a_reused_identity_by_its_socket():
     assert table.touch(b"id", b"id", fd=9) is None  # same identity, another socket: a new connection
     assert not table.sessions and not table.conns and [why for _, why in table.take_dropped()] == ["replaced"]
     assert not table.address_conns and not table.address_sessions
+
+
+# ---------------------------------------------------------------- cache memory
+class CacheBackend(CountingBackend):
+    kv_bytes_per_token = 1000
+
+
+def _opened(peer: RawPeer, sid: int, prompt_len: int) -> str:
+    """OPEN then STATS: the OPEN's refusal, if any, arrives before the STATS reply."""
+    peer.open(sid, [1] * prompt_len)
+    peer.send(Message(MsgType.STATS))
+    got = "OK"
+    while (r := peer.recv()).type is not MsgType.STATS_REPLY:
+        got = _code(r)
+        assert r.header.get("re") == "OPEN" and r.header.get("session") == sid
+    return got
+
+
+def test_cache_memory_is_bounded_per_session_per_target_and_in_all():
+    # 1000 bytes per position; an OPEN reserves its prompt plus the daemon's depth (5)
+    cfg = dict(max_session_kv_bytes=100_000, max_peer_kv_bytes=200_000, max_kv_bytes=300_000, evict_idle_s=0.3)
+    with running_server(CacheBackend(), **cfg) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        assert a.hello().type is MsgType.WELCOME and b.hello().type is MsgType.WELCOME
+        assert _opened(a, 1, 100) == "TOO_LARGE"  # 105 positions: beyond one session's 100 kB
+        assert [_opened(a, sid, 45) for sid in (1, 2, 3, 4, 5)] == ["OK", "OK", "OK", "OK", "BUSY"]  # 50 kB each
+        assert [_opened(b, sid, 45) for sid in (1, 2)] == ["OK", "OK"]
+        assert server.snapshot()["kv_bytes"] == 300_000
+        assert _opened(b, 3, 45) == "BUSY"  # the daemon's 300 kB are taken, and no session is idle yet
+        time.sleep(0.35)
+        assert _opened(b, 3, 45) == "OK"  # now the least recently used idle session makes room
+        snap = server.snapshot()
+        assert snap["kv_bytes"] == 300_000 and snap["sessions_evicted"] == 1 and snap["live_sessions"] == 6
+        # a session's reservation grows with what it verifies (here to 90 positions): room is made
+        # again by an idle session, and the total holds
+        assert b.draft(3, 1, 0, [2] * 40, 85, depth=5).type is MsgType.DRAFTED
+        snap = server.snapshot()
+        assert snap["kv_bytes"] == 290_000 and snap["sessions_evicted"] == 2
+        r = b.draft(3, 2, 0, [2] * 11, 96, depth=5)  # 101 positions: beyond one session's bound
+        assert _code(r) == "TOO_LARGE" and r.header["re"] == "DRAFT"
+        for p, sids in ((a, (3, 4)), (b, (1, 2, 3))):
+            for sid in sids:
+                p.send(Message(MsgType.CLOSE, {"session": sid}))
+        assert _until(lambda: server.snapshot()["kv_bytes"] == 0 and server.snapshot()["live_sessions"] == 0)
+
+
+def test_the_cache_estimate_matches_what_the_drafter_holds(near_draft):
+    from common.models import load_causal_lm
+    from starsd_draftd.backends.model import ModelBackend
+
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    state = backend.new_state(SamplingParams())
+    backend.draft(state, list(range(3, 203)), 4)
+    cache = state.cache
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    positions = cache.get_seq_length()
+    assert positions >= 200 and held == positions * backend.kv_bytes_per_token

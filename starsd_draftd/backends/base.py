@@ -106,6 +106,7 @@ class DraftBackend(abc.ABC):
     fingerprint: str
     feature_size: int = 0  # >0: each request must bring target features of this width
     max_len: int | None = None  # longest sequence (verified + drafts) the drafter can attend over
+    kv_bytes_per_token: int = 0  # cache memory a session holds per position (0: none worth bounding)
 
     @abc.abstractmethod
     def new_state(self, params: SamplingParams) -> object:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, pack_linears
-from common.models import ModelLoadError, resolve_device, resolve_dtype, resolve_model_path, tokenizer_identity
+from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, resolve_dtype, resolve_model_path,
+                           tokenizer_identity)
 from common.tensors import as_torch
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
@@ -297,6 +298,7 @@ class EagleBackend(DraftBackend):
         self.vocab_size, self.fingerprint = tokenizer_identity(tok_dir, head.logits_size)
         self.q_topk = min(q_topk, self.vocab_size)
         self.max_len = getattr(head.config, "max_position_embeddings", None)
+        self.kv_bytes_per_token = kv_bytes_per_token(head.config, head.dtype, layers=1)  # the head's one layer
 
     @classmethod
     def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",

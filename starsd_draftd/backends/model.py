@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.models import LoadedModel, common_prefix_len, crop_cache, new_cache
+from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token, new_cache
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest
 from starsd_draftd.backends.batching import BatchedCaches
@@ -40,6 +40,7 @@ class ModelBackend(DraftBackend):
         self.q_topk = min(q_topk, loaded.vocab_size)
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
 
     def counters(self) -> dict:
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
