@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from pathlib import Path
+
 import click
 
 
@@ -57,13 +59,22 @@ def status_command(group: click.Group, option, default_endpoint: str, what: str,
     @option("--connect", default=default_endpoint, help=f"Endpoint of the {what} to ask.")
     @option("--timeout", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for the answer.")
     @option("--json", "as_json", is_flag=True, help="Print the raw numbers as JSON.")
-    @fail_cleanly(TimeoutError)
-    def status(connect, timeout, as_json) -> None:
+    # no environment variables for these: the daemon's own --curve-* variables mean other keys
+    @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                  help=f"This client's CURVE secret key file, for a {what} that takes CURVE connections.")
+    @click.option("--curve-server-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                  help=f"The {what}'s public CURVE key file (with --curve-secret).")
+    @fail_cleanly(TimeoutError, ValueError)
+    def status(connect, timeout, as_json, curve_secret, curve_server_key) -> None:
         import json
 
         from common.control import ControlClient
+        from common.security import client_keys
 
-        with ControlClient(connect) as cc:
+        if (curve_secret is None) != (curve_server_key is None):
+            raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
+        curve = client_keys(curve_secret, curve_server_key) if curve_secret is not None else None
+        with ControlClient(connect, curve=curve) as cc:
             stats = cc.stats(timeout)
         click.echo(json.dumps(stats, indent=2) if as_json else "\n".join(describe(connect, stats)))
 

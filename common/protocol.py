@@ -332,25 +332,40 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
     # zmq.Frame exposes .buffer; bytes are taken as they are, other buffers through a memoryview
     bufs = [f if f.__class__ is bytes else _view(f) for f in frames]
-    total = sum(map(len, bufs))
-    if total > limits.max_message_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {total} bytes exceeds {limits.max_message_bytes}")
     raw_type = bytes(bufs[0])
     mtype = _TYPE_OF.get(raw_type)
     if mtype is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {raw_type[:32]!r}")
-    if len(bufs[1]) > limits.max_header_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {len(bufs[1])} bytes exceeds {limits.max_header_bytes}")
+    try:
+        return _decode_body(mtype, bufs, limits)
+    except ProtocolError as exc:
+        exc.re = exc.re or mtype  # a refusal names the request it answers
+        raise
+
+
+def _is_map(buf) -> bool:
+    first = buf[0] if len(buf) else 0
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _decode_body(mtype: MsgType, bufs: list, limits: Limits) -> Message:
+    total = sum(map(len, bufs))
+    too_large = None
+    if total > limits.max_message_bytes:
+        too_large = f"message of {total} bytes exceeds {limits.max_message_bytes}"
+    elif len(bufs[1]) > limits.max_header_bytes:
+        too_large = f"header of {len(bufs[1])} bytes exceeds {limits.max_header_bytes}"
+    if too_large is not None:  # say which session it was, if the header tells (read without decoding)
+        ids = peek_ids(bufs[1], limits) if _is_map(bufs[1]) else (None, None)
+        raise ProtocolError(ErrorCode.TOO_LARGE, too_large, *ids)
     try:
         header = msgpack.unpackb(bufs[1], raw=False, strict_map_key=True, max_str_len=limits.max_str_len,
                                  max_bin_len=0, max_ext_len=0, max_array_len=limits.max_array_len,
                                  max_map_len=limits.max_map_len)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        first = bufs[1][0] if len(bufs[1]) else 0
-        is_map = 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
-        if is_map and any(f"exceeds max_{k}_len" in str(exc) for k in ("array", "map", "str")):
+        if _is_map(bufs[1]) and any(f"exceeds max_{k}_len" in str(exc) for k in ("array", "map", "str")):
             # a map holding something beyond the limits: the refusal says which session it was
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"header: {exc}", *_peek_ids(bufs[1], limits)) from None
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"header: {exc}", *peek_ids(bufs[1], limits)) from None
         raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {exc}") from None
     if header.__class__ is not dict:
         raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
@@ -380,7 +395,7 @@ def decode(frames: Sequence, limits: Limits = DEFAULT_LIMITS) -> Message:
     return Message(mtype, header, tensors)
 
 
-def _peek_ids(buf, limits: Limits) -> tuple[int | None, int | None]:
+def peek_ids(buf, limits: Limits) -> tuple[int | None, int | None]:
     """The session and seq of a header too large to decode, read without building the rest
     (msgpack skips values without materialising them), so a refusal still reaches its session."""
     found: dict[str, Any] = {}

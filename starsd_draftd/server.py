@@ -376,7 +376,8 @@ class DraftServer:
                 cost = queue_cost(frames[1:])
                 if cost > min(self.config.max_peer_queue_bytes, self.config.max_queue_bytes):
                     raise ProtocolError(ErrorCode.TOO_LARGE, f"a draft request of {cost} bytes (estimated in "
-                                        f"memory) exceeds the queue's budget per target", re=MsgType.DRAFT)
+                                        f"memory) exceeds the queue's budget per target",
+                                        *P.peek_ids(frames[2].buffer, self.limits), re=MsgType.DRAFT)
             msg = P.decode(frames[1:], self.limits)
             try:
                 self._on_message(identity, principal, msg, _origin(frames[1]), cost)

@@ -127,6 +127,12 @@ class DraftClient:
     def close(self) -> None:
         self.sock.close(linger=0)
 
+    def counters(self) -> dict:
+        """The link's counts, for the target's STATS (read from another thread: plain numbers)."""
+        return {"state": self.state.value, "reconnects": self.reconnects, "hellos": self.hellos,
+                "missed": self.missed, "probes": self.probes, "stale_replies": self.stale_replies,
+                "unexpected": self.unexpected, "open_refusals": self.open_refusals, "errors": dict(self.errors)}
+
     def next_session(self) -> int:
         """A session id not used before on this link: ids are never reused, so a late reply to a
         closed session cannot reach a new one."""

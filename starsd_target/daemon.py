@@ -297,5 +297,6 @@ class TargetDaemon:
 
     def status(self) -> dict:
         sched = self._scheduler.load() if self._scheduler is not None else {}
+        link = self.client.counters() if self.client is not None else {}
         return {"served": self.served, "model": str(self.loaded.path),
-                "draft_connected": self.client is not None and self.client.up, **sched}
+                "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link}

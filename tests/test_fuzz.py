@@ -544,6 +544,29 @@ def test_garbage_session_traffic_after_a_valid_hello(live):
 
 
 @pytest.mark.slow
+def test_huge_token_lists_are_refused_unread(live):
+    """What took a daemon from 387 MB to 1.7 GB before it had a byte budget: 120 DRAFT requests
+    carrying 2**18-token lists (1.3 MiB each). Each is refused TOO_LARGE, naming its request,
+    before it is decoded or queued; the memory stays where it was."""
+    ctx = zmq.Context()
+    try:
+        peer = Peer(ctx, live)
+        peer.hello(live)
+        peer.send_msg(MsgType.OPEN, {"session": 1, "prompt": [1, 2, 3], "sampling": {"temperature": 0.0}})
+        new = list(range(70_000, 70_000 + (1 << 18)))
+        for seq in range(1, 121):
+            peer.send_msg(MsgType.DRAFT, {"session": 1, "seq": seq, "accepted": 0, "new": new, "pos": len(new) + 3,
+                                          "depth": 2})
+        replies = [peer.recv(30) for _ in range(120)]
+        peer.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert all(r is not None and ErrorCode(r[1]["code"]) is ErrorCode.TOO_LARGE for r in replies)
+    assert [(r[1]["re"], r[1]["session"], r[1]["seq"]) for r in replies] == [("DRAFT", 1, seq) for seq in range(1, 121)]
+    check_daemon_healthy(live, "huge_token_lists")
+
+
+@pytest.mark.slow
 def test_many_connections_are_forgotten(live):
     """Hundreds of short-lived connections, most greeting and opening sessions, none closing them:
     sessions and peers stay within their limits and go when their connections do."""

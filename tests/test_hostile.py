@@ -43,7 +43,7 @@ def test_a_refused_open_reaches_its_session_which_backs_off():
         reply = _reply(client, s.session, seq)
         assert reply is not None and reply.name == "UNKNOWN_SESSION"  # the DRAFT behind the refused OPEN
         assert s.resolve(reply) is None
-        assert client.open_refusals == 1
+        assert client.open_refusals == 1 and client.counters()["open_refusals"] == 1
         # the refusal reached the session: no new OPEN with the whole prompt every round
         opens = server.stats.errors["BUSY"]
         assert opens == 1
@@ -114,6 +114,7 @@ def test_a_request_larger_than_any_budget_is_refused_before_it_is_decoded():
         _long_draft(peer, 1, 20_000)
         r = peer.recv()
         assert ErrorCode(r.header["code"]).name == "TOO_LARGE" and r.header["re"] == "DRAFT"
+        assert (r.header["session"], r.header["seq"]) == (1, 1)  # read from the header, not decoded
         assert peer.draft(1, 2, 0, [], 3).type is MsgType.DRAFTED  # the connection goes on
 
 

@@ -6,6 +6,7 @@ only what it should. Each attack found by hand is here scaled down to seconds.""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -534,6 +535,11 @@ def test_a_curve_job_socket_admits_an_allowed_key_and_refuses_another(tiny_targe
         with ControlClient(ep, ctx) as cc, pytest.raises(ControlTimeout):  # plaintext
             cc.stats(1.5)
         assert d.served == 1
+        # what an operator runs: `status` with the client's key and the socket's public key
+        status = subprocess.run([sys.executable, "-m", "starsd_target", "status", "--connect", ep, "--json",
+                                 "--curve-secret", str(good_secret), "--curve-server-key", str(server_pub)],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and json.loads(status.stdout)["served"] == 1, status.stderr
         # SIGHUP re-reads the allow-list: the other key is admitted once it is listed
         (allow / "bad.key").write_bytes((keys / "bad.key").read_bytes())
         saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
