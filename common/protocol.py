@@ -47,7 +47,7 @@ import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
-PROTOCOL_VERSION = 2  # 2: ERROR names the request it answers (re)
+PROTOCOL_VERSION = 2  # 2: ERROR names the request it answers (re); WELCOME says max_len
 
 
 class MsgType(bytes, enum.Enum):
@@ -159,6 +159,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "feature_size": ("uint", True),  # >0: send target features of this width with each DRAFT
         "instance": ("str", True),  # changes when the daemon restarts: sessions must be re-opened
         "server": ("str", False),
+        "max_len": ("uint", False),  # longest sequence (verified + drafts) it drafts for; 0: no bound
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
     MsgType.DRAFT: {

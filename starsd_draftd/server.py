@@ -104,7 +104,9 @@ def message_limits(backend: DraftBackend) -> P.Limits:
     base = P.DEFAULT_LIMITS
     n = min(base.max_array_len, backend.max_len or base.max_array_len)
     largest = (64 << 10) + 5 * n + 4 * n * backend.feature_size  # headers, ids (5 bytes each), float32 features
-    return dataclasses.replace(base, max_array_len=n, max_message_bytes=min(base.max_message_bytes, largest))
+    if not backend.feature_size:  # a feature backend takes what its targets need, beyond the default cap
+        largest = min(base.max_message_bytes, largest)
+    return dataclasses.replace(base, max_array_len=n, max_message_bytes=largest)
 
 
 class LoopFailed(RuntimeError):
@@ -218,7 +220,7 @@ class DraftServer:
         # ZeroMQ drops a connection that sends more than this before buffering it; up to it, an
         # oversized message is read and answered TOO_LARGE (the decode limits), so a careless
         # peer learns why
-        hard = min(P.DEFAULT_LIMITS.max_message_bytes, max(16 << 20, 4 * self.limits.max_message_bytes))
+        hard = max(16 << 20, 2 * self.limits.max_message_bytes)
         self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve, max_msg_bytes=hard))
         self.sock.bind(self.config.bind)
         # disconnects, so a connection's entry and sessions go when it does, not a TTL later
@@ -287,7 +289,6 @@ class DraftServer:
                 self.stats.key_reloads += 1
         timeout = 0 if (self.q_in or self.q_out) else 100
         if poller.poll(timeout):
-            self._drain_monitor()  # disconnects first: a message from a reused socket is then a new connection
             self._drain_socket()
         if self.q_in:
             self._fill_batch()
@@ -300,13 +301,15 @@ class DraftServer:
             self._sample_metrics(now)
             self._next_sweep = now + 1.0
 
-    def _drain_monitor(self) -> None:
+    def _drain_monitor(self) -> list:
+        """The connections the socket monitor says have closed since the last look."""
+        gone = []
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
-                self.sessions.disconnected(event["value"])
-        self._free_dropped()
+                gone.extend(self.sessions.conns_on(event["value"]))
+        return gone
 
     def _free_dropped(self) -> None:
         """Free the backend state of sessions the table dropped on its own, counted by why."""
@@ -330,12 +333,20 @@ class DraftServer:
 
     # ------------------------------------------------------------ I/O
     def _drain_socket(self, budget: int = 1024) -> None:
+        """Read and handle what has arrived. Disconnects the socket monitor reported before the
+        reading take effect after it: the messages those connections sent before closing were
+        queued before the event, so this drain reads them; and a connection registered during
+        it (on a reused socket) is not among those dropped."""
+        gone = self._drain_monitor()
         # ZMQ_EVENTS says whether a message is waiting; cheaper than a receive that raises Again
         sock = self.sock
         for _ in range(budget):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
+                break
             self._on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        if gone:
+            self.sessions.disconnected(gone)
+            self._free_dropped()
 
     def _send(self, identity: bytes, msg: Message) -> None:
         self.q_out.append([identity, *P.encode(msg)])
@@ -517,7 +528,8 @@ class DraftServer:
         self._send(identity, Message(MsgType.WELCOME, {
             "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
-            "feature_size": need, "instance": self.instance, "server": self.config.name}))
+            "feature_size": need, "instance": self.instance, "server": self.config.name,
+            "max_len": self.backend.max_len or 0}))
 
     def _open(self, principal: bytes, h: dict, address: str) -> None:
         sid = h["session"]
@@ -534,8 +546,13 @@ class DraftServer:
         old = self.sessions.close(principal, sid)
         if old is not None:
             self.backend.release(old.state)
-        self.sessions.open(principal, sid, params, prompt, self.backend.new_state(params), address,
-                           reserve=len(prompt) + self.config.max_depth)
+        state = self.backend.new_state(params)
+        try:
+            self.sessions.open(principal, sid, params, prompt, state, address,
+                               reserve=len(prompt) + self.config.max_depth)
+        except ProtocolError:
+            self.backend.release(state)
+            raise
         self.stats.sessions_opened += 1
 
     def _check_len(self, length: int, sid, seq) -> None:
@@ -606,8 +623,10 @@ class DraftServer:
             self._dequeued(item)
         return batch
 
-    def _admit(self, principal: bytes, msg: Message) -> DraftRequest:
-        """Validate a DRAFT request against its session and apply what it reports."""
+    def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
+        """Validate a DRAFT request against its session, reserve its cache memory and apply what
+        it reports; refused (BUSY, TOO_LARGE), the session is as it was. ``keep``: the sessions
+        admitted to this batch so far (never evicted to make room)."""
         h = msg.header
         sid, seq = h["session"], h["seq"]
         session = self.sessions.get(principal, sid, seq)
@@ -618,22 +637,25 @@ class DraftServer:
                 f"the session holds {session.features} features; {features.shape[0]} more make "
                 f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
                 sid, seq)
+        session.check(h["accepted"], h["new"], h["pos"], seq)
+        self.sessions.reserve(session, h["pos"] + h["depth"], seq, keep)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
-        self.sessions.reserve(session, h["pos"] + h["depth"], seq)  # refused: the target re-opens it
         if features is not None:
             session.features += features.shape[0]
         return DraftRequest(session.state, session.verified, h["depth"], features)
 
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request)
+        keys: set = set()
         for identity, principal, msg, _ in self._take_batch():
+            key = (principal, msg.header["session"])
             try:
-                admitted.append((identity, msg.header, (principal, msg.header["session"]),
-                                 self._admit(principal, msg)))
+                admitted.append((identity, msg.header, key, self._admit(principal, msg, keys)))
+                keys.add(key)
             except ProtocolError as exc:
                 exc.re = MsgType.DRAFT
                 self._error(identity, exc)
-        if self.sessions.dropped:  # sessions evicted to make room for these
+        if self.sessions.dropped:  # sessions evicted to make room for these (none of them)
             self._free_dropped()
         if not admitted:
             return

@@ -43,8 +43,8 @@ class Session:
             self.turnaround_s = sample if t is None else t + 0.25 * (sample - t)
             self.replied_at = None
 
-    def advance(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
-        """Apply a DRAFT request's report of what the target verified."""
+    def check(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
+        """Whether a DRAFT request's report of what the target verified fits this session."""
         if seq <= self.last_seq:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence number {seq} is not after {self.last_seq}",
                                 self.key[1], seq)
@@ -59,6 +59,10 @@ class Session:
                 f"the session holds {len(self.verified)} verified tokens; with {accepted} accepted and "
                 f"{len(new)} new that makes {have}, but the target says {pos}; re-open the session",
                 self.key[1], seq)
+
+    def advance(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
+        """Apply a DRAFT request's report of what the target verified."""
+        self.check(accepted, new, pos, seq)
         self.verified.extend(self.last_draft[:accepted])
         self.verified.extend(new)
         self.last_draft = []
@@ -166,9 +170,13 @@ class SessionTable:
         self.peers[principal].seen = now
         return c
 
-    def disconnected(self, fd: int) -> int:
-        """The connection on socket ``fd`` is gone (the socket monitor says so): forget it."""
-        gone = [c for c in self.conns.values() if c.fd == fd]
+    def conns_on(self, fd: int) -> list[Conn]:
+        return [c for c in self.conns.values() if c.fd == fd]
+
+    def disconnected(self, conns: list[Conn]) -> int:
+        """These connections are gone (the socket monitor said so): forget those still known as
+        they were (a connection registered since, on a reused socket, stays)."""
+        gone = [c for c in conns if self.conns.get(c.identity) is c]
         for c in gone:
             self._drop_conn(c, "disconnected")
         return len(gone)
@@ -228,10 +236,11 @@ class SessionTable:
             raise
         return s
 
-    def reserve(self, s: Session, positions: int, seq: int | None = None) -> None:
+    def reserve(self, s: Session, positions: int, seq: int | None = None, keep=frozenset()) -> None:
         """Reserve cache memory for ``positions`` of session ``s`` (it only grows). TOO_LARGE
         beyond one session's bound; BUSY beyond the peer's share, or beyond the total once no
-        idle session (least recently used first, idle ``evict_idle_s``) can make room."""
+        idle session (least recently used first, idle ``evict_idle_s``, not in ``keep``: the
+        keys of sessions about to be drafted) can make room."""
         lim = self.limits
         per = lim.kv_bytes_per_token
         if not per or positions <= s.reserved:
@@ -247,7 +256,8 @@ class SessionTable:
                                 f"{lim.max_peer_kv_bytes} bytes of cache", sid, seq)
         while self.kv_bytes + extra > lim.max_kv_bytes:
             now = time.monotonic()
-            idle = [o for o in self.sessions.values() if o is not s and now - o.touched >= lim.evict_idle_s]
+            idle = [o for o in self.sessions.values()
+                    if o is not s and o.key not in keep and now - o.touched >= lim.evict_idle_s]
             if not idle:
                 raise ProtocolError(ErrorCode.BUSY, f"the sessions hold {self.kv_bytes} of the daemon's "
                                     f"{lim.max_kv_bytes} bytes of cache", sid, seq)

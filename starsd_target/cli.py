@@ -126,9 +126,13 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--served-model-name", default=None, help="Model name in the HTTP API (default: the model directory's name).")
 @option("--metrics-port", type=click.IntRange(1, 65535), default=None,
         help="Expose Prometheus metrics on this port (/metrics).")
+@option("--stall-timeout", type=click.FloatRange(1), default=_d.stall_timeout_s,
+        help="Seconds without a scheduler pass (one forward, or one prefill chunk, taking longer) after which "
+             "/health fails, the jobs held fail and the daemon exits with status 1 to be restarted. Keep it "
+             "below systemd's WatchdogSec.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
 def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_queue, http_addr,
-          served_model_name, metrics_port, **kw) -> None:
+          served_model_name, metrics_port, stall_timeout, **kw) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
@@ -137,7 +141,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     cfg = _config(kw, kw["draft"], listen)
     cfg.max_active, cfg.max_queue, cfg.metrics_port = max_active, max_queue, metrics_port
     cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
-    cfg.insecure_listen = insecure_listen
+    cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout
     check_listen(cfg)  # before the model loads
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)

@@ -45,6 +45,7 @@ class Welcome:
     feature_size: int
     instance: str
     server: str
+    max_len: int = 0  # longest sequence the drafter takes (0: no bound)
 
 
 @dataclass
@@ -153,7 +154,9 @@ class DraftClient:
             return False
 
     def _count(self, name: str) -> None:
-        self.errors[name] = self.errors.get(name, 0) + 1
+        errors = dict(self.errors)  # a new dict each time: other threads read it (counters())
+        errors[name] = errors.get(name, 0) + 1
+        self.errors = errors
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Read and route every message that has arrived, waiting up to ``timeout_s`` for the
@@ -317,7 +320,7 @@ class DraftClient:
 
     def _on_welcome(self, h: dict) -> None:
         w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
-                    h["feature_size"], h["instance"], h.get("server", ""))
+                    h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0))
         if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
             self._refused(HandshakeRefused(
                 f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
@@ -461,8 +464,9 @@ class RemoteDraftSession:
         self.cap_at = 0.0  # and when waiting for it ends in any case
         self.opening = False  # it opened the session (carries the prompt's prefill)
         self.open_refusals = 0  # OPENs of this session the daemon refused
-        self._open_delay = client.backoff.initial_s  # after a refusal, the next OPEN waits this long,
-        self._open_at = 0.0  # until then; doubling up to the backoff's cap
+        self._before = (0, 0, 0)  # (synced, accepted, features_sent) before the request in flight
+        self._retry_delay = client.backoff.initial_s  # after a refusal (BUSY), the next request waits this
+        self._retry_at = 0.0  # long, until then; doubling up to the backoff's cap
 
     @property
     def feature_size(self) -> int:
@@ -472,9 +476,14 @@ class RemoteDraftSession:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link not up, no features): the round then runs without drafts."""
         client = self.client
-        if self.disabled or not client.ready():
+        if self.disabled or not client.ready() or time.monotonic() < self._retry_at:
             return None
         welcome = client.welcome
+        if welcome.max_len and len(tokens) + min(depth, welcome.max_depth) > welcome.max_len:
+            log.info("session %d outgrew the drafter's %d positions; the rest runs on the target alone",
+                     self.session, welcome.max_len)
+            self.disabled = True
+            return None
         opening = self.instance != welcome.instance
         if opening:
             if not self._may_open():
@@ -496,6 +505,7 @@ class RemoteDraftSession:
                 return None  # this generation collected no features
             new_features = features[self.features_sent:]
         self.seq += 1
+        self._before = (self.synced, self.accepted, self.features_sent)  # to undo a request refused BUSY
         new = tokens[self.synced + self.accepted:]
         if not client.request(self.session, self.seq, self.accepted, new, len(tokens),
                               min(depth, welcome.max_depth), new_features):
@@ -524,14 +534,14 @@ class RemoteDraftSession:
                 self.disabled = True
                 return False
             self._back_off(refusal)
-        return time.monotonic() >= self._open_at
+        return time.monotonic() >= self._retry_at
 
     def _back_off(self, refusal: RemoteError) -> None:
-        """The daemon is busy for this session: the next OPEN waits, twice as long each time."""
-        self._open_at = time.monotonic() + self._open_delay
+        """The daemon is busy for this session: its next request waits, twice as long each time."""
+        self._retry_at = time.monotonic() + self._retry_delay
         log.debug("the draft daemon refused session %d (%s); next OPEN in %.2fs", self.session, refusal,
-                  self._open_delay)
-        self._open_delay = min(self.client.backoff.cap_s, 2 * self._open_delay)
+                  self._retry_delay)
+        self._retry_delay = min(self.client.backoff.cap_s, 2 * self._retry_delay)
 
     def expired(self, idle: bool = True) -> bool:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
@@ -561,12 +571,16 @@ class RemoteDraftSession:
                          reply.message)
                 self.disabled = True
                 return None
-            log.debug("draft request failed (%s); re-opening session %d", reply, self.session)
-            if reply.code == ErrorCode.BUSY:  # not at once: a busy daemon is not sent the prompt every round
+            if reply.code == ErrorCode.BUSY:
+                # refused before the daemon applied it (a BUSY DRAFT means its session exists and
+                # stands as it was): ask again after a backoff, reporting what this request did
+                self.synced, self.accepted, self.features_sent = self._before
                 self._back_off(reply)
+                return None
+            log.debug("draft request failed (%s); re-opening session %d", reply, self.session)
             self.instance = None
             return None
-        self._open_delay = self.client.backoff.initial_s  # the session is served: a later refusal starts afresh
+        self._retry_delay = self.client.backoff.initial_s  # the session is served: a later refusal starts afresh
         return reply
 
     def kept(self, n: int) -> None:

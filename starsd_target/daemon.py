@@ -28,7 +28,7 @@ from common.security import AllowList, client_keys, server_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
-from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
+from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed, ShuttingDown
 
 log = logging.getLogger("starsd.target")
 
@@ -46,6 +46,7 @@ class TargetConfig:
     name: str = ""
     listen: str = "tcp://127.0.0.1:5600"
     heartbeat_s: float = 5.0
+    stall_timeout_s: float = 30.0  # a scheduler pass this late: the daemon exits to be restarted
     max_active: int = 4  # generations interleaved on the model at once
     max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
     metrics_port: int | None = None
@@ -135,7 +136,7 @@ class TargetDaemon:
         if self._scheduler is None:
             self._scheduler = Scheduler(self.engine, self._scheduler_link, self.config.draft_timeout_s,
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
-                                        heartbeat_s=self.config.heartbeat_s)
+                                        heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s)
             self._scheduler.metrics = self.metrics
         return self._scheduler
 
@@ -234,6 +235,7 @@ class TargetDaemon:
         why = f"failed: {sched.failure!r}" if sched.failure is not None else "stalled"
         self.failure = ServiceFailed(f"the target's scheduler {why}; exiting to be restarted")
         log.critical("%s", self.failure)
+        sched.abandon(SchedulerFailed(f"the target's scheduler {why}; the daemon is restarting"))
         notify(f"STATUS=scheduler {why}")
 
     @staticmethod

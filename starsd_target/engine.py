@@ -148,7 +148,7 @@ class TargetEngine:
         if self.context is not None and len(prompt) + max_tokens > self.context:
             raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                  f"model's context of {self.context} tokens", "max_tokens")
-        if max_tokens > MAX_NEW_TOKENS:
+        if self.context is None and max_tokens > MAX_NEW_TOKENS:
             raise InvalidRequest(f"max_tokens must be at most {MAX_NEW_TOKENS}, got {max_tokens}", "max_tokens")
         if params.top_k > self.loaded.logits_size:
             raise InvalidRequest(f"top_k must be at most the vocabulary size {self.loaded.logits_size}, "

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.verify import MAX_SEED, MAX_TOP_K, SamplingParams
@@ -108,8 +109,9 @@ class _Stream:
         return text[len(self.sent):] if text.startswith(self.sent) else ""
 
 
-def create_app(daemon, model_name: str) -> FastAPI:
-    """The HTTP front end of ``daemon`` (a TargetDaemon whose scheduler runs)."""
+def create_app(daemon, model_name: str) -> "BodyLimit":
+    """The HTTP front end of ``daemon`` (a TargetDaemon whose scheduler runs): the FastAPI app
+    (``.app``) behind the request-body limit."""
     app = FastAPI(title="StarSD target", version="1")
     tokenizer = daemon.loaded.tokenizer
     created = int(time.time())
@@ -271,14 +273,64 @@ def create_app(daemon, model_name: str) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         if req.logprobs is not None or req.echo:
             raise ApiError(400, "logprobs and echo are not supported", param="logprobs" if req.logprobs else "echo")
-        return await _run(request, _encode_prompt(req.prompt), req, "text")
+        # tokenizing a long prompt takes a while: off the event loop, which serves everyone
+        return await _run(request, await run_in_threadpool(_encode_prompt, req.prompt), req, "text")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
-        text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                             add_generation_prompt=True)
-        return await _run(request, _encode_prompt(text), req, "chat")
 
-    return app
+        def encode() -> list[int]:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+                                                 add_generation_prompt=True)
+            return _encode_prompt(text)
+
+        return await _run(request, await run_in_threadpool(encode), req, "chat")
+
+    return BodyLimit(app, max_body_bytes(daemon.engine.context))
+
+
+def max_body_bytes(context: int | None) -> int:
+    """The largest request body taken: room for a prompt filling the context (as text or as ids,
+    64 bytes a token), at least 1 MiB; 16 MiB for a model that declares no context."""
+    return 16 << 20 if context is None else max(1 << 20, 64 * context)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than ``max_bytes`` is answered 413 before any of it
+    is parsed (uvicorn sets no limit of its own); a smaller one is read, then handed to the app."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                body = json.dumps({"error": {"message": f"the request body exceeds {self.max_bytes} bytes",
+                                             "type": "invalid_request_error", "param": None, "code": None}})
+                await send({"type": "http.response.start", "status": 413,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body.encode()})
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what comes after the body: a disconnect, say
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -88,8 +88,9 @@ class _Active:
 
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
-                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0):
+                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0):
         self.engine = engine
+        self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
         self.max_active = max_active
@@ -132,9 +133,16 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout_s)
 
-    def healthy(self, stall_s: float = 20.0) -> bool:
-        """The loop is running and has made a pass recently (a hung forward or thread fails this)."""
-        return self.thread is not None and self.thread.is_alive() and time.monotonic() - self.last_pass < stall_s
+    def healthy(self) -> bool:
+        """The loop is running and has made a pass within ``stall_s`` (a hung forward or thread fails this)."""
+        return self.thread is not None and self.thread.is_alive() and time.monotonic() - self.last_pass < self.stall_s
+
+    def abandon(self, exc: BaseException) -> None:
+        """From another thread, when the loop is stuck: fail every job it holds with ``exc`` at
+        once, so that no client waits on a loop that will not come back."""
+        self._refuse_queued()
+        for a in list(self.active):
+            self._settle(a.job, exc=exc)
 
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
@@ -371,12 +379,17 @@ class Scheduler:
         self._settle(a.job, result, exc)
 
     def _settle(self, job: Job, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:
-        """Give a started job its outcome, and count it."""
+        """Give a started job its outcome, and count it (once: a job abandoned meanwhile keeps its first)."""
+        try:
+            if exc is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(exc)
+        except concurrent.futures.InvalidStateError:
+            return
         if exc is None:
-            job.future.set_result(result)
             self._count("ok")
         else:
-            job.future.set_exception(exc)
             self._count("cancelled" if isinstance(exc, Cancelled) else "error")
 
     def _count(self, outcome: str) -> None:

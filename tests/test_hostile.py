@@ -209,11 +209,11 @@ def test_one_address_cannot_fill_the_tables():
 
 
 def test_throwaway_hellos_give_way_to_a_new_target():
-    with running_server(max_peers=20, max_peers_per_address=1000, evict_idle_s=0.3) as (server, ctx):
+    with running_server(max_peers=20, max_peers_per_address=1000, evict_idle_s=3.0) as (server, ctx):
         squatters = [RawPeer(ctx, server.endpoint) for _ in range(40)]
         codes = [_code(p.hello()) for p in squatters]  # connections that greet and then stay silent
         assert codes.count("WELCOME") == 20 and codes.count("BUSY") == 20
-        time.sleep(0.4)  # they are idle now: the least recently seen makes room for a newcomer
+        time.sleep(3.1)  # they are idle now: the least recently seen makes room for a newcomer
         client = _client(server, ctx)
         s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
         assert isinstance(_reply(client, s.session, s.send([1, 2, 3], 3)), DraftReply)
@@ -254,7 +254,7 @@ def _opened(peer: RawPeer, sid: int, prompt_len: int) -> str:
 
 def test_cache_memory_is_bounded_per_session_per_target_and_in_all():
     # 1000 bytes per position; an OPEN reserves its prompt plus the daemon's depth (5)
-    cfg = dict(max_session_kv_bytes=100_000, max_peer_kv_bytes=200_000, max_kv_bytes=300_000, evict_idle_s=0.3)
+    cfg = dict(max_session_kv_bytes=100_000, max_peer_kv_bytes=200_000, max_kv_bytes=300_000, evict_idle_s=3.0)
     with running_server(CacheBackend(), **cfg) as (server, ctx):
         a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
         assert a.hello().type is MsgType.WELCOME and b.hello().type is MsgType.WELCOME
@@ -263,7 +263,7 @@ def test_cache_memory_is_bounded_per_session_per_target_and_in_all():
         assert [_opened(b, sid, 45) for sid in (1, 2)] == ["OK", "OK"]
         assert server.snapshot()["kv_bytes"] == 300_000
         assert _opened(b, 3, 45) == "BUSY"  # the daemon's 300 kB are taken, and no session is idle yet
-        time.sleep(0.35)
+        time.sleep(3.1)
         assert _opened(b, 3, 45) == "OK"  # now the least recently used idle session makes room
         snap = server.snapshot()
         assert snap["kv_bytes"] == 300_000 and snap["sessions_evicted"] == 1 and snap["live_sessions"] == 6
@@ -291,3 +291,69 @@ def test_the_cache_estimate_matches_what_the_drafter_holds(near_draft):
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     positions = cache.get_seq_length()
     assert positions >= 200 and held == positions * backend.kv_bytes_per_token
+
+
+class FirstDraftSlowCacheBackend(CacheBackend):
+    """The first draft takes a second: requests sent meanwhile are served as one batch."""
+
+    slow = True
+
+    def draft(self, state, verified, depth, new_features=None):
+        if self.slow:
+            self.slow = False
+            time.sleep(1.0)
+        return super().draft(state, verified, depth, new_features)
+
+
+def test_room_is_never_made_by_evicting_a_session_of_the_same_batch():
+    with running_server(FirstDraftSlowCacheBackend(), max_kv_bytes=20_000, evict_idle_s=0) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        assert peer.hello().type is MsgType.WELCOME
+        for sid in (1, 2):  # 10 kB each (5 prompt tokens + depth 5): the daemon's 20 kB are taken
+            peer.open(sid, [1, 2, 3, 4, 5])
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 5, "depth": 2}))
+        time.sleep(0.5)
+        # while that is drafted, session 1's next request and session 2's, which grows by 5
+        # positions (5 kB more), come in: one batch. The only session that could make room is 1,
+        # which is in the batch: 2 is refused, and 1 is drafted on its own, intact, state
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 2, "accepted": 0, "new": [], "pos": 5, "depth": 2}))
+        peer.send(Message(MsgType.DRAFT, {"session": 2, "seq": 1, "accepted": 0, "new": [6, 7, 8, 9, 10],
+                                          "pos": 10, "depth": 5}))
+        replies = [(r.header["session"], r.header["seq"], _code(r)) for r in (peer.recv(), peer.recv(), peer.recv())]
+        assert sorted(replies) == [(1, 1, "DRAFTED"), (1, 2, "DRAFTED"), (2, 1, "BUSY")]
+        assert server.stats.sessions_evicted == 0 and "INTERNAL" not in server.stats.errors
+
+
+def test_a_busy_draft_request_leaves_the_session_standing():
+    """BUSY on a DRAFT means it was not applied: the target keeps its session (no OPEN with the
+    whole prompt again), backs off, and its next request reports what that one would have."""
+    with running_server(CacheBackend(), max_peer_kv_bytes=25_000) as (server, ctx):
+        client = _client(server, ctx)
+        s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
+        tokens = list(range(10, 15))
+        assert isinstance(_reply(client, s.session, s.send(tokens, 3)), DraftReply)  # 10 positions, 10 kB
+        s.kept(1)
+        other = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
+        assert isinstance(_reply(client, other.session, other.send([1] * 10, 3)), DraftReply)  # 15 kB more
+        tokens = [*tokens, 15, 16]  # one kept, one new: 7 positions + depth 5 = 12 kB > what is left
+        seq = s.send(tokens, 5)
+        reply = _reply(client, s.session, seq)
+        assert reply is not None and reply.name == "BUSY" and s.resolve(reply) is None
+        assert s.send(tokens, 5) is None  # backing off
+        other.close()  # the peer's share has room again
+        time.sleep(0.25)
+        tokens = [*tokens, 17]
+        reply = _reply(client, s.session, s.send(tokens, 3))
+        assert isinstance(reply, DraftReply) and reply.tokens == [18, 19, 20]  # the session holds all 8
+        assert server.stats.sessions_opened == 2  # nothing was re-opened
+        client.close()
+
+
+def test_a_target_asks_for_no_drafts_beyond_the_drafters_context():
+    with running_server(CountingBackend(max_len=8)) as (server, ctx):
+        client = _client(server, ctx)
+        assert client.welcome.max_len == 8
+        s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
+        assert s.send(list(range(1, 7)), 3) is None and s.disabled  # 6 + 3 > 8: never sent
+        assert server.stats.sessions_opened == 0 and not server.stats.errors
+        client.close()

@@ -555,3 +555,20 @@ def test_a_curve_job_socket_admits_an_allowed_key_and_refuses_another(tiny_targe
         thread.join(30)
         ctx.destroy(linger=0)
     assert not thread.is_alive()
+
+
+def test_a_request_body_beyond_the_limit_is_refused_before_it_is_parsed(loaded_target):
+    from starsd_target.http_api import max_body_bytes
+
+    daemon = TargetDaemon(TargetConfig(model="unused", draft=None), loaded=loaded_target)
+    daemon.scheduler().start()
+    try:
+        limit = max_body_bytes(daemon.engine.context)
+        with TestClient(create_app(daemon, "tiny")) as c:
+            r = c.post("/v1/completions", content=b'{"prompt": "' + b"x" * limit + b'"}',
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        daemon.scheduler().stop()
