@@ -82,9 +82,10 @@ def main() -> None:
 @option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
         help="Seconds after which a silent session is dropped and its cache freed.")
 @option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
-        help="Seconds after which a silent target is forgotten with all its sessions.")
+        help="Seconds after which a silent target connection is forgotten (with CURVE, its key's sessions too).")
 @option("--evict-idle", type=click.FloatRange(0), default=_s.evict_idle_s,
-        help="When the session table is full, its least recently used session idle this long makes room.")
+        help="When the sessions, the connections or the cache memory are at their limit, the least recently "
+             "used session (or connection) idle this long makes room.")
 @option("--drain-timeout", type=click.FloatRange(0), default=_s.drain_s,
         help="On SIGTERM, seconds to keep answering queued requests before exiting.")
 @option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),

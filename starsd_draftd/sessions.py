@@ -176,10 +176,12 @@ class SessionTable:
     def disconnected(self, conns: list[Conn]) -> int:
         """These connections are gone (the socket monitor said so): forget those still known as
         they were (a connection registered since, on a reused socket, stays)."""
-        gone = [c for c in conns if self.conns.get(c.identity) is c]
-        for c in gone:
-            self._drop_conn(c, "disconnected")
-        return len(gone)
+        gone = 0
+        for c in conns:  # one connection may be named twice (two events for one socket)
+            if self.conns.get(c.identity) is c:
+                self._drop_conn(c, "disconnected")
+                gone += 1
+        return gone
 
     def _drop_conn(self, c: Conn, why: str) -> None:
         del self.conns[c.identity]

@@ -224,7 +224,8 @@ class Scheduler:
             self._finish(a, Cancelled("the request was cancelled"))
         self._request_drafts()
         self._collect()
-        self._prefill_one()
+        if self._prefill_one():
+            self._collect()  # replies that came during the chunk: their rounds run now, not a chunk later
         self._verify_one()
 
     @contextlib.contextmanager
@@ -318,17 +319,19 @@ class Scheduler:
     def _ready(a: _Active, proposal) -> None:
         a.seq, a.ready, a.proposal, a.ready_at = None, True, proposal, time.monotonic()
 
-    def _prefill_one(self) -> None:
+    def _prefill_one(self) -> bool:
         """One chunk of a generation still prefilling, taking turns: the one whose last chunk is
         the oldest goes (among equals, the first to arrive), so a short prompt waits one chunk of
-        each long one at most, and a long one still advances every few passes."""
+        each long one at most, and a long one still advances every few passes. Whether one ran."""
         prefilling = [a for a in self.active if a.gen.prefilling]
-        if prefilling:
-            a = min(prefilling, key=lambda p: p.prefill_turn)
-            self._chunks += 1
-            a.prefill_turn = self._chunks
-            with self._confined(a):
-                a.gen.prefill()
+        if not prefilling:
+            return False
+        a = min(prefilling, key=lambda p: p.prefill_turn)
+        self._chunks += 1
+        a.prefill_turn = self._chunks
+        with self._confined(a):
+            a.gen.prefill()
+        return True
 
     def _verify_one(self) -> None:
         ready = [a for a in self.active if a.verifiable]

@@ -236,6 +236,12 @@ def test_the_table_tells_a_reused_identity_by_its_socket():
     assert not table.address_conns and not table.address_sessions
 
 
+def test_a_connection_reported_gone_twice_is_dropped_once():
+    table = SessionTable(TableLimits())
+    conn = table.welcome(b"id", b"id", "t", "10.0.0.1", fd=7)
+    assert table.disconnected([conn, conn]) == 1 and not table.conns and not table.address_conns
+
+
 # ---------------------------------------------------------------- cache memory
 class CacheBackend(CountingBackend):
     kv_bytes_per_token = 1000
