@@ -1,8 +1,9 @@
 """The draft daemon's work-conserving loop: one ROUTER socket, one request queue, one backend.
 
-I/O is drained into Q_in without blocking; each pass serves the oldest waiting DRAFT request
-(FIFO across all targets) and queues its reply on Q_out. The loop blocks only when no work
-is waiting, so the draft model is busy whenever any target is waiting for drafts.
+I/O is drained into Q_in without blocking; each pass serves a batch of the waiting DRAFT
+requests (oldest first, one per address in turn before any address gets a second) and queues
+the replies on Q_out. The loop blocks only when no work is waiting, so the draft model is busy
+whenever any target is waiting for drafts.
 """
 
 from __future__ import annotations
@@ -181,7 +182,10 @@ class DraftServer:
                                                  c.max_sessions_per_address, backend.kv_bytes_per_token,
                                                  c.max_kv_bytes, c.max_peer_kv_bytes, c.max_session_kv_bytes),
                                      durable=c.curve_secret is not None)
-        self.q_in: collections.deque[tuple[bytes, bytes, Message, int]] = collections.deque()  # ..., cost
+        # (identity, principal, message, cost, share): share is what fair service is counted by
+        self.q_in: collections.deque[tuple[bytes, bytes, Message, int, bytes | str]] = collections.deque()
+        self._served_turn: dict[bytes | str, int] = {}  # share -> the batch that last served it
+        self._turn = 0
         self.queue_bytes = 0
         self._peer_queue: dict[bytes, list[int]] = {}  # principal -> [requests, bytes] queued
         self.limits = message_limits(backend)
@@ -416,7 +420,8 @@ class DraftServer:
                 raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             self._check_draft(session, msg)
-            self._enqueue(identity, principal, msg, cost)
+            # without CURVE a host can open many connections: fair service is counted per address
+            self._enqueue(identity, principal, msg, cost, principal if self.allow is not None else conn.address)
             if self.config.batch_window_s > 0:
                 session.returned(time.monotonic())
                 self._awaited.pop(session.key, None)
@@ -443,7 +448,7 @@ class DraftServer:
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
 
-    def _enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int) -> None:
+    def _enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int, share: bytes | str) -> None:
         """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)."""
         h, cfg = msg.header, self.config
         mine = self._peer_queue.get(principal) or [0, 0]
@@ -463,7 +468,7 @@ class DraftServer:
         self._peer_queue[principal] = mine
         self.queue_bytes += cost
         self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
-        self.q_in.append((identity, principal, msg, cost))
+        self.q_in.append((identity, principal, msg, cost, share))
 
     def _dequeued(self, item: tuple) -> None:
         principal, cost = item[1], item[3]
@@ -602,23 +607,36 @@ class DraftServer:
             self.stats.batch_waits += 1
             self.stats.batch_wait_s += time.monotonic() - start
 
-    def _take_batch(self) -> list[tuple[bytes, bytes, Message]]:
-        """The oldest waiting requests, at most batch_max, one per session (a session's later
-        request waits for the next pass, so each session's requests stay in order)."""
-        if len(self.q_in) <= 1 or self.config.batch_max == 1:
-            batch = [self.q_in.popleft()] if self.q_in else []
-        else:
-            batch, seen, rest = [], set(), collections.deque()
-            while self.q_in and len(batch) < self.config.batch_max:
-                item = self.q_in.popleft()
-                key = (item[1], item[2].header["session"])
-                if key in seen:
-                    rest.append(item)
-                    continue
+    def _take_batch(self) -> list[tuple]:
+        """At most batch_max waiting requests, one per session (a session's later request waits
+        for the next pass, so each session's requests stay in order), shared fairly: each share
+        (an address, or a CURVE key) gets one request in turn, the share served longest ago
+        first, before any gets a second. Within a share, and in the batch, oldest first. So one
+        host's backlog delays another's request by one batch at most, not by the backlog."""
+        items = self.q_in
+        by_share: dict = {}
+        seen = set()
+        for i, item in enumerate(items):
+            key = (item[1], item[2].header["session"])
+            if key not in seen:
                 seen.add(key)
-                batch.append(item)
-            rest.extend(self.q_in)
-            self.q_in = rest
+                by_share.setdefault(item[4], []).append(i)
+        shares = sorted(by_share, key=lambda sh: (self._served_turn.get(sh, 0), by_share[sh][0]))
+        taken: list[int] = []
+        limit, depth = self.config.batch_max, 0
+        while len(taken) < limit:
+            row = [by_share[sh][depth] for sh in shares if depth < len(by_share[sh])]
+            if not row:
+                break
+            taken.extend(row[: limit - len(taken)])
+            depth += 1
+        self._turn += 1
+        for i in taken:
+            self._served_turn[items[i][4]] = self._turn
+        self._served_turn = {sh: t for sh, t in self._served_turn.items() if sh in by_share}
+        chosen = set(taken)
+        batch = [items[i] for i in sorted(chosen)]
+        self.q_in = collections.deque(item for i, item in enumerate(items) if i not in chosen)
         for item in batch:
             self._dequeued(item)
         return batch
@@ -647,7 +665,7 @@ class DraftServer:
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request)
         keys: set = set()
-        for identity, principal, msg, _ in self._take_batch():
+        for identity, principal, msg, *_ in self._take_batch():
             key = (principal, msg.header["session"])
             try:
                 admitted.append((identity, msg.header, key, self._admit(principal, msg, keys)))

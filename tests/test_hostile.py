@@ -363,3 +363,38 @@ def test_a_target_asks_for_no_drafts_beyond_the_drafters_context():
         assert s.send(list(range(1, 7)), 3) is None and s.disabled  # 6 + 3 > 8: never sent
         assert server.stats.sessions_opened == 0 and not server.stats.errors
         client.close()
+
+
+class OrderBackend(FirstDraftSlowCacheBackend):
+    """Records which prompt each draft was for, in the order drafted."""
+
+    kv_bytes_per_token = 0
+
+    def __init__(self):
+        super().__init__()
+        self.order: list[int] = []
+
+    def draft(self, state, verified, depth, new_features=None):
+        self.order.append(verified[0])
+        return super().draft(state, verified, depth, new_features)
+
+
+def test_one_hosts_backlog_delays_another_by_one_batch_at_most():
+    backend = OrderBackend()
+    with running_server(backend, batch_max=2) as (server, ctx):
+        hostile = _peer_from(ctx, server.endpoint, "127.0.0.2")
+        assert hostile.hello().type is MsgType.WELCOME
+        for sid in range(1, 21):
+            hostile.open(sid, [sid, 1, 2])
+        client = _client(server, ctx)
+        for sid in range(1, 21):  # the first is drafted slowly; the other 19 queue behind it
+            hostile.send(Message(MsgType.DRAFT, {"session": sid, "seq": 1, "accepted": 0, "new": [], "pos": 3,
+                                                 "depth": 2}))
+        time.sleep(0.5)
+        s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 30.0)
+        assert isinstance(_reply(client, s.session, s.send([99, 1, 2], 2), 30.0), DraftReply)
+        assert _until(lambda: len(backend.order) == 21)
+        # batches of 2: the first held the slow draft; the legitimate target's request went into
+        # the next one, ahead of the 18 or so that had queued before it
+        assert backend.order.index(99) <= 3, backend.order
+        client.close()
