@@ -69,12 +69,9 @@ def status_command(group: click.Group, option, default_endpoint: str, what: str,
         import json
 
         from common.control import ControlClient
-        from common.security import client_keys
+        from common.security import optional_client_keys
 
-        if (curve_secret is None) != (curve_server_key is None):
-            raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
-        curve = client_keys(curve_secret, curve_server_key) if curve_secret is not None else None
-        with ControlClient(connect, curve=curve) as cc:
+        with ControlClient(connect, curve=optional_client_keys(curve_secret, curve_server_key)) as cc:
             stats = cc.stats(timeout)
         click.echo(json.dumps(stats, indent=2) if as_json else "\n".join(describe(connect, stats)))
 

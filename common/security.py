@@ -62,6 +62,14 @@ def client_keys(secret_file: Path, server_key_file: Path) -> CurveKeys:
     return CurveKeys(public, secret, load_public(server_key_file))
 
 
+def optional_client_keys(secret_file: Path | None, server_key_file: Path | None) -> CurveKeys | None:
+    """The client's keys when both files are given (--curve-secret, --curve-server-key), None
+    when neither is; ValueError for one without the other."""
+    if (secret_file is None) != (server_key_file is None):
+        raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
+    return None if secret_file is None else client_keys(secret_file, server_key_file)
+
+
 class AllowList:
     """A ZAP authenticator admitting the public keys found in a directory; reload() re-reads it."""
 

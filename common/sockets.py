@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket as _socket
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 
 from common.protocol import DEFAULT_LIMITS
-from common.security import CurveKeys
+from common.security import AllowList, CurveKeys, server_keys
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,33 @@ def make_socket(ctx: zmq.Context, kind: int, opts: SocketOptions = SocketOptions
         else:
             sock.curve_serverkey = opts.curve.server_public
     return sock
+
+
+def check_server_endpoint(endpoint: str, secret: Path | None, allow: Path | None, insecure: bool,
+                          flags: tuple[str, str, str] = ("--curve-secret", "--curve-allow", "--insecure"),
+                          purpose: str = "bind") -> None:
+    """ValueError unless a server socket is safe to bind: CURVE (a secret key and an allow-list,
+    both or neither), a loopback or ipc endpoint, or plaintext asked for on purpose. ``flags``
+    name the options (secret, allow, insecure) in the message."""
+    secret_flag, allow_flag, insecure_flag = flags
+    if (secret is None) != (allow is None):
+        raise ValueError(f"CURVE needs both {secret_flag} and {allow_flag}")
+    if secret is None and not insecure and not is_loopback_endpoint(endpoint):
+        raise ValueError(f"refusing to {purpose} {endpoint} without encryption: give {secret_flag} and {allow_flag}, "
+                         f"or {insecure_flag} to serve plaintext on a network you trust")
+
+
+def bind_server(ctx: zmq.Context, endpoint: str, secret: Path | None, allow: Path | None,
+                opts: SocketOptions = SocketOptions()) -> tuple[zmq.Socket, AllowList | None]:
+    """A bound ROUTER; with ``secret``, CURVE admitting the public keys in ``allow`` (the
+    AllowList returned, for SIGHUP's reload and to stop it)."""
+    allowed = None
+    if secret is not None:
+        opts = dataclasses.replace(opts, curve=server_keys(secret))
+        allowed = AllowList(ctx, allow)
+    sock = make_socket(ctx, zmq.ROUTER, opts)
+    sock.bind(endpoint)
+    return sock, allowed
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

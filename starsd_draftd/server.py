@@ -25,8 +25,8 @@ from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
-from common.security import AllowList, server_keys
-from common.sockets import SocketOptions, is_local_address, is_loopback_endpoint, make_socket
+from common.security import AllowList
+from common.sockets import SocketOptions, bind_server, check_server_endpoint, is_local_address
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend, DraftRequest
@@ -166,13 +166,7 @@ class Stats:
 
 class DraftServer:
     def __init__(self, backend: DraftBackend, config: ServerConfig, ctx: zmq.Context | None = None):
-        if (config.curve_secret is None) != (config.curve_allow is None):
-            raise ValueError("CURVE needs both --curve-secret and --curve-allow")
-        if config.curve_secret is None and not config.insecure and not is_loopback_endpoint(config.bind):
-            raise ValueError(
-                f"refusing to bind {config.bind} without encryption: give --curve-secret and --curve-allow, "
-                "or --insecure to serve plaintext on a network you trust"
-            )
+        check_server_endpoint(config.bind, config.curve_secret, config.curve_allow, config.insecure)
         self.backend = backend
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
@@ -217,23 +211,19 @@ class DraftServer:
         signal.signal(signal.SIGHUP, lambda *_: self.reload_keys())
 
     def bind(self) -> str:
-        curve = None
-        if self.config.curve_secret is not None:
-            curve = server_keys(self.config.curve_secret)
-            self.allow = AllowList(self.ctx, self.config.curve_allow)
         # ZeroMQ drops a connection that sends more than this before buffering it; up to it, an
         # oversized message is read and answered TOO_LARGE (the decode limits), so a careless
         # peer learns why
         hard = max(16 << 20, 2 * self.limits.max_message_bytes)
-        self.sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve, max_msg_bytes=hard))
-        self.sock.bind(self.config.bind)
+        self.sock, self.allow = bind_server(self.ctx, self.config.bind, self.config.curve_secret,
+                                            self.config.curve_allow, SocketOptions(max_msg_bytes=hard))
         # disconnects, so a connection's entry and sessions go when it does, not a TTL later
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.metrics_port is not None:
             serve_metrics(self.metrics.registry, self.config.metrics_port)
         log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", self.endpoint, self.backend.name,
-                 self.config.max_depth, "CURVE" if curve else "plaintext")
+                 self.config.max_depth, "CURVE" if self.allow else "plaintext")
         return self.endpoint
 
     def serve_forever(self, ready: threading.Event | None = None) -> None:

@@ -20,11 +20,11 @@ import zmq
 from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
-from common.sockets import SocketOptions, is_loopback_endpoint, make_socket
+from common.sockets import bind_server, check_server_endpoint
 from common.verify import SamplingParams
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
-from common.security import AllowList, client_keys, server_keys
+from common.security import AllowList, optional_client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
@@ -64,21 +64,15 @@ class ServiceFailed(RuntimeError):
 
 def check_listen(config: TargetConfig) -> None:
     """ValueError unless the job socket is safe to bind: loopback or ipc, CURVE, or insecure on purpose."""
-    if (config.listen_curve_secret is None) != (config.listen_curve_allow is None):
-        raise ValueError("CURVE on the job socket needs both --listen-curve-secret and --listen-curve-allow")
-    if config.listen_curve_secret is None and not config.insecure_listen and not is_loopback_endpoint(config.listen):
-        raise ValueError(f"refusing to take jobs on {config.listen} without encryption: anyone who reaches it could "
-                         "submit jobs; give --listen-curve-secret and --listen-curve-allow, or --insecure-listen "
-                         "to serve plaintext on a network you trust")
+    check_server_endpoint(config.listen, config.listen_curve_secret, config.listen_curve_allow, config.insecure_listen,
+                          ("--listen-curve-secret", "--listen-curve-allow", "--insecure-listen"), "take jobs on")
 
 
 class TargetDaemon:
     def __init__(self, config: TargetConfig, loaded: LoadedModel | None = None, ctx: zmq.Context | None = None):
         set_torch_threads(config.threads)
-        if (config.curve_secret is None) != (config.curve_server_key is None):
-            raise ValueError("CURVE needs both --curve-secret and --curve-server-key")
         check_listen(config)
-        self.curve = client_keys(config.curve_secret, config.curve_server_key) if config.curve_secret else None
+        self.curve = optional_client_keys(config.curve_secret, config.curve_server_key)
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
@@ -172,16 +166,6 @@ class TargetDaemon:
             signal.signal(sig, lambda *_: self.stop())
         signal.signal(signal.SIGHUP, lambda *_: self._reload_keys.set())
 
-    def _job_socket(self) -> zmq.Socket:
-        """The bound ROUTER that takes jobs; CURVE with an allow-list when configured."""
-        curve = None
-        if self.config.listen_curve_secret is not None:
-            curve = server_keys(self.config.listen_curve_secret)
-            self.allow = AllowList(self.ctx, self.config.listen_curve_allow)
-        sock = make_socket(self.ctx, zmq.ROUTER, SocketOptions(curve=curve))
-        sock.bind(self.config.listen)
-        return sock
-
     def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
         """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
         in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
@@ -189,7 +173,8 @@ class TargetDaemon:
         sched.start()
         if self.config.metrics_port is not None:
             serve_metrics(self.metrics.registry, self.config.metrics_port)
-        sock = self._job_socket()
+        sock, self.allow = bind_server(self.ctx, self.config.listen, self.config.listen_curve_secret,
+                                       self.config.listen_curve_allow)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("target daemon taking jobs on %s (%s)", self.endpoint, "CURVE" if self.allow else "plaintext")
         if ready is not None:
