@@ -291,9 +291,7 @@ class DraftClient:
             self._reply((err.session, err.seq), err)
         elif err.re == MsgType.OPEN.name and err.session is not None:
             self.open_refusals += 1
-            self._open_refusals[err.session] = err
-            while len(self._open_refusals) > self.ABANDONED_KEPT:
-                del self._open_refusals[next(iter(self._open_refusals))]
+            self._remember(self._open_refusals, err.session, err)
         elif err.re == MsgType.HELLO.name or (err.re is None and self.state is LinkState.CONNECTING):
             self._on_refusal(err)
         elif err.code != ErrorCode.NO_HANDSHAKE:
@@ -405,9 +403,13 @@ class DraftClient:
         self._replies.pop(key, None)
         sent = self._pending.pop(key, None)
         if sent is not None:
-            self._abandoned[key] = sent
-            while len(self._abandoned) > self.ABANDONED_KEPT:
-                del self._abandoned[next(iter(self._abandoned))]
+            self._remember(self._abandoned, key, sent)
+
+    def _remember(self, table: dict, key, value) -> None:
+        """Add to a table of things kept for late arrivals, forgetting the oldest beyond ABANDONED_KEPT."""
+        table[key] = value
+        while len(table) > self.ABANDONED_KEPT:
+            del table[next(iter(table))]
 
     def miss(self) -> None:
         """A request got no reply by its deadline; after ``MISSES_TO_DOWN`` in a row the link is down."""
@@ -480,9 +482,7 @@ class RemoteDraftSession:
             return None
         welcome = client.welcome
         if welcome.max_len and len(tokens) + min(depth, welcome.max_depth) > welcome.max_len:
-            log.info("session %d outgrew the drafter's %d positions; the rest runs on the target alone",
-                     self.session, welcome.max_len)
-            self.disabled = True
+            self._stop_drafting(f"it outgrew the drafter's {welcome.max_len} positions")
             return None
         opening = self.instance != welcome.instance
         if opening:
@@ -490,9 +490,8 @@ class RemoteDraftSession:
                 return None
             try:
                 sent = client.open(self.session, tokens, self.params)
-            except ValueError as exc:  # parameters the wire cannot carry: this generation drafts no more
-                log.warning("session %d cannot be opened (%s); it runs on the target alone", self.session, exc)
-                self.disabled = True
+            except ValueError as exc:  # parameters the wire cannot carry
+                self._stop_drafting(f"it cannot be opened: {exc}")
                 return None
             if not sent:
                 client.mark_down("not connected")
@@ -526,15 +525,19 @@ class RemoteDraftSession:
         prompt every round); a refusal no retry can cure (the prompt outgrows the drafter, or
         parameters it rejects) ends drafting for this generation."""
         refusal = self.client.take_open_refusal(self.session)
-        if refusal is not None:
-            self.open_refusals += 1
-            if refusal.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE_MODEL):
-                log.info("the draft daemon refused session %d (%s); the rest runs on the target alone",
-                         self.session, refusal)
-                self.disabled = True
-                return False
+        if refusal is None:
+            return True
+        self.open_refusals += 1
+        if refusal.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE_MODEL):
+            self._stop_drafting(f"the draft daemon refused it: {refusal}")
+        else:
             self._back_off(refusal)
-        return time.monotonic() >= self._retry_at
+        return False
+
+    def _stop_drafting(self, why: str) -> None:
+        """This generation asks for no more drafts: the rest runs on the target alone."""
+        log.info("session %d: %s; the rest runs on the target alone", self.session, why)
+        self.disabled = True
 
     def _back_off(self, refusal: RemoteError) -> None:
         """The daemon is busy for this session: its next request waits, twice as long each time."""
@@ -567,9 +570,7 @@ class RemoteDraftSession:
         if isinstance(reply, RemoteError):
             self.errors += 1
             if reply.code == ErrorCode.TOO_LARGE:
-                log.info("session %d outgrew the drafter (%s); the rest runs on the target alone", self.session,
-                         reply.message)
-                self.disabled = True
+                self._stop_drafting(f"it outgrew the drafter ({reply.message})")
                 return None
             if reply.code == ErrorCode.BUSY:
                 # refused before the daemon applied it (a BUSY DRAFT means its session exists and
