@@ -38,6 +38,9 @@ log = logging.getLogger("starsd.draftd")
 FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16", "float32"))
 
 
+_TABLE = TableLimits()  # the session table's defaults, which the daemon's are
+
+
 @dataclass
 class ServerConfig:
     bind: str = "tcp://127.0.0.1:5555"
@@ -47,26 +50,27 @@ class ServerConfig:
     # it (each session's reply-to-request turnaround is tracked). 0 keeps the loop strictly
     # work-conserving; a few ms fills batches when targets answer fast (many targets, short V).
     batch_window_s: float = 0.0
-    max_sessions: int = 1024
-    max_sessions_per_peer: int = 64
-    max_peers: int = 4096  # connections that completed the handshake
+    # The session table's bounds (TableLimits, fields of the same names)
+    max_sessions: int = _TABLE.max_sessions
+    max_sessions_per_peer: int = _TABLE.max_sessions_per_peer
+    max_peers: int = _TABLE.max_peers  # connections that completed the handshake
     # Without CURVE every connection is its own principal: bound what one remote address may hold.
-    max_peers_per_address: int = 64
-    max_sessions_per_address: int = 256
+    max_peers_per_address: int = _TABLE.max_peers_per_address
+    max_sessions_per_address: int = _TABLE.max_sessions_per_address
     # Cache memory, estimated per position from the drafter's config: in all, per target, per session
-    max_kv_bytes: int = 4 << 30
-    max_peer_kv_bytes: int = 1 << 30
-    max_session_kv_bytes: int = 256 << 20
+    max_kv_bytes: int = _TABLE.max_kv_bytes
+    max_peer_kv_bytes: int = _TABLE.max_peer_kv_bytes
+    max_session_kv_bytes: int = _TABLE.max_session_kv_bytes
+    session_ttl_s: float = _TABLE.session_ttl_s
+    peer_ttl_s: float = _TABLE.peer_ttl_s
+    evict_idle_s: float = _TABLE.evict_idle_s  # a full table gives way to its least recently used entry idle this long
     max_queue: int = 4096
     # Queued draft requests are charged what they hold in memory, estimated from their frame sizes
-    # (QueueCost); beyond a budget a request gets BUSY. Per peer too, so no one target's backlog
+    # (queue_cost); beyond a budget a request gets BUSY. Per peer too, so no one target's backlog
     # crowds out the others.
     max_queue_bytes: int = 256 << 20
     max_peer_queue: int = 64  # requests of one peer waiting at once (one per session is the norm)
     max_peer_queue_bytes: int = 64 << 20
-    session_ttl_s: float = 600.0
-    peer_ttl_s: float = 60.0
-    evict_idle_s: float = 10.0  # a full table gives way to its least recently used session idle this long
     drain_s: float = 5.0
     curve_secret: Path | None = None  # this daemon's .key_secret file
     curve_allow: Path | None = None  # directory of allowed target public keys (.key files)
@@ -170,12 +174,10 @@ class DraftServer:
         self.backend = backend
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
-        c = config
-        self.sessions = SessionTable(TableLimits(c.max_sessions, c.max_sessions_per_peer, c.session_ttl_s, c.peer_ttl_s,
-                                                 c.max_peers, c.evict_idle_s, c.max_peers_per_address,
-                                                 c.max_sessions_per_address, backend.kv_bytes_per_token,
-                                                 c.max_kv_bytes, c.max_peer_kv_bytes, c.max_session_kv_bytes),
-                                     durable=c.curve_secret is not None)
+        bounds = {f.name: getattr(config, f.name) for f in dataclasses.fields(TableLimits)
+                  if f.name != "kv_bytes_per_token"}  # the one bound that comes from the model
+        self.sessions = SessionTable(TableLimits(**bounds, kv_bytes_per_token=backend.kv_bytes_per_token),
+                                     durable=config.curve_secret is not None)
         # (identity, principal, message, cost, share): share is what fair service is counted by
         self.q_in: collections.deque[tuple[bytes, bytes, Message, int, bytes | str]] = collections.deque()
         self._served_turn: dict[bytes | str, int] = {}  # share -> the batch that last served it
@@ -719,12 +721,9 @@ class DraftServer:
         return snap
 
     def budgets(self) -> dict:
-        """The configured bounds a snapshot's usage figures are measured against."""
+        """The configured bounds a snapshot's usage figures are measured against: the session
+        table's (TableLimits, kv_bytes_per_token included) and the queue's."""
         c = self.config
-        return {"max_queue": c.max_queue, "max_queue_bytes": c.max_queue_bytes, "max_peer_queue": c.max_peer_queue,
-                "max_peer_queue_bytes": c.max_peer_queue_bytes, "max_sessions": c.max_sessions,
-                "max_sessions_per_peer": c.max_sessions_per_peer, "max_peers": c.max_peers,
-                "max_peers_per_address": c.max_peers_per_address,
-                "max_sessions_per_address": c.max_sessions_per_address, "max_kv_bytes": c.max_kv_bytes,
-                "max_peer_kv_bytes": c.max_peer_kv_bytes, "max_session_kv_bytes": c.max_session_kv_bytes,
-                "kv_bytes_per_token": self.backend.kv_bytes_per_token}
+        return {**dataclasses.asdict(self.sessions.limits), "max_queue": c.max_queue,
+                "max_queue_bytes": c.max_queue_bytes, "max_peer_queue": c.max_peer_queue,
+                "max_peer_queue_bytes": c.max_peer_queue_bytes}

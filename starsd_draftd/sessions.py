@@ -61,8 +61,8 @@ class Session:
                 self.key[1], seq)
 
     def advance(self, accepted: int, new: list[int], pos: int, seq: int) -> None:
-        """Apply a DRAFT request's report of what the target verified."""
-        self.check(accepted, new, pos, seq)
+        """Apply a DRAFT request's report of what the target verified, once ``check`` passed it
+        (the server reserves the cache memory in between, so a refusal leaves the session as it was)."""
         self.verified.extend(self.last_draft[:accepted])
         self.verified.extend(new)
         self.last_draft = []
