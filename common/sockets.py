@@ -72,13 +72,19 @@ def check_server_endpoint(endpoint: str, secret: Path | None, allow: Path | None
 def bind_server(ctx: zmq.Context, endpoint: str, secret: Path | None, allow: Path | None,
                 opts: SocketOptions = SocketOptions()) -> tuple[zmq.Socket, AllowList | None]:
     """A bound ROUTER; with ``secret``, CURVE admitting the public keys in ``allow`` (the
-    AllowList returned, for SIGHUP's reload and to stop it)."""
+    AllowList returned, for SIGHUP's reload and to stop it). A failed bind closes both."""
     allowed = None
     if secret is not None:
         opts = dataclasses.replace(opts, curve=server_keys(secret))
         allowed = AllowList(ctx, allow)
     sock = make_socket(ctx, zmq.ROUTER, opts)
-    sock.bind(endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:  # the endpoint is taken, say: nothing is left open behind
+        sock.close(linger=0)
+        if allowed is not None:
+            allowed.stop()
+        raise
     return sock, allowed
 
 

@@ -342,8 +342,7 @@ def draft_server_at(endpoint: str, backend):
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE:
                 raise
-            server.sock.close(linger=0)
-            time.sleep(0.01)
+            time.sleep(0.01)  # bind() closed the socket it could not bind
     else:
         raise RuntimeError(f"{endpoint} stayed in use")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
