@@ -223,14 +223,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) ->
     return 2 * n * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def new_cache(model):
-    from transformers import DynamicCache
+def new_cache(model, capacity: int = 0):
+    """An empty in-place KV cache for ``model`` (``common.slot_cache.SlotCache``), with
+    ``capacity`` positions preallocated (0: grown as needed)."""
+    from common.slot_cache import SlotCache
 
-    return DynamicCache(config=model.config)
+    return SlotCache(model.config, capacity)
 
 
 def crop_cache(cache, length: int) -> None:
-    """Roll a DynamicCache back so that it holds exactly ``length`` positions."""
+    """Roll a cache back so that it holds exactly ``length`` positions."""
     have = cache.get_seq_length()
     if length < 0 or length > have:
         raise ValueError(f"cannot crop a cache of {have} positions to {length}")

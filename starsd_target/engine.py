@@ -15,7 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.models import LoadedModel, context_length, crop_cache, new_cache
+from common.models import LoadedModel, context_length, crop_cache
+from common.runner import ModelRunner
 from common.tensors import as_torch, to_wire
 from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
 
@@ -130,14 +131,31 @@ def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 runner: ModelRunner | None = None):
+        """``runner``: how the model runs (compiled or eager); eager by default."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
         self.model = loaded.model
+        self.runner = runner if runner is not None else ModelRunner(loaded)
         self.depth = depth
         self.prefill_chunk = prefill_chunk
         self.context = context_length(loaded.model)  # None: the model declares none
+
+    def warm_up(self, features: bool = False) -> float:
+        """With a compiled runner, compile the shapes serving uses (a prefill chunk, a round with
+        drafts, a round without) before the daemon takes jobs; 0 s when eager. ``features``: the
+        rounds also return hidden states (a draft daemon with a feature-based head)."""
+        def exercise():
+            g = self.start([1] * 8, self.depth + 2, SamplingParams(), features=features)
+            while g.prefilling:
+                g.prefill()
+            g.verify(_WarmUpDrafts([1] * min(self.depth, g.draft_depth())))
+            if not g.done:
+                g.verify(None, wanted=False)
+
+        return self.runner.warm_up(exercise, "target model")
 
     def check(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=()) -> None:
         """InvalidRequest unless the request fits the target's bounds: prompt ids in the
@@ -172,17 +190,12 @@ class TargetEngine:
         tok = self.loaded.tokenizer
         return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
-    @torch.inference_mode()
     def _forward(self, cache, ids: list[int], features: bool = False,
                  logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits [len(ids), V] (float32, CPU; None with ``logits=False``, as a prefill needs none:
-        the LM head over a whole chunk costs more than the chunk's layers in a small model) and,
-        if asked, the final hidden states [len(ids), H]."""
-        x = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
-        out = self.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
-                         logits_to_keep=0 if logits else 1)
-        hidden = out.hidden_states[-1][0] if features else None
-        return (out.logits[0].float().cpu() if logits else None), hidden
+        """Logits [len(ids), V] (float32, CPU; None with ``logits=False``, as a prefill needs none)
+        and, if asked, the final hidden states [len(ids), H]."""
+        rows, hidden = self.runner.forward(cache, ids, "all" if logits else "none", features)
+        return (rows.cpu() if rows is not None else None), hidden
 
     def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
         k = len(prop.tokens)
@@ -238,6 +251,13 @@ class TargetEngine:
         return len(out)
 
 
+@dataclass
+class _WarmUpDrafts:
+    tokens: list[int]
+    q_ids: None = None
+    q_probs: None = None
+
+
 class Generation:
     """One request's state between rounds, so a scheduler can interleave many of them.
 
@@ -265,7 +285,8 @@ class Generation:
         self.out: list[int] = []
         self.finish = "length"
         self.done = False
-        self.cache = new_cache(engine.model)
+        # every position this generation can write: the prompt, max_tokens, and a last round's drafts
+        self.cache = engine.runner.new_cache(len(prompt) + max_tokens + engine.depth + 1)
         self.feats = None
         if features:
             self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))

@@ -101,3 +101,24 @@ def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.
     sched = Scheduler(engine, lambda: client, timeout_s)
     sched.on_round = on_round
     return sched.run_one(Job(list(prompt), max_tokens, params, draft_params=draft_params))
+
+
+class LocalDrafts:
+    """A draft backend in-process, behind the target engine's DraftSource interface."""
+
+    feature_size = 0
+
+    def __init__(self, backend: DraftBackend, params=None):
+        from common.verify import SamplingParams
+
+        self.backend = backend
+        self.state = backend.new_state(params or SamplingParams())
+
+    def propose(self, tokens, depth, features=None):
+        return self.backend.draft(self.state, tokens, depth)
+
+    def kept(self, n):
+        pass
+
+    def close(self):
+        pass

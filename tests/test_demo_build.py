@@ -2,12 +2,14 @@
 cut from the target and distilled on its outputs, both loaded like user checkpoints, and
 speculation with the pair exact against the target's own greedy decoding."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from common.models import load_causal_lm
+from common.runner import ModelRunner
 from common.verify import SamplingParams
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.demo.checkpoints import TEACHER_NAME, build_demo_checkpoints, load_teacher
@@ -71,7 +73,7 @@ def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
     assert result.stats.drafted > 0 and result.stats.fallback_rounds == 0
     # a draft cut with every layer is the target itself: all its drafts are kept
     full = first_layers_draft(target.model, target.model.config.num_hidden_layers)
-    backend.model = full
+    backend.runner = ModelRunner(dataclasses.replace(backend.loaded, model=full))
     copy = engine.generate(prompt, 24, SamplingParams(), Local())
     assert copy.token_ids == result.token_ids
     assert copy.stats.accepted == copy.stats.drafted > 0

@@ -48,12 +48,17 @@ def row_slots(t: torch.Tensor, row: int, own: tuple[int, int], kept: tuple[int, 
 
 
 def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make a cache layer hold exactly these keys and values. A plain DynamicLayer takes the
-    tensors as they are (its ``update`` would copy them once more, onto an empty tensor);
-    other layer kinds go through ``update`` and keep their own semantics."""
+    """Make a cache layer hold exactly these keys and values. A slot layer copies them into its
+    buffer; a plain DynamicLayer takes the tensors as they are (its ``update`` would copy them
+    once more, onto an empty tensor); other layer kinds go through ``update`` and keep their
+    own semantics."""
     from transformers.cache_utils import DynamicLayer
 
-    if type(layer) is DynamicLayer:
+    from common.slot_cache import SlotLayer
+
+    if isinstance(layer, SlotLayer):
+        layer.replace(keys, values)
+    elif type(layer) is DynamicLayer:
         if not layer.is_initialized:
             layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
@@ -64,17 +69,17 @@ def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 
 class BatchedCaches:
-    def __init__(self, model, caches: list, feeds: list[list[int]], device: torch.device):
-        from transformers import DynamicCache
-
-        self.model = model
+    def __init__(self, runner, caches: list, feeds: list[list[int]], device: torch.device, steps: int = 0):
+        """``runner``: a ``common.runner.ModelRunner``; ``steps``: single-token steps to come
+        (room for them is allocated with the batch)."""
+        self.runner = runner
         self.device = device
         self.lengths = [c.get_seq_length() for c in caches]
         self.feeds = feeds
         self.P = max(self.lengths)
         self.N = max(len(f) for f in feeds)
         B = len(caches)
-        self.cache = DynamicCache(config=model.config)
+        self.cache = runner.new_cache(self.P + self.N + steps)
         if self.P > 0:
             # one zeroed tensor per layer, each row's cache copied right-aligned into it
             ref = next(c for c, n in zip(caches, self.lengths) if n > 0)
@@ -98,7 +103,7 @@ class BatchedCaches:
     def first(self) -> torch.Tensor:
         """Forward the new tokens; logits [B, V] at each row's last real token."""
         ids, pos = self._first
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
+        out = self.runner(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
         last = torch.tensor([len(f) - 1 for f in self.feeds], device=self.device)
         return out.logits[torch.arange(len(self.feeds), device=self.device), last]
 
@@ -110,7 +115,7 @@ class BatchedCaches:
         self.mask = torch.cat([self.mask, col], dim=1)
         pos = self.next_pos.unsqueeze(1).clone()
         self.next_pos = self.next_pos + 1
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
+        out = self.runner(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
         for b, keep in enumerate(live):
             if keep:
                 self.live_steps[b] += 1

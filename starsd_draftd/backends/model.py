@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token, new_cache
+from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
+from common.runner import ModelRunner
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest
 from starsd_draftd.backends.batching import BatchedCaches
@@ -24,9 +25,11 @@ class ModelSession:
 class ModelBackend(DraftBackend):
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None):
+    def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None,
+                 runner: ModelRunner | None = None):
         """``lookup``: in greedy sessions, each draft token comes from the context where it holds
-        the continuation of the last few tokens (``ContextLookup``), else from the model."""
+        the continuation of the last few tokens (``ContextLookup``), else from the model.
+        ``runner``: how the model runs (compiled or eager); eager by default."""
         if q_topk < 1:
             raise ValueError("q_topk must be >= 1")
         self.lookup = lookup
@@ -34,6 +37,7 @@ class ModelBackend(DraftBackend):
         self.model_picks = 0  # greedy draft tokens the model chose
         self.loaded = loaded
         self.model = loaded.model
+        self.runner = runner if runner is not None else ModelRunner(loaded)
         self.device = loaded.device
         self.vocab_size = loaded.vocab_size
         self.fingerprint = loaded.fingerprint
@@ -42,19 +46,31 @@ class ModelBackend(DraftBackend):
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
 
+    def warm_up(self, batch_max: int = 1) -> float:
+        """With a compiled runner, compile the shapes drafting uses (a request's new tokens, then
+        one-token steps; batched when ``batch_max`` > 1) before serving; 0 s when eager."""
+        def exercise():
+            params = SamplingParams(temperature=1.0, seed=0)  # sampled: every step runs the model
+            st = self.new_state(params)
+            self.draft(st, [1] * 6, 3)
+            self.draft(st, [1] * 7, 3)
+            if batch_max > 1:
+                self.draft_many([DraftRequest(self.new_state(params), [1] * 5, 3),
+                                 DraftRequest(self.new_state(params), [1] * 6, 3)])
+
+        return self.runner.warm_up(exercise, "draft model")
+
     def counters(self) -> dict:
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
 
     def new_state(self, params: SamplingParams) -> ModelSession:
-        return ModelSession(params, make_generator(params.seed), new_cache(self.model))
+        return ModelSession(params, make_generator(params.seed), self.runner.new_cache())
 
-    @torch.inference_mode()
     def _forward(self, st: ModelSession, tokens: list[int]) -> torch.Tensor:
         """Feed tokens after the cached ones; return the last position's logits over the vocabulary."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=st.cache, use_cache=True, logits_to_keep=1)
+        logits, _ = self.runner.forward(st.cache, tokens, "last")
         st.cached.extend(tokens)
-        return out.logits[0, -1, : self.vocab_size].float()
+        return logits[: self.vocab_size]
 
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
@@ -118,7 +134,8 @@ class ModelBackend(DraftBackend):
             crop_cache(st.cache, keep)
             del st.cached[keep:]
             feeds.append(r.verified[keep:])
-        batch = BatchedCaches(self.model, [st.cache for st in sessions], feeds, self.device)
+        batch = BatchedCaches(self.runner, [st.cache for st in sessions], feeds, self.device,
+                              steps=max(r.depth for r in requests))
         logits = batch.first()[:, : self.vocab_size].float()
         chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
         greedy = [st.params.greedy for st in sessions]

@@ -1,0 +1,118 @@
+"""One model runner for both daemons: in-place KV caches, and forwards eager or compiled.
+
+The target engine and the draft backends run their models only through a ``ModelRunner``:
+
+- caches are ``SlotCache``s (``common.slot_cache``): preallocated slots written in place, rolled
+  back by moving a position;
+- ``forward`` feeds new tokens after a cache and returns the logits rows asked for (all, the last,
+  or none) and, if asked, the final hidden states;
+- with ``compile=True`` the model's forward goes through ``torch.compile``, with symbolic
+  sequence lengths so that one compiled graph serves every step (decode, verification of up to
+  the draft budget, prefill chunks, batched drafting). On CPUs inductor's weight freezing folds
+  and prepacks the weights; compiled artifacts are cached on disk under StarSD's cache directory
+  (``<cache>/inductor``), so a restart loads them instead of compiling again. Eager is the default
+  and the fallback: a model whose forward does not compile runs eagerly, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common.models import LoadedModel, cache_root, new_cache
+
+log = logging.getLogger("starsd.runner")
+
+COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
+                "The first start compiles (minutes on a CPU) and caches the result under StarSD's cache "
+                "directory, so restarts reuse it. Off by default: see README, 'Compiled forwards', for when "
+                "it pays.")
+
+
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps compiled artifacts: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
+    ``<StarSD cache>/inductor``."""
+    explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(explicit) if explicit else cache_root() / "inductor"
+
+
+def _configure_inductor(device: torch.device) -> Path:
+    path = inductor_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._inductor.config as icfg
+
+    icfg.fx_graph_cache = True
+    if device.type == "cpu":
+        icfg.freezing = True  # fold and prepack weights (inference only: the runner never trains)
+    return path
+
+
+class ModelRunner:
+    """Runs one loaded causal LM. ``compile``: compile the forward (see the module's docstring)."""
+
+    def __init__(self, loaded: LoadedModel, compile: bool = False):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.compiled = False
+        self.compile_s = 0.0  # seconds the warm-up's compilation took (0: eager)
+        self.warm = False  # warm_up() ran: serving shapes are compiled
+        self._call = self.model
+        if compile:
+            path = _configure_inductor(self.device)
+            self._call = torch.compile(self.model, dynamic=True)
+            self.compiled = True
+            log.info("model forward compiled with torch.compile (artifacts cached in %s)", path)
+
+    def new_cache(self, capacity: int = 0):
+        """An empty cache with ``capacity`` positions preallocated (0: grown as needed)."""
+        return new_cache(self.model, capacity)
+
+    def __call__(self, **kwargs):
+        """The model's forward (compiled or eager), for callers that build their own inputs
+        (batched drafting's masks and position ids)."""
+        if self.compiled and self.warm:
+            # after the warm-up, a shape no compiled graph covers runs eagerly instead of stalling
+            # the daemon for a compilation (minutes on a CPU) in the middle of serving
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return self._call(**kwargs)
+        return self._call(**kwargs)
+
+    @torch.inference_mode()
+    def forward(self, cache, ids: list[int], logits: str = "all",
+                hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Feed ``ids`` after the positions ``cache`` holds. ``logits``: ``"all"`` rows
+        [len(ids), V], ``"last"`` [V], or ``"none"`` (a prefill needs none: the LM head over a whole
+        chunk costs more than the chunk's layers in a small model). Logits come back as float32
+        on the model's device; ``hidden``: also the final hidden states [len(ids), H]."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        keep = {"all": 0, "last": 1, "none": 1}[logits]
+        out = self(input_ids=x, cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep)
+        h = out.hidden_states[-1][0] if hidden else None
+        if logits == "none":
+            return None, h
+        rows = out.logits[0].float()
+        return (rows if logits == "all" else rows[-1]), h
+
+    def warm_up(self, exercise: Callable[[], object], what: str) -> float:
+        """Compile (or load from the on-disk cache) the graphs that serving uses by running
+        ``exercise`` once, which drives the shapes serving drives, before the daemon says it is
+        ready; returns the seconds it took (0 when eager). Afterwards, shapes no graph covers run
+        eagerly rather than compile mid-serving."""
+        if not self.compiled:
+            return 0.0
+        log.info("compiling the %s's forwards (the first start on a machine takes minutes; later starts "
+                 "reuse %s)", what, inductor_cache_dir())
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            exercise()
+        self.compile_s += time.perf_counter() - t0
+        self.warm = True
+        log.info("%s's compiled forwards ready in %.1f s", what, self.compile_s)
+        return self.compile_s
