@@ -15,9 +15,27 @@ weights rounded to float16, in both the target-alone and the speculative path.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 FP16_WEIGHTS = "fp16-weights"
+
+# fbgemm's packed weights are a TorchScript object, which torch.compile cannot pass through a
+# graph; compiled graphs call the GEMM through this op instead, naming the packed weights by a key.
+_PACKED: dict[int, object] = {}
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("starsd::fp16_linear", mutates_args=())
+def _fp16_linear_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[key])
+
+
+@_fp16_linear_op.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def fp16_weights_available() -> bool:
@@ -34,6 +52,9 @@ class Fp16Linear(torch.nn.Module):
         w = weight.detach().to("cpu", torch.float32).contiguous()
         b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, b)
+        self._key = next(_KEYS)
+        _PACKED[self._key] = self._packed
+        weakref.finalize(self, _PACKED.pop, self._key, None)
 
     @classmethod
     def from_linear(cls, lin: torch.nn.Linear) -> "Fp16Linear":
@@ -42,7 +63,9 @@ class Fp16Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         if x.dim() == 1:  # fbgemm wants rows
-            return torch.ops.quantized.linear_dynamic_fp16(x[None], self._packed)[0]
+            return self.forward(x[None])[0]
+        if torch.compiler.is_compiling():
+            return _fp16_linear_op(x, self._key, self.out_features)
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
     def extra_repr(self) -> str:

@@ -22,6 +22,7 @@ class ServeConfig:
     q_topk: int = 32
     threads: int = 1
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
+    compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
 
 
 def build_backend(cfg: ServeConfig):
@@ -29,11 +30,17 @@ def build_backend(cfg: ServeConfig):
     if cfg.backend == "model":
         from starsd_draftd.backends.model import ModelBackend
 
+        from common.runner import ModelRunner
         from starsd_draftd.backends.base import ContextLookup
 
-        return ModelBackend(load_causal_lm(cfg.model, cfg.device, cfg.dtype), q_topk=cfg.q_topk,
-                            lookup=ContextLookup() if cfg.lookup else None)
+        loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype)
+        backend = ModelBackend(loaded, q_topk=cfg.q_topk, lookup=ContextLookup() if cfg.lookup else None,
+                               runner=ModelRunner(loaded, compile=cfg.compile))
+        backend.warm_up(cfg.server.batch_max)
+        return backend
     if cfg.backend == "eagle":
+        if cfg.compile:
+            raise ValueError("--compile applies to --backend model; the EAGLE head runs eagerly")
         if not cfg.eagle_head or not cfg.base_model:
             raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")
         try:

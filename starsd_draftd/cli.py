@@ -11,6 +11,7 @@ import click
 from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
+from common.runner import COMPILE_HELP
 from common.security import keygen as keygen_pair
 from starsd_draftd import app
 from starsd_draftd.server import ServerConfig
@@ -99,10 +100,11 @@ def main() -> None:
 @option("--lookup/--no-lookup", default=True,
         help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
+@option("--compile/--no-compile", "compile_", default=False, help=COMPILE_HELP)
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads, lookup, log_level, log_format,
-          **limits) -> None:
+def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads, lookup, compile_, log_level,
+          log_format, **limits) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -110,7 +112,8 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads
     setup_logging(log_level, log_format)
     server = _server_config(**limits)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
-                            device=device, dtype=dtype, q_topk=q_topk, threads=threads, lookup=lookup))
+                            device=device, dtype=dtype, q_topk=q_topk, threads=threads, lookup=lookup,
+                            compile=compile_))
 
 
 def _server_config(bind, depth, batch_max, batch_window_ms, max_sessions, max_sessions_per_peer, max_peers,

@@ -12,6 +12,7 @@ import zmq
 from common.cliutil import env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
+from common.runner import COMPILE_HELP
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
 from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
@@ -45,6 +46,7 @@ def model_options(f):
         option("--prefill-chunk", type=click.IntRange(1), default=_d.prefill_chunk,
                help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
                     "generations' rounds, so it delays them by one chunk at most."),
+        option("--compile/--no-compile", "compile_", default=_d.compile, help=COMPILE_HELP),
         logging_options(option),
     ]
     for dec in reversed(decorators):
@@ -57,7 +59,7 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
                         curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
-                        prefill_chunk=kw["prefill_chunk"])
+                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -86,6 +88,7 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
     daemon = TargetDaemon(_config(kw, None if no_draft else kw["draft"]))
     if not no_draft:
         daemon.connect()
+    daemon.warm_up()
     params = SamplingParams(temperature, top_k, top_p, seed)
     result = daemon.generate(prompt, max_tokens, params, list(stop), no_draft)
     if as_json:
@@ -146,6 +149,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)
     daemon.connect()
+    daemon.warm_up()
     daemon.scheduler()
     if http_addr is None:
         daemon.install_signal_handlers()

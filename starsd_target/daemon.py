@@ -19,6 +19,7 @@ import zmq
 
 from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
+from common.runner import ModelRunner
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.sockets import bind_server, check_server_endpoint
 from common.verify import SamplingParams
@@ -56,6 +57,7 @@ class TargetConfig:
     listen_curve_secret: Path | None = None  # the job socket's .key_secret file
     listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
+    compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
 
 
 class ServiceFailed(RuntimeError):
@@ -76,7 +78,8 @@ class TargetDaemon:
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
-        self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk)
+        self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk,
+                                   runner=ModelRunner(self.loaded, compile=config.compile))
         self.client: DraftClient | None = None
         self._stop = threading.Event()
         self._reload_keys = threading.Event()  # SIGHUP: re-read --listen-curve-allow
@@ -108,6 +111,12 @@ class TargetDaemon:
         except HandshakeTimeout as exc:
             log.warning("%s; generating with the target model alone until it answers", exc)
             return False
+
+    def warm_up(self) -> float:
+        """With --compile, compile the forwards serving uses before taking jobs (after connect(),
+        so that a draft daemon with a feature-based head gets the feature path compiled too)."""
+        welcome = self.client.welcome if self.client is not None else None
+        return self.engine.warm_up(features=bool(welcome is not None and welcome.feature_size))
 
     # ------------------------------------------------------------ generation
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -285,5 +294,7 @@ class TargetDaemon:
     def status(self) -> dict:
         sched = self._scheduler.load() if self._scheduler is not None else {}
         link = self.client.counters() if self.client is not None else {}
+        runner = self.engine.runner
         return {"served": self.served, "model": str(self.loaded.path),
+                "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3),
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link}

@@ -1,0 +1,150 @@
+"""The model runner: in-place slot caches equal transformers' own cache, and compiled forwards
+equal eager ones (logits within float tolerance, greedy tokens identical), rollback included."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from common.models import crop_cache, load_causal_lm
+from common.runner import ModelRunner, inductor_cache_dir
+from common.slot_cache import SlotCache, SlotLayer
+from common.verify import SamplingParams
+from starsd_draftd.backends.model import ModelBackend
+from starsd_target.engine import TargetEngine
+from tiny_models import make_tiny_checkpoint, reference_greedy
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def arch_model(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3, hidden=32, layers=2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def test_slot_cache_equals_dynamic_cache_with_rollback_and_growth(arch_model):
+    """Feeding in pieces, rolling back and re-feeding other tokens, and growing past the
+    preallocated slots gives the logits one uncached forward over the same sequence gives."""
+    torch.manual_seed(0)
+    seq = torch.randint(3, 250, (1, 90))
+    other = torch.randint(3, 250, (1, 10))
+    full = arch_model(input_ids=seq).logits
+    slot = SlotCache(arch_model.config, capacity=16)  # forces two regrowths
+    assert all(isinstance(layer, SlotLayer) for layer in slot.layers)
+    arch_model(input_ids=seq[:, :40], cache=slot, use_cache=True)
+    arch_model(input_ids=other, cache=slot, use_cache=True)  # a rejected draft ...
+    crop_cache(slot, 40)  # ... rolled back by moving the position
+    assert slot.get_seq_length() == 40
+    parts = [arch_model(input_ids=seq[:, a:b], cache=slot, use_cache=True).logits
+             for a, b in ((40, 41), (41, 46), (46, 90))]
+    assert slot.get_seq_length() == 90
+    assert slot.layers[0].capacity >= 90
+    torch.testing.assert_close(torch.cat(parts, dim=1), full[:, 40:], rtol=1e-4, atol=1e-4)
+    # the same steps on transformers' own cache give the same logits
+    dyn = DynamicCache(config=arch_model.config)
+    arch_model(input_ids=seq[:, :45], cache=dyn, use_cache=True)
+    crop_cache(slot, 45)
+    a = arch_model(input_ids=seq[:, 45:50], cache=dyn, use_cache=True).logits
+    b = arch_model(input_ids=seq[:, 45:50], cache=slot, use_cache=True).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_slot_layer_refuses_what_it_cannot_hold():
+    layer = SlotLayer(4)
+    k = torch.zeros(1, 2, 3, 8)
+    layer.update(k, k)
+    with pytest.raises(ValueError, match="batch"):
+        layer.update(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8))
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(1)
+    layer.crop(-2)
+    assert layer.get_seq_length() == 1 and layer.keys.shape[2] == 1
+    layer.replace(torch.ones(1, 2, 6, 8), torch.ones(1, 2, 6, 8))  # reuses (and grows) the buffer
+    assert layer.get_seq_length() == 6 and bool((layer.values == 1).all())
+
+
+def test_engine_on_slot_cache_equals_generate(tiny_target, loaded_target):
+    """The target alone, on the runner's cache, is the model's own greedy decoding."""
+    engine = TargetEngine(loaded_target, depth=4)
+    prompt = engine.encode("def parse(line):\n    ")
+    out = engine.generate(prompt, 40, SamplingParams())
+    assert out.token_ids == reference_greedy(tiny_target, prompt, 40)
+
+
+# ---------------------------------------------------------------- compiled forwards
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """Compiled artifacts in a directory of this module's own (not the user's cache)."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("inductor")
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+    yield path
+    mp.undo()
+
+
+def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path))
+    assert inductor_cache_dir() == tmp_path / "inductor"
+
+
+@pytest.mark.slow
+def test_compiled_forward_equals_eager_with_rollback(tiny_target, compile_cache):
+    """A compiled runner (symbolic lengths: one graph for decode, one for several tokens) gives
+    eager's logits on decode, verification and rolled-back steps, and compiles nothing new
+    for lengths it has seen."""
+    loaded = load_causal_lm(str(tiny_target))
+    eager, compiled = ModelRunner(loaded), ModelRunner(loaded, compile=True)
+    assert compiled.compiled and not eager.compiled
+    torch.manual_seed(1)
+    prompt = torch.randint(3, 250, (30,)).tolist()
+    ce, cc = eager.new_cache(64), compiled.new_cache(64)
+    for runner, cache in ((eager, ce), (compiled, cc)):
+        runner.forward(cache, prompt, "none")
+    for step, ids in enumerate(([5], [7, 8, 9, 10, 11], [12, 13], [14], [15, 16, 17])):
+        a, _ = eager.forward(ce, ids)
+        b, _ = compiled.forward(cc, ids)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert b.argmax(-1).tolist() == a.argmax(-1).tolist()
+        if step % 2:  # roll back all but the first of the fed tokens, as a rejected draft does
+            for cache in (ce, cc):
+                crop_cache(cache, cache.get_seq_length() - len(ids) + 1)
+    assert cc.get_seq_length() == ce.get_seq_length()
+    assert compile_cache.exists() and any(compile_cache.iterdir())  # artifacts went to the configured cache
+
+
+@pytest.mark.slow
+def test_compiled_star_parts_stay_exact(tiny_target, near_draft, compile_cache):
+    """Target engine and draft backend on compiled runners, warmed up as the daemons warm up:
+    greedy speculation equals the model's own generate, with drafts kept."""
+    from fakes import LocalDrafts
+
+    target = load_causal_lm(str(tiny_target))
+    draft = load_causal_lm(str(near_draft))
+    engine = TargetEngine(target, depth=4, runner=ModelRunner(target, compile=True))
+    backend = ModelBackend(draft, runner=ModelRunner(draft, compile=True))
+    assert engine.warm_up() > 0 and backend.warm_up(batch_max=2) > 0
+    assert engine.runner.warm and backend.runner.warm
+    prompt = engine.encode("import os\nimport sys\n")
+    out = engine.generate(prompt, 40, SamplingParams(), drafts=LocalDrafts(backend))
+    assert out.token_ids == reference_greedy(tiny_target, prompt, 40)
+    assert out.stats.accepted > 0 and out.stats.fallback_rounds == 0
+
+
+@pytest.mark.slow
+def test_compiled_fp16_weights_forward_equals_eager(tmp_path, compile_cache):
+    """fp16-weights' fbgemm GEMM runs inside compiled graphs (through its registered op)."""
+    from common.fp16_weights import fp16_weights_available
+
+    if not fp16_weights_available():
+        pytest.skip("this PyTorch build has no fbgemm (not an x86 CPU)")
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=4, hidden=32, layers=1)
+    loaded = load_causal_lm(str(path), dtype="fp16-weights")
+    eager, compiled = ModelRunner(loaded), ModelRunner(loaded, compile=True)
+    ids = list(range(3, 23))
+    ce, cc = eager.new_cache(), compiled.new_cache()
+    a, _ = eager.forward(ce, ids)
+    b, _ = compiled.forward(cc, ids)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    a, _ = eager.forward(ce, [30])
+    b, _ = compiled.forward(cc, [30])
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
