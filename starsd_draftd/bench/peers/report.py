@@ -31,8 +31,8 @@ def vllm_rounds(case: dict, speculative: bool) -> int:
 
 
 def starsd_case(streams: int, phases: list[dict]) -> dict:
-    """A StarSD case from the target daemon's GENERATE results (``real._run_jobs`` phases, one per
-    group of prompts sent at once), in the shape of vLLM's cases."""
+    """A StarSD case from the target daemon's GENERATE results (``run.generate_at_once`` phases,
+    one per group of prompts sent at once), in the shape of vLLM's cases."""
     outputs = []
     for ph in phases:
         for jobs in ph["results"]:
