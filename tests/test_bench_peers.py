@@ -173,7 +173,7 @@ def test_vllm_gets_the_cores_starsd_uses_and_starsd_sits_between_vllm_engines():
     blocks = vllm_blocks(cfg)
     assert [(b["mode"], b["cores"]) for b in blocks] == [("alone", [3]), ("spec", [3]), ("spec", [2, 3])]
     assert run_order(blocks)[1] == "starsd" and len(run_order(blocks)) == 4
-    two = vllm_blocks(PeersConfig(cpus=(0, 1)))
+    two = vllm_blocks(PeersConfig(cpus=(0, 1), vllm_dtypes=("bfloat16", "float32")))
     order = run_order(two)
     assert len(two) == 6 and order[3] == "starsd"
     assert run_order([]) == ["starsd"]
