@@ -80,6 +80,18 @@ class SlotLayer(DynamicLayer):
             self.is_initialized = False
         self.update(keys, values)
 
+    def compact(self, positions: torch.Tensor) -> None:
+        """Keep only the cached ``positions`` (ascending), moved to the front in that order: an
+        accepted path through a draft tree, kept with one index copy instead of a recompute."""
+        idx = positions.to(self.k_buf.device, torch.long)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
+            raise ValueError(f"positions must lie in 0..{self.n - 1}")
+        m = int(idx.numel())
+        self.k_buf[:, :, :m] = self.k_buf.index_select(2, idx)
+        self.v_buf[:, :, :m] = self.v_buf.index_select(2, idx)
+        self.n = m
+        self._views()
+
     def get_seq_length(self) -> int:
         return self.n
 
@@ -115,3 +127,11 @@ class SlotCache(DynamicCache):
             self.layer_class_to_replicate = None
         else:
             self.layers = [SlotLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    def compact(self, positions: torch.Tensor) -> None:
+        """Every layer keeps only ``positions`` (see ``SlotLayer.compact``)."""
+        for layer in self.layers:
+            if not isinstance(layer, SlotLayer):
+                raise NotImplementedError(f"{type(layer).__name__} layers cannot be compacted")
+            if layer.is_initialized:
+                layer.compact(positions)

@@ -1,5 +1,5 @@
 """starsd-draftd: the draft daemon's command line (serve, keygen, status; the tooling commands
-bench, plan, demo and train-eagle are imported only when invoked)."""
+bench, bench-peers, plan, demo and train-eagle are imported only when invoked)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ _s = ServerConfig()
 _MIB = 1 << 20
 
 TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
-           "demo": "starsd_draftd.demo.cli:demo", "train-eagle": "starsd_draftd.demo.cli:train_eagle"}
+           "demo": "starsd_draftd.demo.cli:demo", "train-eagle": "starsd_draftd.demo.cli:train_eagle",
+           "bench-peers": "starsd_draftd.bench.peers.cli:main"}
 
 
 @click.group(cls=LazyGroup, lazy=TOOLING,

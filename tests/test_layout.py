@@ -46,7 +46,7 @@ def test_tooling_commands_are_registered_lazily_and_still_listed():
 
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for name in ("serve", "bench", "plan", "demo", "train-eagle", "keygen", "status"):
+    for name in ("serve", "bench", "bench-peers", "plan", "demo", "train-eagle", "keygen", "status"):
         assert f"  {name} " in result.output
 
 

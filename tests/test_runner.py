@@ -148,3 +148,62 @@ def test_compiled_fp16_weights_forward_equals_eager(tmp_path, compile_cache):
     a, _ = eager.forward(ce, [30])
     b, _ = compiled.forward(cc, [30])
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two daemons compile before they serve (about a minute each here)
+def test_daemons_with_compile_stay_exact(star, tiny_target, near_draft, compile_cache):
+    """Both daemons started with --compile, as a user starts them: they compile before they
+    take work, then serve greedy output equal to the model's own generate, with drafts kept and
+    no round without drafts; STATS says the target is compiled and what its warm-up cost."""
+    from common.control import ControlClient
+    from common.protocol import Message, MsgType
+    from common.sockets import free_tcp_endpoint
+
+    draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
+    star.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", draft_ep, "--depth", "4",
+               "--compile", "--batch-max", "1")
+    star.wait_ready("draftd", draft_ep, timeout_s=600)
+    star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
+               target_ep, "--depth", "4", "--compile", "--connect-timeout", "60")
+    star.wait_ready("t0", target_ep, timeout_s=600)
+    engine = TargetEngine(load_causal_lm(str(tiny_target)))
+    prompt = engine.encode("class Point:\n")
+    with ControlClient(target_ep) as cc:
+        res = cc.call(Message(MsgType.GENERATE, {"prompt": prompt, "max_tokens": 40}), timeout_s=300).header
+        stats = cc.call(Message(MsgType.STATS, {}), timeout_s=30).header["stats"]
+    assert res["token_ids"] == reference_greedy(tiny_target, prompt, 40)
+    assert res["stats"]["accepted"] > 0 and res["stats"]["fallback_rounds"] == 0
+    assert stats["compiled"] is True and stats["compile_s"] > 0
+    assert "compiled forwards ready" in star.log("draftd")
+
+
+@torch.inference_mode()
+def test_compact_keeps_a_path_as_if_only_it_had_been_fed(arch_model):
+    """A two-branch draft tree fed in one forward with a tree mask, then compacted to one
+    branch's path: the cache is the one feeding that path alone leaves (next logits agree)."""
+    if arch_model.config.model_type == "gpt2":
+        pytest.skip("GPT-2 takes no custom 4-D mask in this check; the rotary models do")
+    torch.manual_seed(2)
+    prefix = torch.randint(3, 250, (1, 12))
+    a, x, b = 40, 41, 42  # the tree: a at position 12, then two children of a: x (rejected) and b
+    slot = SlotCache(arch_model.config)
+    arch_model(input_ids=prefix, cache=slot, use_cache=True)
+    allowed = torch.zeros(3, 15, dtype=torch.bool)
+    allowed[:, :12] = True
+    allowed[0, 12] = True  # a sees the prefix and itself
+    allowed[1, [12, 13]] = True  # x sees a and itself
+    allowed[2, [12, 14]] = True  # b sees a and itself, not its sibling x
+    mask = torch.zeros(1, 1, 3, 15).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    arch_model(input_ids=torch.tensor([[a, x, b]]), cache=slot, use_cache=True, attention_mask=mask,
+               position_ids=torch.tensor([[12, 13, 13]]))
+    slot.compact(torch.tensor([*range(12), 12, 14]))
+    assert slot.get_seq_length() == 14
+    nxt = torch.tensor([[7]])
+    got = arch_model(input_ids=nxt, cache=slot, use_cache=True).logits
+    ref = SlotCache(arch_model.config)
+    arch_model(input_ids=torch.cat([prefix, torch.tensor([[a, b]])], dim=1), cache=ref, use_cache=True)
+    want = arch_model(input_ids=nxt, cache=ref, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="positions"):
+        slot.compact(torch.tensor([0, 99]))
