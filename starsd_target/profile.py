@@ -45,16 +45,19 @@ class RoundTimes:
 
 
 def split_round(wall: float, wait: float, reported: tuple[float, float] | None, forward: float,
-                math: float) -> RoundTimes:
+                math: float, waited: bool | None = None) -> RoundTimes:
     """A round's parts from what was measured: its wall time, the draft wait within it, what the
     draft daemon reported (queued, drafting; None: nothing), the verification's forward and math.
-    The daemon's figures are trusted only up to the wait the target saw."""
+    ``waited``: a draft request was in flight for this round (default: ``wait > 0``; a reply that
+    came during the prefill leaves a wait of 0 within the round). The daemon's figures are trusted
+    only up to the wait the target saw."""
     queue = draft = 0.0
     if reported is not None:
         draft = min(max(reported[1], 0.0), wait)
         queue = min(max(reported[0], 0.0), wait - draft)
+    waited = wait > 0.0 if waited is None else waited
     return RoundTimes(wall, wait, queue, draft, wait - queue - draft, forward, math, wall - wait - forward - math,
-                      wait > 0.0, reported is not None)
+                      waited or reported is not None, reported is not None)
 
 
 @dataclass

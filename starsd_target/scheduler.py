@@ -383,7 +383,8 @@ class Scheduler:
         wait = 0.0
         if a.resolved_at is not None:
             wait = max(0.0, a.resolved_at - max(a.sent_at, a.round_start))
-        times = split_round(end - a.round_start, wait, a.reported, a.gen.last_forward_s, a.gen.last_math_s)
+        times = split_round(end - a.round_start, wait, a.reported, a.gen.last_forward_s, a.gen.last_math_s,
+                            waited=a.resolved_at is not None)
         a.gen.stats.profile.add(times)
         self.profile.add(times)
         a.round_start, a.resolved_at, a.reported = end, None, None

@@ -51,6 +51,11 @@ def test_split_round_adds_up_and_trusts_the_daemon_only_up_to_the_wait():
     assert d["counts"]["verify_forward"] == 2
     ms = ms_per_round(merge([d, d]))
     assert ms["round"] == pytest.approx(750.0) and ms["draft_forward"] == pytest.approx(100.0)
+    # a reply taken during the prefill: no wait within the round, yet the round had its request
+    t = split_round(0.5, 0.0, (0.01, 0.02), 0.3, 0.05, waited=True)
+    assert t.waited and t.reported and (t.draft_queue, t.draft_forward, t.wire) == (0.0, 0.0, 0.0)
+    p.add(t)
+    assert p.counts["draft_wait"] == p.counts["draft_forward"] == 2
 
 
 # ---------------------------------------------------------------- the wire fields
