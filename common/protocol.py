@@ -19,7 +19,9 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      `features` [m, H] (float16/bfloat16/float32) carries the
                                      features of the m positions after those already sent, so
                                      that the session holds features for all but the last
-                                     verified token.
+                                     verified token. DRAFTED may say where the request's time
+                                     went in the daemon (optional, microseconds): `queued_us`
+                                     waiting for its batch, `draft_us` in the backend's call.
     CLOSE   -> (nothing)
                                      An ERROR names the request it answers (``re``: "OPEN",
                                      "DRAFT", ...) and echoes its session and seq where it had
@@ -48,6 +50,10 @@ import numpy as np
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 2  # 2: ERROR names the request it answers (re); WELCOME says max_len
+# Optional fields added to a message without a version bump, because a peer of the same version
+# that predates them interoperates unchanged: decode() drops fields outside the schema, and a
+# message without them is valid. (The version is compared for equality: a bump would cut every
+# older peer off.) DRAFTED: queued_us, draft_us.
 
 
 class MsgType(bytes, enum.Enum):
@@ -139,8 +145,11 @@ class RemoteError(Exception):
 
 # ---------------------------------------------------------------- schema
 # Field kinds: "int" (not bool), "uint", "float" (int accepted), "str", "bool",
-# "ids" (list of uints < 2**31), "strs", "map", "opt_int", "opt_uint", "any".
+# "ids" (list of uints < 2**31), "strs", "map", "opt_int", "opt_uint", "us", "any".
 _U31 = (1 << 31) - 1
+# "us": a duration a daemon reports, in whole microseconds, at most an hour (no request's time
+# in a daemon can be longer: a target gives up waiting long before).
+MAX_REPORTED_US = 3600 * 1_000_000
 
 SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
     # name: (kind, required)
@@ -170,7 +179,13 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "pos": ("uint", True),
         "depth": ("uint", True),
     },
-    MsgType.DRAFTED: {"session": ("uint", True), "seq": ("uint", True), "tokens": ("ids", True)},
+    MsgType.DRAFTED: {
+        "session": ("uint", True),
+        "seq": ("uint", True),
+        "tokens": ("ids", True),
+        "queued_us": ("us", False),  # in the request queue: from being queued to the start of its batch
+        "draft_us": ("us", False),  # its batch's backend call (the draft forwards)
+    },
     MsgType.CLOSE: {"session": ("uint", True)},
     MsgType.ERROR: {
         "code": ("uint", True),
@@ -225,6 +240,7 @@ _CHECKS: dict[str, Any] = {
     "int": _is_int,
     "uint": lambda v: _is_int(v) and 0 <= v <= _U63,
     "opt_uint": lambda v: v is None or (_is_int(v) and 0 <= v <= _U63),
+    "us": lambda v: _is_int(v) and 0 <= v <= MAX_REPORTED_US,
     "float": lambda v: (isinstance(v, float) or _is_int(v)) and v == v,  # rejects NaN
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),

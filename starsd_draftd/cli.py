@@ -152,7 +152,17 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  peers {s['peers']}, live sessions {s['live_sessions']}, queue {s['queue_depth']}",
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
-            f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"]
+            f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s)
+
+
+def _profile_line(s: dict) -> list[str]:
+    """Milliseconds per draft request served, by part (none from an older daemon)."""
+    p = s.get("request_profile")
+    if not p or not p["requests"]:
+        return []
+    ms = {part: 1000.0 * v / p["requests"] for part, v in p["seconds"].items()}
+    return [f"  {sum(ms.values()):.2f} ms per request over {p['requests']}: queue {ms['queue']:.2f}, "
+            f"draft forwards {ms['draft_forward']:.2f}, rest {ms['rest']:.2f}"]
 
 
 status_command(main, option, _s.bind, "draft daemon", _describe)

@@ -76,6 +76,13 @@ class DraftMetrics:
                                 value=self.busy_fraction)
         yield CounterMetricFamily("starsd_draftd_requests", "Draft requests served", value=s["requests"])
         yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
+        parts = CounterMetricFamily("starsd_draftd_request_seconds",
+                                    "Time of the draft requests served, by part: queue (waiting for its batch), "
+                                    "draft_forward (its batch's backend call), rest (decode, checks, encode, send)",
+                                    labels=["part"])
+        for part, seconds in s["request_profile"]["seconds"].items():
+            parts.add_metric([part], seconds)
+        yield parts
         errors = CounterMetricFamily("starsd_draftd_errors", "Errors answered, by code", labels=["code"])
         for code, n in sorted(s["errors"].items()):
             errors.add_metric([code], n)

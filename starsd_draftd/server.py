@@ -39,6 +39,7 @@ FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16",
 
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
+REQUEST_PARTS = ("queue", "draft_forward", "rest")  # where a served draft request's time goes (Stats.request_s)
 
 
 @dataclass
@@ -139,6 +140,12 @@ class Stats:
         self.batch_wait_s = 0.0
         self.queue_bytes_peak = 0
         self.loop_errors = 0
+        # Where the draft requests served went, summed over them (seconds): "queue" from being
+        # queued to the start of its batch, "draft_forward" its batch's backend call, "rest" the
+        # remainder of its time from its reading off the socket to its reply's send (decode and
+        # checks on arrival, admission, encode, send). The parts add up to the requests' time here.
+        self.request_s = {part: 0.0 for part in REQUEST_PARTS}
+        self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
     def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
@@ -165,6 +172,7 @@ class Stats:
             "queue_bytes_peak": self.queue_bytes_peak,
             "loop_errors": self.loop_errors,
             "errors": dict(self.errors),
+            "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},
         }
 
 
@@ -197,6 +205,7 @@ class DraftServer:
         self.sock: zmq.Socket | None = None
         self.allow: AllowList | None = None
         self.endpoint = config.bind
+        self._read_at = 0.0  # when the message being handled was read off the socket
 
     # ------------------------------------------------------------ life cycle
     def stop(self) -> None:
@@ -369,6 +378,7 @@ class DraftServer:
 
     # ------------------------------------------------------------ message handling
     def _on_frames(self, frames: list) -> None:
+        self._read_at = time.perf_counter()  # when this message was read off the socket (request_s)
         identity = frames[0].bytes if frames else None
         try:
             if len(frames) < 2:
@@ -460,7 +470,8 @@ class DraftServer:
         self._peer_queue[principal] = mine
         self.queue_bytes += cost
         self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
-        self.q_in.append((identity, principal, msg, cost, share))
+        # (..., when it was read off the socket, when it was queued): its time here, by part
+        self.q_in.append((identity, principal, msg, cost, share, self._read_at, time.perf_counter()))
 
     def _dequeued(self, item: tuple) -> None:
         principal, cost = item[1], item[3]
@@ -655,12 +666,13 @@ class DraftServer:
         return DraftRequest(session.state, session.verified, h["depth"], features)
 
     def _serve_batch(self) -> None:
-        admitted = []  # (identity, header, session's key, request)
+        admitted = []  # (identity, header, session's key, request, (read at, queued at))
         keys: set = set()
-        for identity, principal, msg, *_ in self._take_batch():
+        start = time.perf_counter()  # the batch begins: its requests' wait in the queue ends
+        for identity, principal, msg, *_, read_at, queued_at in self._take_batch():
             key = (principal, msg.header["session"])
             try:
-                admitted.append((identity, msg.header, key, self._admit(principal, msg, keys)))
+                admitted.append((identity, msg.header, key, self._admit(principal, msg, keys), (read_at, queued_at)))
                 keys.add(key)
             except ProtocolError as exc:
                 exc.re = MsgType.DRAFT
@@ -674,7 +686,7 @@ class DraftServer:
             drafts = self.backend.draft_many([a[3] for a in admitted])
         except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
             log.exception("drafting failed for %d session(s)", len(admitted))
-            for identity, h, _, _ in admitted:
+            for identity, h, *_ in admitted:
                 self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
                                                     MsgType.DRAFT))
             return
@@ -686,17 +698,28 @@ class DraftServer:
         stats.drafted_tokens += sum(len(d.tokens) for d in drafts)
         stats.batches += 1
         stats.batched_requests += len(admitted)
-        for (identity, h, _, _), draft in zip(admitted, drafts):
-            reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens}
+        draft_us = min(P.MAX_REPORTED_US, round(1e6 * elapsed))
+        for (identity, h, _, _, (_, queued_at)), draft in zip(admitted, drafts):
+            reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
+                     "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - queued_at))),
+                     "draft_us": draft_us}
             if draft.q_ids is None:
                 self._send(identity, Message(MsgType.DRAFTED, reply))
             else:
                 self._send(identity, Message(MsgType.DRAFTED, reply, {"q_ids": draft.q_ids, "q_probs": draft.q_probs}))
         self._flush_out()
         # the rest of the bookkeeping is off the targets' critical path
+        done = time.perf_counter()
+        parts = stats.request_s
+        for *_, (read_at, queued_at) in admitted:
+            queued = start - queued_at
+            parts["queue"] += queued
+            parts["draft_forward"] += elapsed
+            parts["rest"] += (done - read_at) - queued - elapsed
+        stats.profiled += len(admitted)
         window = self.config.batch_window_s > 0
         sent = time.monotonic()
-        for (_, _, key, _), draft in zip(admitted, drafts):
+        for (_, _, key, _, _), draft in zip(admitted, drafts):
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)

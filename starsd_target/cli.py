@@ -16,6 +16,7 @@ from common.runner import COMPILE_HELP
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
 from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
+from starsd_target.profile import describe as describe_profile
 
 option = env_options("STARSD_TARGET")
 _d = TargetConfig()
@@ -199,9 +200,12 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
 
 
 def _describe(connect: str, s: dict) -> list[str]:
-    return [f"target daemon at {connect}: model {s['model']}",
-            f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
-            f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}"]
+    lines = [f"target daemon at {connect}: model {s['model']}",
+             f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
+             f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}"]
+    if "round_profile" in s:  # an older daemon has none
+        lines.append(f"  {describe_profile(s['round_profile'])}")
+    return lines
 
 
 status_command(main, option, _d.listen, "target daemon", _describe)

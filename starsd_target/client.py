@@ -56,6 +56,17 @@ class DraftReply:
     tokens: list[int]
     q_ids: np.ndarray | None
     q_probs: np.ndarray | None
+    # Where the request's time went in the draft daemon, as it reported (seconds; None: it did not
+    # say): waiting for its batch, and its batch's backend call.
+    queued_s: float | None = None
+    draft_s: float | None = None
+
+    @property
+    def reported(self) -> tuple[float, float] | None:
+        """(queued, drafting) as the draft daemon reported them, or None (an older daemon)."""
+        if self.queued_s is None or self.draft_s is None:
+            return None
+        return self.queued_s, self.draft_s
 
 
 @dataclass(frozen=True)
@@ -266,8 +277,10 @@ class DraftClient:
     def _route(self, msg: Message) -> None:
         h = msg.header
         if msg.type is MsgType.DRAFTED:
+            queued, draft = h.get("queued_us"), h.get("draft_us")
             self._reply((h["session"], h["seq"]),
-                        DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs")))
+                        DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"),
+                                   None if queued is None else queued / 1e6, None if draft is None else draft / 1e6))
         elif msg.type is MsgType.ERROR:
             self._on_error(P.remote_error(h))
         elif msg.type is MsgType.WELCOME:

@@ -29,6 +29,7 @@ from common.security import AllowList, optional_client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
+from starsd_target.profile import RoundProfile
 from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed, ShuttingDown
 
 log = logging.getLogger("starsd.target")
@@ -141,6 +142,7 @@ class TargetDaemon:
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
                                         heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s)
             self._scheduler.metrics = self.metrics
+            self.metrics.watch(self._scheduler.profile)
         return self._scheduler
 
     def submit(self, job: Job):
@@ -295,6 +297,8 @@ class TargetDaemon:
         sched = self._scheduler.load() if self._scheduler is not None else {}
         link = self.client.counters() if self.client is not None else {}
         runner = self.engine.runner
+        profile = self._scheduler.profile.to_dict() if self._scheduler is not None else RoundProfile().to_dict()
         return {"served": self.served, "model": str(self.loaded.path),
                 "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3),
-                "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link}
+                "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,
+                "round_profile": profile}

@@ -19,6 +19,7 @@ from common.models import LoadedModel, context_length, crop_cache
 from common.runner import ModelRunner
 from common.tensors import as_torch, to_wire
 from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
+from starsd_target.profile import RoundProfile
 
 log = logging.getLogger("starsd.target.engine")
 
@@ -75,6 +76,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     accepted_by_position: list[int] = field(default_factory=list)
+    profile: RoundProfile = field(default_factory=RoundProfile)  # where its rounds' time went (the scheduler's)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -292,6 +294,8 @@ class Generation:
             self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))
         self.to_prefill = len(prompt) - 1  # the prompt but its last token (a round feeds that one)
         self.prefilled = 0  # of those, in the cache so far
+        self.last_forward_s = 0.0  # the last round's model forward (logits to host included),
+        self.last_math_s = 0.0  # and the rest of its verify(): what starsd_target.profile calls verify_math
 
     @property
     def prefilling(self) -> bool:
@@ -321,6 +325,7 @@ class Generation:
         so a round without them counts as a fallback."""
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
+        t_start = time.perf_counter()
         engine, stats = self.engine, self.stats
         depth = self.draft_depth()
         if prop is not None and not engine._valid(prop, depth, self.params.greedy):
@@ -330,7 +335,9 @@ class Generation:
             stats.fallback_rounds += 1
         x = list(prop.tokens) if prop is not None else []
         base = len(self.tokens) - 1  # cached positions before this round
+        t_forward = time.perf_counter()
         logits, hidden = engine._forward(self.cache, [self.tokens[-1], *x], self.feats is not None)
+        self.last_forward_s = time.perf_counter() - t_forward
         if self.params.greedy:
             n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
         else:
@@ -361,6 +368,7 @@ class Generation:
             cut = engine._stop_cut(self.out, self.stop)
             if cut is not None:
                 self.out, self.finish, self.done = self.out[:cut], "stop", True
+        self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
         return n if prop is not None else None
 
     def text(self) -> str:

@@ -1,9 +1,34 @@
-"""The target daemon's Prometheus series: requests and tokens (starsd_target_*) and speculative
-decoding (starsd_spec_decode_*, per accepted position as well)."""
+"""The target daemon's Prometheus series: requests and tokens (starsd_target_*), speculative
+decoding (starsd_spec_decode_*, per accepted position as well) and where rounds spend their time
+(starsd_target_round_seconds_total{part}, starsd_target_rounds_total: see starsd_target.profile)."""
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from starsd_target.profile import RoundProfile
+
+
+class _ProfileCollector:
+    """The scheduler's round profile, read at scrape time (the loop never takes a metrics lock for it)."""
+
+    def __init__(self) -> None:
+        self.profile: RoundProfile | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        p = (self.profile or RoundProfile()).to_dict()
+        parts = CounterMetricFamily("starsd_target_round_seconds",
+                                    "Rounds' wall time by part: draft_wait + verify_forward + verify_math + rest is "
+                                    "the rounds' time; draft_queue + draft_forward + wire is draft_wait",
+                                    labels=["part"])
+        for part, seconds in p["seconds"].items():
+            parts.add_metric([part], seconds)
+        yield parts
+        yield CounterMetricFamily("starsd_target_rounds", "Rounds verified (the round profile's count)",
+                                  value=p["rounds"])
 
 
 class TargetMetrics:
@@ -31,8 +56,14 @@ class TargetMetrics:
                                         registry=r)
         for i in range(depth):
             self.accepted_per_pos.labels(position=str(i))
+        self._profile = _ProfileCollector()
+        r.register(self._profile)
         self._rounds = 0
         self._tokens = 0
+
+    def watch(self, profile: RoundProfile) -> None:
+        """Expose ``profile`` (the scheduler's) as starsd_target_round_seconds_total and _rounds_total."""
+        self._profile.profile = profile
 
     def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, verify_s: float) -> None:
         if drafted:

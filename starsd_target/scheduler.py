@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common.verify import SamplingParams
-from starsd_target.client import DraftClient, RemoteDraftSession
+from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
 from starsd_target.engine import Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
+from starsd_target.profile import RoundProfile, split_round
 
 log = logging.getLogger("starsd.target.scheduler")
 
@@ -77,8 +78,13 @@ class _Active:
     proposal: object = None
     wanted: bool = False
     ready_at: float = 0.0
-    sent_at: float = 0.0
+    sent_at: float = 0.0  # perf_counter: when the request in flight went out
     prefill_turn: int = 0  # the pass in which it last prefilled a chunk (turns go round)
+    # The round profile's clocks (perf_counter): the round began when the last one (or the last
+    # prefill chunk) ended; its drafts were taken or given up at resolved_at (None: no request).
+    round_start: float = field(default_factory=time.perf_counter)
+    resolved_at: float | None = None
+    reported: tuple[float, float] | None = None  # the draft daemon's (queued, drafting) for that request
 
     @property
     def verifiable(self) -> bool:
@@ -109,6 +115,7 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
         self.metrics: TargetMetrics | None = None
+        self.profile = RoundProfile()  # where every generation's rounds spent their time, daemon-wide
 
     # ------------------------------------------------------------ public
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -277,6 +284,7 @@ class Scheduler:
     def _request(a: _Active, now: float) -> None:
         depth = a.gen.draft_depth()
         a.wanted = a.drafts is not None and depth > 0
+        a.resolved_at, a.reported = None, None
         if a.wanted:
             a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
             if a.seq is not None:
@@ -306,6 +314,8 @@ class Scheduler:
                 if reply is None:
                     left.append(a)
                     continue
+                if isinstance(reply, DraftReply):
+                    a.reported = reply.reported
                 if self.metrics is not None:
                     self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
                 self._ready(a, a.drafts.resolve(reply))
@@ -318,6 +328,7 @@ class Scheduler:
     @staticmethod
     def _ready(a: _Active, proposal) -> None:
         a.seq, a.ready, a.proposal, a.ready_at = None, True, proposal, time.monotonic()
+        a.resolved_at = time.perf_counter()
 
     def _prefill_one(self) -> bool:
         """One chunk of a generation still prefilling, taking turns: the one whose last chunk is
@@ -331,6 +342,7 @@ class Scheduler:
         a.prefill_turn = self._chunks
         with self._confined(a):
             a.gen.prefill()
+        a.round_start = time.perf_counter()  # prefill is counted apart (prefill_s): the first round starts after it
         return True
 
     def _verify_one(self) -> None:
@@ -348,7 +360,9 @@ class Scheduler:
         n = a.gen.verify(a.proposal, wanted=a.wanted)
         if a.proposal is not None and n is not None:
             a.drafts.kept(n)
-        verify_s = time.perf_counter() - t0
+        end = time.perf_counter()
+        verify_s = end - t0
+        self._profile(a, end)
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
@@ -361,6 +375,19 @@ class Scheduler:
             a.job.on_progress(a.gen)
         if a.gen.done:
             self._finish(a, None)
+
+    def _profile(self, a: _Active, end: float) -> None:
+        """Split the round that just ended into its parts (starsd_target.profile), for the
+        generation and daemon-wide. The draft wait counts from the request's send or the round's
+        start, whichever is later (a request sent during the prefill waited beside it)."""
+        wait = 0.0
+        if a.resolved_at is not None:
+            wait = max(0.0, a.resolved_at - max(a.sent_at, a.round_start))
+        times = split_round(end - a.round_start, wait, a.reported, a.gen.last_forward_s, a.gen.last_math_s,
+                            waited=a.resolved_at is not None)
+        a.gen.stats.profile.add(times)
+        self.profile.add(times)
+        a.round_start, a.resolved_at, a.reported = end, None, None
 
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
         """Take ``a`` off the model (its cache goes with it), close its draft session, settle its job."""

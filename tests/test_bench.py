@@ -341,6 +341,7 @@ def test_quick_bench_writes_json_png_and_markdown(quick_report):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
     assert "EMULATION" in md and "Wire cost" in md and "Real models" in md and "Batched" in md
+    assert "Where a StarSD round's time goes" in md and "| 1 target, 4 stream(s) |" in md
     assert _num(on_disk["wall_s"])
 
 
@@ -423,6 +424,16 @@ def test_quick_bench_real_model_fields(quick_report):
         assert _num(it["speedup_system"]) and it["mean_accepted_length"] > 1.0
     assert _num(real["target_forward_ms"]["verify_ms"]) and _num(real["target_forward_ms"]["single_ms"])
     assert real["plan"]["n_full"] >= 1
+    # where the rounds went: one profile per run, its parts adding up to the round
+    runs = [p["run"] for p in real["round_profile"]]
+    assert runs == ["1 target(s), 1 stream each", "2 target(s), 1 stream each", "1 target, 1 stream(s)",
+                    "1 target, 2 stream(s)", "1 target, 4 stream(s)"]
+    for p in real["round_profile"]:
+        ms = p["ms_per_round"]
+        assert p["rounds"] > 0 and ms["verify_forward"] > 0 and ms["draft_forward"] > 0
+        assert ms["draft_wait"] + ms["verify_forward"] + ms["verify_math"] + ms["rest"] == pytest.approx(ms["round"])
+        assert ms["draft_queue"] + ms["draft_forward"] + ms["wire"] == pytest.approx(ms["draft_wait"])
+        assert set(p["draftd_ms_per_request"]) == {"queue", "draft_forward", "rest"}
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ def test_buckets_count_values_at_or_below_each_bound():
 def test_series_follow_the_daemons_counters():
     stats = {"live_sessions": 3, "queue_depth": 1, "peers": 2, "requests": 10, "drafted_tokens": 50,
              "errors": {"BAD_REQUEST": 2, "DESYNC": 1}, "queue_bytes": 4096, "kv_bytes": 8192,
-             "limits": {"max_queue_bytes": 1 << 20, "max_sessions": 8}}
+             "limits": {"max_queue_bytes": 1 << 20, "max_sessions": 8},
+             "request_profile": {"requests": 10, "seconds": {"queue": 0.0, "draft_forward": 0.5, "rest": 0.01}}}
     m = DraftMetrics(lambda: stats)
     m.busy_fraction = 0.75
     m.on_batch(2, 0.003)

@@ -109,3 +109,33 @@ def test_cli_generate_json(star4, tiny_target):
     assert out.returncode == 0, out.stderr
     alone = json.loads(out.stdout)
     assert alone["token_ids"] == obj["token_ids"] and alone["stats"]["drafted"] == 0
+
+
+def test_stats_say_where_the_rounds_went(star4):
+    """After a short greedy run, each side's STATS splits its time by part: the target's rounds
+    (with the draft daemon's share of each wait), the draft daemon's requests."""
+    d, draft_ep, target_eps = star4
+    ep = target_eps[0]
+    with ControlClient(ep) as cc:
+        before = cc.stats()["round_profile"]
+        res = cc.call(Message(MsgType.GENERATE, {"id": 99, "prompt": PROMPTS[0], "max_tokens": 16}), 300).header
+        after = cc.stats()["round_profile"]
+    assert res["stats"]["fallback_rounds"] == 0
+    rounds = after["rounds"] - before["rounds"]
+    assert rounds == res["stats"]["rounds"] == res["stats"]["profile"]["rounds"]
+    grew = {part: after["seconds"][part] - before["seconds"][part] for part in after["seconds"]}
+    assert grew["draft_forward"] > 0 and grew["verify_forward"] > 0 and grew["verify_math"] > 0
+    assert after["counts"]["draft_forward"] - before["counts"]["draft_forward"] >= rounds - 1  # the daemon reported
+    p = after["seconds"]
+    assert p["draft_wait"] + p["verify_forward"] + p["verify_math"] + p["rest"] == pytest.approx(after["wall_s"])
+    with ControlClient(draft_ep) as cc:
+        rp = cc.stats()["request_profile"]
+    assert rp["requests"] > 0 and rp["seconds"]["draft_forward"] > 0
+    out = subprocess.run([sys.executable, "-m", "starsd_target", "status", "--connect", ep], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ms per round" in out.stdout and "verify forward" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "starsd_draftd", "status", "--connect", draft_ep],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ms per request" in out.stdout

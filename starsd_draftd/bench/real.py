@@ -263,16 +263,41 @@ def real_measure(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]) 
         s1 = _stats(draft_ep, ctx)
         alone = _run_jobs(target_eps[:n], prompts, cfg.max_tokens, True, ctx, cfg.startup_timeout_s)
         phases.append({"n": n, "spec": spec, "alone": alone, "busy": _busy_fraction(s0, s1),
-                       "requests": s1["requests"] - s0["requests"], "busy_s": s1["busy_s"] - s0["busy_s"]})
+                       "requests": s1["requests"] - s0["requests"], "busy_s": s1["busy_s"] - s0["busy_s"],
+                       "draftd_profile": _request_profile_delta(s0, s1)})
         step(f"real N={n}")
     streams = []
     for g in INTERLEAVE_STREAMS:  # one target, g generations at once
         prompts = [DEMO_PROMPTS[j % len(DEMO_PROMPTS)] for j in range(g)]
+        s0 = _stats(draft_ep, ctx)
         spec = _run_streams(target_eps[0], prompts, cfg.max_tokens, False, ctx, cfg.startup_timeout_s)
+        s1 = _stats(draft_ep, ctx)
         alone = _run_streams(target_eps[0], prompts, cfg.max_tokens, True, ctx, cfg.startup_timeout_s)
-        streams.append({"streams": g, "spec": spec, "alone": alone})
+        streams.append({"streams": g, "spec": spec, "alone": alone, "draftd_profile": _request_profile_delta(s0, s1)})
         step(f"real {g} streams")
     return {"phases": phases, "streams": streams, "targets": names, "models": models}
+
+
+def _request_profile_delta(s0: dict, s1: dict) -> dict | None:
+    """The draft daemon's request profile between two STATS (None from a daemon without one)."""
+    p0, p1 = s0.get("request_profile"), s1.get("request_profile")
+    if p0 is None or p1 is None:
+        return None
+    return {"requests": p1["requests"] - p0["requests"],
+            "seconds": {k: v - p0["seconds"].get(k, 0.0) for k, v in p1["seconds"].items()}}
+
+
+def round_profile(spec: dict, draftd: dict | None, label: str) -> dict:
+    """Where the rounds of a run's StarSD jobs went: ms per round by part (starsd_target.profile,
+    summed over the jobs' own profiles, so the parts add up to the round) and ms per draft
+    request in the draft daemon over the same run."""
+    from starsd_target.profile import merge, ms_per_round
+
+    total = merge([j["stats"].get("profile", {}) for jobs in spec["results"] for j in jobs])
+    out = {"run": label, "rounds": total["rounds"], "ms_per_round": ms_per_round(total), "profile": total}
+    if draftd is not None and draftd["requests"]:
+        out["draftd_ms_per_request"] = {k: 1000.0 * v / draftd["requests"] for k, v in draftd["seconds"].items()}
+    return out
 
 
 def _train_summary(path: Path) -> dict | None:
@@ -295,9 +320,11 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         pool.stop(name)
     target_dir, draft_dir = raw["models"]
     rows = []
+    profiles = []
     same_all = True
     for ph in raw["phases"]:
         spec, alone = ph["spec"], ph["alone"]
+        profiles.append(round_profile(spec, ph.get("draftd_profile"), f"{ph['n']} target(s), 1 stream each"))
         sp, al = _phase_summary(spec), _phase_summary(alone)
         same = all(a["token_ids"] == b["token_ids"] for ja, jb in zip(spec["results"], alone["results"])
                    for a, b in zip(ja, jb))
@@ -318,6 +345,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
         })
     interleaving = []
     for st in raw.get("streams", []):
+        profiles.append(round_profile(st["spec"], st.get("draftd_profile"), f"1 target, {st['streams']} stream(s)"))
         sp, al = _phase_summary(st["spec"]), _phase_summary(st["alone"])
         interleaving.append({
             "streams": st["streams"], "starsd_system_tps": sp["system_tps"], "alone_system_tps": al["system_tps"],
@@ -350,6 +378,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
                    "draft_lookup": True},
         "rows": rows,
         "interleaving": interleaving,
+        "round_profile": profiles,
         "greedy_outputs_identical": same_all,
         "colocated": colocated,
         "target_forward_ms": forward,

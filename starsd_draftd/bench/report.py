@@ -58,6 +58,26 @@ def _fmt(x, spec: str = ".1f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+PROFILE_COLUMNS = (("draft_wait", "draft wait"), ("draft_queue", "daemon queue"), ("draft_forward", "draft forwards"),
+                   ("wire", "wire"), ("verify_forward", "verify forward"), ("verify_math", "verify math"),
+                   ("rest", "rest"), ("round", "round"))
+
+
+def format_round_profile(profiles: list[dict]) -> str:
+    """The per-round profile table (ms per round; see starsd_target.profile for the parts)."""
+    lines = ["Where a StarSD round's time goes, ms per round (draft wait = daemon queue + draft forwards + wire; "
+             "round = draft wait + verify forward + verify math + rest):", "",
+             "| run | rounds | " + " | ".join(name for _, name in PROFILE_COLUMNS) + " | draftd ms per request: "
+             "queue / forwards / rest |", "|---|---|" + "---|" * (len(PROFILE_COLUMNS) + 1)]
+    for p in profiles:
+        ms = p["ms_per_round"]
+        d = p.get("draftd_ms_per_request")
+        daemon = "-" if d is None else f"{d['queue']:.2f} / {d['draft_forward']:.1f} / {d['rest']:.2f}"
+        lines.append(f"| {p['run']} | {p['rounds']} | "
+                     + " | ".join(_fmt(ms.get(key)) for key, _ in PROFILE_COLUMNS) + f" | {daemon} |")
+    return "\n".join(lines)
+
+
 def format_report(report: dict) -> str:
     """The report as Markdown tables (printed by the CLI, written to bench.md, pasted in the README)."""
     m = report["machine"]
@@ -139,6 +159,8 @@ def format_report(report: dict) -> str:
                              f"{it['speedup_system']:.2f}x | {it['mean_accepted_length']:.2f} | "
                              f"{it['fallback_rounds']} of {it['rounds']} | "
                              f"{'yes' if it['greedy_same_tokens_as_alone'] else 'NO'} |")
+        if r.get("round_profile"):
+            lines += ["", format_round_profile(r["round_profile"])]
         if "plan" in r:
             pl = r["plan"]
             lines.append(f"Sizing estimate with one device per target (S = {pl['service_ms']:.2f} ms, V = "
