@@ -165,6 +165,8 @@ def vllm_command(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Pat
 def plan(cfg: PeersConfig, dtype: str = "fp16-weights") -> list[dict]:
     """What a run would do, in order (``--plan`` prints it): each vLLM process's command and
     environment, and StarSD's daemons."""
+    if len(cfg.two_cores()) < 2:
+        raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
     steps = []
     for item in run_order(vllm_blocks(cfg)):
         if item == "starsd":
