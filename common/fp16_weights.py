@@ -29,12 +29,12 @@ _KEYS = itertools.count()
 
 
 @torch.library.custom_op("starsd::fp16_linear", mutates_args=())
-def _fp16_linear_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[key])
+def _fp16_linear_op(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[int(key)])
 
 
 @_fp16_linear_op.register_fake
-def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -52,9 +52,11 @@ class Fp16Linear(torch.nn.Module):
         w = weight.detach().to("cpu", torch.float32).contiguous()
         b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, b)
-        self._key = next(_KEYS)
-        _PACKED[self._key] = self._packed
-        weakref.finalize(self, _PACKED.pop, self._key, None)
+        key = next(_KEYS)
+        _PACKED[key] = self._packed
+        weakref.finalize(self, _PACKED.pop, key, None)
+        # a tensor, not an int: a graph compiled for one layer then serves every layer of its shape
+        self.register_buffer("_key", torch.tensor(key), persistent=False)
 
     @classmethod
     def from_linear(cls, lin: torch.nn.Linear) -> "Fp16Linear":
