@@ -6,12 +6,17 @@ The target engine and the draft backends run their models only through a ``Model
   back by moving a position;
 - ``forward`` feeds new tokens after a cache and returns the logits rows asked for (all, the last,
   or none) and, if asked, the final hidden states;
-- with ``compile=True`` the model's forward goes through ``torch.compile``, with symbolic
-  sequence lengths so that one compiled graph serves every step (decode, verification of up to
-  the draft budget, prefill chunks, batched drafting). On CPUs inductor's weight freezing folds
-  and prepacks the weights; compiled artifacts are cached on disk under StarSD's cache directory
-  (``<cache>/inductor``), so a restart loads them instead of compiling again. Eager is the default
-  and the fallback: a model whose forward does not compile runs eagerly, with a warning.
+- with ``compile=True`` the model's forward goes through ``torch.compile`` with symbolic
+  lengths, so that a few graphs serve every step: dynamo specialises a length of 1 (decode, a
+  one-token feed) apart from longer ones (verification, prefill chunks), a first feed apart from
+  one after cached positions, and each kind of output asked for (all logits, the last only,
+  hidden states). Each consumer's ``warm_up`` drives the kinds it serves with before serving;
+  after that, a call no graph covers runs eagerly (``serving_stance``) instead of compiling for
+  minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
+  keeps the original weights too: about twice the weight memory). Compiled artifacts are cached
+  under StarSD's cache directory (``<cache>/inductor``); a restart still traces the model again.
+  Eager is the default and the fallback: a warm-up that fails (no C++ compiler, an operator
+  inductor cannot lower) logs a warning and leaves the runner eager.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ log = logging.getLogger("starsd.runner")
 
 COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
                 "The first start compiles (minutes on a CPU) and caches the result under StarSD's cache "
-                "directory, so restarts reuse it. Off by default: see README, 'Compiled forwards', for when "
-                "it pays.")
+                "directory, so restarts reuse it. Off by default: see README, 'Compiled forwards', for what "
+                "it costs and when it pays.")
 
 
 def inductor_cache_dir() -> Path:
@@ -63,6 +68,7 @@ class ModelRunner:
         self.compiled = False
         self.compile_s = 0.0  # seconds the warm-up's compilation took (0: eager)
         self.warm = False  # warm_up() ran: serving shapes are compiled
+        self.serving_stance = "eager_on_recompile"  # after the warm-up (tests make it fail_on_recompile)
         self._call = self.model
         if compile:
             path = _configure_inductor(self.device)
@@ -80,7 +86,7 @@ class ModelRunner:
         if self.compiled and self.warm:
             # after the warm-up, a shape no compiled graph covers runs eagerly instead of stalling
             # the daemon for a compilation (minutes on a CPU) in the middle of serving
-            with torch.compiler.set_stance("eager_on_recompile"):
+            with torch.compiler.set_stance(self.serving_stance):
                 return self._call(**kwargs)
         return self._call(**kwargs)
 
@@ -109,9 +115,18 @@ class ModelRunner:
             return 0.0
         log.info("compiling the %s's forwards (the first start on a machine takes minutes; later starts "
                  "reuse %s)", what, inductor_cache_dir())
+        from common.sdnotify import notify
+
+        notify(f"STATUS=compiling the {what}'s forwards")
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            exercise()
+        self.warm = False  # compile what the exercise needs (a second warm-up adds graphs)
+        try:
+            with torch.inference_mode():
+                exercise()
+        except Exception as exc:  # inductor failures are many and varied: eager always works
+            log.warning("compiling the %s failed (%s: %s); it runs eagerly", what, type(exc).__name__, exc)
+            self._call, self.compiled = self.model, False
+            return 0.0
         self.compile_s += time.perf_counter() - t0
         self.warm = True
         log.info("%s's compiled forwards ready in %.1f s", what, self.compile_s)

@@ -51,7 +51,9 @@ class SlotLayer(DynamicLayer):
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity)
+        # a quarter more than needed: amortised copies, and a buffer at most 1.25x (plus 64 slots)
+        # of what a session holds, which the draft daemon's KV accounting (per position) assumes
+        cap = max(need, self.capacity + max(self.capacity // 4, MIN_SLOTS))
         for name in ("k_buf", "v_buf"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], cap, old.shape[3])
@@ -107,6 +109,15 @@ class SlotLayer(DynamicLayer):
         self.n = 0
         super().reset()
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise NotImplementedError("SlotLayer does not reorder (no beam search here)")
+
+    def offload(self):
+        raise NotImplementedError("SlotLayer stays on its device")
+
+    def prefetch(self):
+        raise NotImplementedError("SlotLayer stays on its device")
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("SlotLayer holds one batch shape; build a new cache instead")
 
@@ -116,7 +127,8 @@ class SlotLayer(DynamicLayer):
 
 class SlotCache(DynamicCache):
     """A ``DynamicCache`` whose full-attention layers write in place (``SlotLayer``); layers of
-    other kinds (sliding windows, linear attention) stay as transformers builds them.
+    other kinds (sliding windows, linear attention) stay as transformers builds them, with
+    their own limits (a sliding-window layer cannot be rolled back past its window).
     ``capacity``: positions to preallocate (0: start small and grow by doubling)."""
 
     def __init__(self, config, capacity: int = 0):

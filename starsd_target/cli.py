@@ -87,9 +87,10 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
     """Generate one completion and print it."""
     setup_logging(kw["log_level"], kw["log_format"])
     daemon = TargetDaemon(_config(kw, None if no_draft else kw["draft"]))
+    daemon.warm_up()
     if not no_draft:
         daemon.connect()
-    daemon.warm_up()
+        daemon.warm_up()
     params = SamplingParams(temperature, top_k, top_p, seed)
     result = daemon.generate(prompt, max_tokens, params, list(stop), no_draft)
     if as_json:
@@ -149,8 +150,9 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     check_listen(cfg)  # before the model loads
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)
-    daemon.connect()
     daemon.warm_up()
+    daemon.connect()
+    daemon.warm_up()  # the feature path, if the draft daemon's head wants features
     daemon.scheduler()
     if http_addr is None:
         daemon.install_signal_handlers()

@@ -114,9 +114,13 @@ class TargetDaemon:
             return False
 
     def warm_up(self) -> float:
-        """With --compile, compile the forwards serving uses before taking jobs (after connect(),
-        so that a draft daemon with a feature-based head gets the feature path compiled too)."""
+        """With --compile, compile the forwards serving uses before taking jobs. Called before
+        connect() (so the draft link is not left silent for minutes of compiling), and again
+        after it, which compiles the feature path only when the draft daemon's head needs the
+        target's features (the rest is then already compiled)."""
         welcome = self.client.welcome if self.client is not None else None
+        if self.engine.runner.warm and not (welcome is not None and welcome.feature_size):
+            return 0.0
         return self.engine.warm_up(features=bool(welcome is not None and welcome.feature_size))
 
     # ------------------------------------------------------------ generation

@@ -33,6 +33,7 @@ MAX_NEW_TOKENS = 1 << 16  # for models that declare no context length (those tha
 # took 2-6 s and an 8-token request 24 s (0.7 s alone); at 128, 1.6 s and 4.8 s, for a whole
 # prefill 14% longer. On a GPU any of these is milliseconds.
 DEFAULT_PREFILL_CHUNK = 256
+PREALLOCATE_TOKENS = 512  # generated positions a generation's KV cache holds before it first grows
 
 
 class InvalidRequest(ValueError):
@@ -139,23 +140,31 @@ class TargetEngine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
-        self.model = loaded.model
         self.runner = runner if runner is not None else ModelRunner(loaded)
         self.depth = depth
         self.prefill_chunk = prefill_chunk
         self.context = context_length(loaded.model)  # None: the model declares none
 
     def warm_up(self, features: bool = False) -> float:
-        """With a compiled runner, compile the shapes serving uses (a prefill chunk, a round with
-        drafts, a round without) before the daemon takes jobs; 0 s when eager. ``features``: the
-        rounds also return hidden states (a draft daemon with a feature-based head)."""
+        """With a compiled runner, compile the kinds of forward serving runs before the daemon
+        takes jobs: prefill chunks (a first one, one after cached positions, a one-token rest),
+        a round with drafts and a round without; with ``features`` (a draft daemon with a
+        feature-based head) both with and without hidden states. 0 s when eager."""
+        tok = next(t for t in range(1, self.loaded.logits_size) if t not in self.loaded.eos_token_ids)
+
         def exercise():
-            g = self.start([1] * 8, self.depth + 2, SamplingParams(), features=features)
-            while g.prefilling:
-                g.prefill()
-            g.verify(_WarmUpDrafts([1] * min(self.depth, g.draft_depth())))
-            if not g.done:
-                g.verify(None, wanted=False)
+            chunk = self.prefill_chunk
+            self.prefill_chunk = 4  # 9 prompt positions to prefill: chunks of 4, 4 and 1
+            try:
+                for feats in ((False, True) if features else (False,)):
+                    g = self.start([tok] * 10, self.depth + 3, SamplingParams(), features=feats)
+                    while g.prefilling:
+                        g.prefill()
+                    g.verify(_WarmUpDrafts([tok] * min(self.depth, g.draft_depth())))
+                    if not g.done:
+                        g.verify(None, wanted=False)
+            finally:
+                self.prefill_chunk = chunk
 
         return self.runner.warm_up(exercise, "target model")
 
@@ -181,6 +190,10 @@ class TargetEngine:
                                                for s in stop):
             raise InvalidRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
                                  f"{MAX_STOP_CHARS} characters", "stop")
+
+    @property
+    def model(self):
+        return self.runner.model
 
     def encode(self, text: str) -> list[int]:
         tok = self.loaded.tokenizer
@@ -287,8 +300,9 @@ class Generation:
         self.out: list[int] = []
         self.finish = "length"
         self.done = False
-        # every position this generation can write: the prompt, max_tokens, and a last round's drafts
-        self.cache = engine.runner.new_cache(len(prompt) + max_tokens + engine.depth + 1)
+        # room for the prompt and the first PREALLOCATE_TOKENS generated (with a round's drafts);
+        # a longer generation grows the cache (amortised), so max_tokens never reserves memory
+        self.cache = engine.runner.new_cache(len(prompt) + min(max_tokens, PREALLOCATE_TOKENS) + engine.depth + 1)
         self.feats = None
         if features:
             self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))

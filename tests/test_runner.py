@@ -28,7 +28,7 @@ def test_slot_cache_equals_dynamic_cache_with_rollback_and_growth(arch_model):
     seq = torch.randint(3, 250, (1, 90))
     other = torch.randint(3, 250, (1, 10))
     full = arch_model(input_ids=seq).logits
-    slot = SlotCache(arch_model.config, capacity=16)  # forces two regrowths
+    slot = SlotCache(arch_model.config, capacity=16)  # 64 slots at least: grows once, to 80, then to 100
     assert all(isinstance(layer, SlotLayer) for layer in slot.layers)
     arch_model(input_ids=seq[:, :40], cache=slot, use_cache=True)
     arch_model(input_ids=other, cache=slot, use_cache=True)  # a rejected draft ...
@@ -58,8 +58,13 @@ def test_slot_layer_refuses_what_it_cannot_hold():
         layer.crop(1)
     layer.crop(-2)
     assert layer.get_seq_length() == 1 and layer.keys.shape[2] == 1
-    layer.replace(torch.ones(1, 2, 6, 8), torch.ones(1, 2, 6, 8))  # reuses (and grows) the buffer
-    assert layer.get_seq_length() == 6 and bool((layer.values == 1).all())
+    buf = layer.k_buf
+    layer.replace(torch.ones(1, 2, 6, 8), torch.ones(1, 2, 6, 8))  # fits: the buffer is reused
+    assert layer.k_buf is buf and layer.get_seq_length() == 6 and bool((layer.values == 1).all())
+    big = torch.arange(100.0).view(1, 1, 100, 1).expand(1, 2, 100, 8)
+    layer.replace(big, big)  # does not fit: grown, and holds exactly the new contents
+    assert layer.capacity >= 100 and layer.get_seq_length() == 100
+    assert torch.equal(layer.keys, big)
 
 
 def test_engine_on_slot_cache_equals_generate(tiny_target, loaded_target):
@@ -88,11 +93,10 @@ def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_forward_equals_eager_with_rollback(tiny_target, compile_cache):
-    """A compiled runner (symbolic lengths: one graph for decode, one for several tokens) gives
-    eager's logits on decode, verification and rolled-back steps, and compiles nothing new
-    for lengths it has seen."""
-    loaded = load_causal_lm(str(tiny_target))
+def test_compiled_forward_equals_eager_with_rollback(tmp_path, compile_cache):
+    """A compiled runner (symbolic lengths: a graph for one token, one for several) gives eager's
+    logits on decode, verification and rolled-back steps."""
+    loaded = load_causal_lm(str(make_tiny_checkpoint(tmp_path / "m", "llama", seed=5, hidden=32, layers=1)))
     eager, compiled = ModelRunner(loaded), ModelRunner(loaded, compile=True)
     assert compiled.compiled and not eager.compiled
     torch.manual_seed(1)
@@ -113,21 +117,30 @@ def test_compiled_forward_equals_eager_with_rollback(tiny_target, compile_cache)
 
 
 @pytest.mark.slow
-def test_compiled_star_parts_stay_exact(tiny_target, near_draft, compile_cache):
-    """Target engine and draft backend on compiled runners, warmed up as the daemons warm up:
-    greedy speculation equals the model's own generate, with drafts kept."""
+def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(tiny_target, near_draft, compile_cache):
+    """Target engine and draft backend on compiled runners, warmed up as the daemons warm them
+    up, then served with any further compilation an error (``fail_on_recompile``): greedy
+    speculation (lookup on), over several prefill chunks, a sampled generation and a
+    batched draft all run on the warm-up's graphs, and greedy output equals generate()."""
     from fakes import LocalDrafts
+    from starsd_draftd.backends.base import ContextLookup, DraftRequest
 
     target = load_causal_lm(str(tiny_target))
     draft = load_causal_lm(str(near_draft))
-    engine = TargetEngine(target, depth=4, runner=ModelRunner(target, compile=True))
-    backend = ModelBackend(draft, runner=ModelRunner(draft, compile=True))
+    engine = TargetEngine(target, depth=4, prefill_chunk=8, runner=ModelRunner(target, compile=True))
+    backend = ModelBackend(draft, lookup=ContextLookup(), runner=ModelRunner(draft, compile=True))
     assert engine.warm_up() > 0 and backend.warm_up(batch_max=2) > 0
     assert engine.runner.warm and backend.runner.warm
-    prompt = engine.encode("import os\nimport sys\n")
+    engine.runner.serving_stance = backend.runner.serving_stance = "fail_on_recompile"
+    prompt = engine.encode("import os\nimport sys\nimport json\n")  # 3 prefill chunks
     out = engine.generate(prompt, 40, SamplingParams(), drafts=LocalDrafts(backend))
     assert out.token_ids == reference_greedy(tiny_target, prompt, 40)
     assert out.stats.accepted > 0 and out.stats.fallback_rounds == 0
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    engine.generate(prompt, 16, sampled, drafts=LocalDrafts(backend, sampled))
+    a, b = backend.new_state(sampled), backend.new_state(sampled)
+    for extra in range(3):
+        backend.draft_many([DraftRequest(a, prompt[: 9 + extra], 4), DraftRequest(b, prompt[: 11 + extra], 4)])
 
 
 @pytest.mark.slow
@@ -170,7 +183,7 @@ def test_daemons_with_compile_stay_exact(star, tiny_target, near_draft, compile_
     engine = TargetEngine(load_causal_lm(str(tiny_target)))
     prompt = engine.encode("class Point:\n")
     with ControlClient(target_ep) as cc:
-        res = cc.call(Message(MsgType.GENERATE, {"prompt": prompt, "max_tokens": 40}), timeout_s=300).header
+        res = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt_ids": prompt, "max_tokens": 40}), timeout_s=300).header
         stats = cc.call(Message(MsgType.STATS, {}), timeout_s=30).header["stats"]
     assert res["token_ids"] == reference_greedy(tiny_target, prompt, 40)
     assert res["stats"]["accepted"] > 0 and res["stats"]["fallback_rounds"] == 0

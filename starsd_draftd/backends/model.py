@@ -36,7 +36,6 @@ class ModelBackend(DraftBackend):
         self.lookup_hits = 0  # draft tokens taken from the context
         self.model_picks = 0  # greedy draft tokens the model chose
         self.loaded = loaded
-        self.model = loaded.model
         self.runner = runner if runner is not None else ModelRunner(loaded)
         self.device = loaded.device
         self.vocab_size = loaded.vocab_size
@@ -47,18 +46,25 @@ class ModelBackend(DraftBackend):
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
 
     def warm_up(self, batch_max: int = 1) -> float:
-        """With a compiled runner, compile the shapes drafting uses (a request's new tokens, then
-        one-token steps; batched when ``batch_max`` > 1) before serving; 0 s when eager."""
+        """With a compiled runner, compile the kinds of forward drafting runs before serving: a
+        session's first feed, one token or several after cached positions (a request's new
+        tokens, tokens copied by lookup), one-token steps; batched alike when ``batch_max`` > 1.
+        0 s when eager."""
         def exercise():
             params = SamplingParams(temperature=1.0, seed=0)  # sampled: every step runs the model
             st = self.new_state(params)
-            self.draft(st, [1] * 6, 3)
-            self.draft(st, [1] * 7, 3)
+            for verified in ([1] * 6, [1] * 7, [1] * 9):  # first feed; 1 new token; 2 new tokens
+                self.draft(st, verified, 3)
             if batch_max > 1:
-                self.draft_many([DraftRequest(self.new_state(params), [1] * 5, 3),
-                                 DraftRequest(self.new_state(params), [1] * 6, 3)])
+                a, b = self.new_state(params), self.new_state(params)
+                for extra in (0, 1, 2):
+                    self.draft_many([DraftRequest(a, [1] * (5 + extra), 3), DraftRequest(b, [1] * (6 + extra), 3)])
 
         return self.runner.warm_up(exercise, "draft model")
+
+    @property
+    def model(self):
+        return self.runner.model
 
     def counters(self) -> dict:
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
