@@ -63,7 +63,7 @@ class PeersConfig:
     draft_model: str = "demo-draft"
     cpus: tuple[int, ...] | None = None  # the two cores used; None: the first two this process may use
     warmup_tokens: int = 8
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 1800.0  # daemons started with --compile compile first (minutes here)
     job_timeout_s: float = 900.0
     vllm_timeout_s: float = 1800.0
     workdir: Path | None = None
@@ -162,11 +162,15 @@ def vllm_command(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Pat
     return cmd, env
 
 
-def plan(cfg: PeersConfig, dtype: str = "fp16-weights") -> list[dict]:
+def plan(cfg: PeersConfig, dtype: str | None = None) -> list[dict]:
     """What a run would do, in order (``--plan`` prints it): each vLLM process's command and
     environment, and StarSD's daemons."""
     if len(cfg.two_cores()) < 2:
         raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
+    if dtype is None:
+        from starsd_draftd.demo.run import DemoConfig, demo_dtype
+
+        dtype = demo_dtype(DemoConfig())  # what run_peers gives the daemons
     steps = []
     for item in run_order(vllm_blocks(cfg)):
         if item == "starsd":
