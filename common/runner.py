@@ -34,8 +34,8 @@ from common.models import LoadedModel, cache_root, new_cache
 log = logging.getLogger("starsd.runner")
 
 COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
-                "The first start compiles (minutes on a CPU) and caches the result under StarSD's cache "
-                "directory, so restarts reuse it. Off by default: see README, 'Compiled forwards', for what "
+                "The daemon compiles before it serves (minutes on a CPU); compiled code is cached under "
+                "StarSD's cache directory, which shortens restarts (the model is traced again). Off by default: see README, 'Compiled forwards', for what "
                 "it costs and when it pays.")
 
 
@@ -53,6 +53,11 @@ def _configure_inductor(device: torch.device) -> Path:
     import torch._inductor.config as icfg
 
     icfg.fx_graph_cache = True
+    import torch._dynamo
+
+    # a forward's kinds (lengths 1 and more, first feed or not, outputs, batch) with and without
+    # hidden states exceed dynamo's default of 8 graphs per code object
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if device.type == "cpu":
         icfg.freezing = True  # fold and prepack weights (inference only: the runner never trains)
     return path
@@ -98,6 +103,8 @@ class ModelRunner:
         chunk costs more than the chunk's layers in a small model). Logits come back as float32
         on the model's device; ``hidden``: also the final hidden states [len(ids), H]."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if self.compiled and hasattr(cache, "reserve"):
+            cache.reserve(cache.get_seq_length() + len(ids))  # any growth outside the graph
         keep = {"all": 0, "last": 1, "none": 1}[logits]
         out = self(input_ids=x, cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep)
         h = out.hidden_states[-1][0] if hidden else None
@@ -113,8 +120,8 @@ class ModelRunner:
         eagerly rather than compile mid-serving."""
         if not self.compiled:
             return 0.0
-        log.info("compiling the %s's forwards (the first start on a machine takes minutes; later starts "
-                 "reuse %s)", what, inductor_cache_dir())
+        log.info("compiling the %s's forwards (minutes on a CPU; compiled code is cached in %s)", what,
+                 inductor_cache_dir())
         from common.sdnotify import notify
 
         notify(f"STATUS=compiling the {what}'s forwards")

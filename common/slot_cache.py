@@ -5,7 +5,7 @@ copies the whole cache each step (on the demo target, 30 layers at 200 cached po
 quarter of a decode step's time on a CPU core), and crops by slicing, so the next step copies
 again. ``SlotCache`` keeps the same interface and mask semantics (it is a ``DynamicCache`` whose
 full-attention layers are ``SlotLayer``s) but holds each layer's keys and values in a buffer sized
-once (or grown by doubling when a size was not known) and hands attention a view of the filled
+once (or grown by a quarter at a time when a size was not known) and hands attention a view of the filled
 part: a step writes only its new positions, a rollback moves a position and copies nothing.
 Attention still runs over the filled positions only, not over the whole buffer as
 ``StaticCache`` does.
@@ -37,7 +37,7 @@ class SlotLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        cap = max(self.capacity_hint, key_states.shape[-2], MIN_SLOTS)
+        cap = max(self.capacity_hint, key_states.shape[-2] + 1, MIN_SLOTS)
         self.k_buf = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
         self.v_buf = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[3])
         self.n = 0
@@ -49,11 +49,13 @@ class SlotLayer(DynamicLayer):
         self.values = self.v_buf[:, :, : self.n]
 
     def _reserve(self, need: int) -> None:
-        if need <= self.capacity:
+        # always a free slot past the filled ones: a view that covered the whole buffer would be
+        # contiguous where every other is not, and a compiled forward would need a graph for it
+        if need < self.capacity:
             return
-        # a quarter more than needed: amortised copies, and a buffer at most 1.25x (plus 64 slots)
-        # of what a session holds, which the draft daemon's KV accounting (per position) assumes
-        cap = max(need, self.capacity + max(self.capacity // 4, MIN_SLOTS))
+        # a quarter of the capacity more (at least 64 slots): amortised copies, and a buffer at most
+        # 1.25x (plus 64 slots) of what a session holds, close to the draft daemon's KV accounting
+        cap = max(need + 1, self.capacity + max(self.capacity // 4, MIN_SLOTS))
         for name in ("k_buf", "v_buf"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], cap, old.shape[3])
@@ -129,7 +131,7 @@ class SlotCache(DynamicCache):
     """A ``DynamicCache`` whose full-attention layers write in place (``SlotLayer``); layers of
     other kinds (sliding windows, linear attention) stay as transformers builds them, with
     their own limits (a sliding-window layer cannot be rolled back past its window).
-    ``capacity``: positions to preallocate (0: start small and grow by doubling)."""
+    ``capacity``: positions to preallocate (0: start small and grow as needed)."""
 
     def __init__(self, config, capacity: int = 0):
         super().__init__(config=config)
@@ -139,6 +141,13 @@ class SlotCache(DynamicCache):
             self.layer_class_to_replicate = None
         else:
             self.layers = [SlotLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` in every initialised slot layer, made now (eagerly), so that a
+        compiled forward never takes the growth path inside its graph."""
+        for layer in self.layers:
+            if isinstance(layer, SlotLayer) and layer.is_initialized:
+                layer._reserve(positions)
 
     def compact(self, positions: torch.Tensor) -> None:
         """Every layer keeps only ``positions`` (see ``SlotLayer.compact``)."""

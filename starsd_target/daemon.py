@@ -117,7 +117,9 @@ class TargetDaemon:
         """With --compile, compile the forwards serving uses before taking jobs. Called before
         connect() (so the draft link is not left silent for minutes of compiling), and again
         after it, which compiles the feature path only when the draft daemon's head needs the
-        target's features (the rest is then already compiled)."""
+        target's features (the rest is then already compiled). That second compile does leave
+        the link silent: one longer than the draft daemon's --peer-ttl makes the first rounds
+        run without drafts until the link is re-established."""
         welcome = self.client.welcome if self.client is not None else None
         if self.engine.runner.warm and not (welcome is not None and welcome.feature_size):
             return 0.0

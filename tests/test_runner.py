@@ -28,7 +28,7 @@ def test_slot_cache_equals_dynamic_cache_with_rollback_and_growth(arch_model):
     seq = torch.randint(3, 250, (1, 90))
     other = torch.randint(3, 250, (1, 10))
     full = arch_model(input_ids=seq).logits
-    slot = SlotCache(arch_model.config, capacity=16)  # 64 slots at least: grows once, to 80, then to 100
+    slot = SlotCache(arch_model.config, capacity=16)  # 64 slots at least: grows once, to 128
     assert all(isinstance(layer, SlotLayer) for layer in slot.layers)
     arch_model(input_ids=seq[:, :40], cache=slot, use_cache=True)
     arch_model(input_ids=other, cache=slot, use_cache=True)  # a rejected draft ...
@@ -120,27 +120,24 @@ def test_compiled_forward_equals_eager_with_rollback(tmp_path, compile_cache):
 def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(tiny_target, near_draft, compile_cache):
     """Target engine and draft backend on compiled runners, warmed up as the daemons warm them
     up, then served with any further compilation an error (``fail_on_recompile``): greedy
-    speculation (lookup on), over several prefill chunks, a sampled generation and a
-    batched draft all run on the warm-up's graphs, and greedy output equals generate()."""
+    speculation (lookup on), over several prefill chunks, and a sampled generation all run on the warm-up's graphs, and greedy output equals generate()."""
     from fakes import LocalDrafts
-    from starsd_draftd.backends.base import ContextLookup, DraftRequest
+    from starsd_draftd.backends.base import ContextLookup
 
     target = load_causal_lm(str(tiny_target))
     draft = load_causal_lm(str(near_draft))
     engine = TargetEngine(target, depth=4, prefill_chunk=8, runner=ModelRunner(target, compile=True))
     backend = ModelBackend(draft, lookup=ContextLookup(), runner=ModelRunner(draft, compile=True))
-    assert engine.warm_up() > 0 and backend.warm_up(batch_max=2) > 0
+    # batch_max=1: the batched graphs (drafted the same way) would double this test's compile time
+    assert engine.warm_up() > 0 and backend.warm_up(batch_max=1) > 0
     assert engine.runner.warm and backend.runner.warm
     engine.runner.serving_stance = backend.runner.serving_stance = "fail_on_recompile"
-    prompt = engine.encode("import os\nimport sys\nimport json\n")  # 3 prefill chunks
+    prompt = engine.encode("import os\nimport sys\nimport json\n")  # 32 positions: 4 prefill chunks
     out = engine.generate(prompt, 40, SamplingParams(), drafts=LocalDrafts(backend))
     assert out.token_ids == reference_greedy(tiny_target, prompt, 40)
     assert out.stats.accepted > 0 and out.stats.fallback_rounds == 0
     sampled = SamplingParams(temperature=0.8, seed=5)
     engine.generate(prompt, 16, sampled, drafts=LocalDrafts(backend, sampled))
-    a, b = backend.new_state(sampled), backend.new_state(sampled)
-    for extra in range(3):
-        backend.draft_many([DraftRequest(a, prompt[: 9 + extra], 4), DraftRequest(b, prompt[: 11 + extra], 4)])
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ class BatchedCaches:
         self.P = max(self.lengths)
         self.N = max(len(f) for f in feeds)
         B = len(caches)
-        self.cache = runner.new_cache(self.P + self.N + steps)
+        self.cache = runner.new_cache(self.P + self.N + steps + 1)  # a slot to spare: never grows
         if self.P > 0:
             # one zeroed tensor per layer, each row's cache copied right-aligned into it
             ref = next(c for c, n in zip(caches, self.lengths) if n > 0)

@@ -57,7 +57,7 @@ class ModelBackend(DraftBackend):
                 self.draft(st, verified, 3)
             if batch_max > 1:
                 a, b = self.new_state(params), self.new_state(params)
-                for extra in (0, 1, 2):
+                for extra in (0, 1, 3):  # first feeds; 1 new token each; 2 new tokens each
                     self.draft_many([DraftRequest(a, [1] * (5 + extra), 3), DraftRequest(b, [1] * (6 + extra), 3)])
 
         return self.runner.warm_up(exercise, "draft model")
