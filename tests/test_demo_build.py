@@ -15,6 +15,7 @@ from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.demo.checkpoints import TEACHER_NAME, build_demo_checkpoints, load_teacher
 from starsd_draftd.demo.distill import distill, first_layers_draft, target_generations
 from starsd_target.engine import TargetEngine
+from fakes import LocalDrafts
 from tiny_gguf import write_tiny_llama_gguf
 
 
@@ -48,23 +49,8 @@ def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
     engine = TargetEngine(target, depth=4)
     backend = ModelBackend(load_causal_lm(str(out / "draft")))
 
-    class Local:  # the draft backend in-process, behind the engine's DraftSource interface
-        feature_size = 0
-
-        def __init__(self):
-            self.state = backend.new_state(SamplingParams())
-
-        def propose(self, tokens, depth, features=None):
-            return backend.draft(self.state, tokens, depth)
-
-        def kept(self, n):
-            pass
-
-        def close(self):
-            pass
-
     prompt = target.tokenizer.encode("the quick brown fox", add_special_tokens=False)
-    result = engine.generate(prompt, 24, SamplingParams(), Local())
+    result = engine.generate(prompt, 24, SamplingParams(), LocalDrafts(backend))
     ids = torch.tensor([prompt])
     with torch.inference_mode():  # the target's own generate, with the end-of-turn ids the engine stops at
         own = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -74,7 +60,7 @@ def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
     # a draft cut with every layer is the target itself: all its drafts are kept
     full = first_layers_draft(target.model, target.model.config.num_hidden_layers)
     backend.runner = ModelRunner(dataclasses.replace(backend.loaded, model=full))
-    copy = engine.generate(prompt, 24, SamplingParams(), Local())
+    copy = engine.generate(prompt, 24, SamplingParams(), LocalDrafts(backend))
     assert copy.token_ids == result.token_ids
     assert copy.stats.accepted == copy.stats.drafted > 0
 
