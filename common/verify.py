@@ -123,12 +123,14 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator
         raise ValueError(f"shapes: p {tuple(p.shape)} and q {tuple(q.shape)} do not fit {k} drafts")
     p = p.float()
     q = q.float()
+    # all k uniforms first, in one draw: the tensor path (verify_sampling_tensor) draws them the
+    # same way, so one generator state gives both paths the same tokens
+    r = torch.rand(k, generator=generator, device=generator.device)
     for i in range(k):
         xi = int(x[i])
         p_x = float(p[i, xi])
         q_x = float(q[i, xi])
-        r = float(torch.rand((), generator=generator, device=generator.device))
-        if q_x > 0.0 and r < min(1.0, p_x / q_x):
+        if q_x > 0.0 and float(r[i]) < min(1.0, p_x / q_x):
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
         total = float(residual.sum())
@@ -137,9 +139,62 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator
     return k, sample(p[k], generator)
 
 
-def dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+def dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int,
+            device: torch.device | str = "cpu") -> torch.Tensor:
     """Scatter sparse top-k proposals ([k, K] ids and probabilities) into dense rows [k, vocab]."""
-    q = torch.zeros(q_ids.shape[0], vocab, dtype=torch.float32)
+    q = torch.zeros(q_ids.shape[0], vocab, dtype=torch.float32, device=device)
     if q_ids.numel():
-        q.scatter_(1, q_ids.long(), q_probs.float())
+        q.scatter_(1, q_ids.to(device, torch.long), q_probs.to(device, torch.float32))
     return q
+
+
+# ---------------------------------------------------------------- the tensor path
+# The same decisions as verify_greedy and verify_sampling, as tensor operations on whatever device
+# the logits are on: no Python loop over positions and no host sync. Each returns a long tensor
+# [n, token] on that device; the caller moves it to the host once (for a batch of generations,
+# once for all of them).
+
+
+def verify_greedy_tensor(target_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``verify_greedy`` as tensor ops: n is the length of the prefix of x that matches the
+    argmax rows (a cumulative product of matches), the token is the argmax after it."""
+    k = int(x.shape[0])
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
+    best = torch.argmax(target_logits, dim=-1)
+    n = (x.to(best.device) == best[:k]).long().cumprod(0).sum()
+    return torch.stack([n, best.gather(0, n.view(1))[0]])
+
+
+def verify_sampling_tensor(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
+                           generator: torch.Generator) -> torch.Tensor:
+    """``verify_sampling`` as tensor ops, consuming ``generator`` the same way (k uniforms, then
+    one categorical draw), so that one generator state gives the same [n, token]:
+
+    - x_i is accepted when q(x_i) > 0 and r_i < min(1, p(x_i) / q(x_i)) (the ratio in float64,
+      as the reference computes it); n is the count of leading acceptances;
+    - the token comes from row n of norm(max(0, p - q)), or of p where n = k (the bonus) or where
+      that residual is all zero (rounding); one row is built, never all k + 1.
+    """
+    k = int(x.shape[0])
+    if p.shape[0] != k + 1 or q.shape[0] != k:
+        raise ValueError(f"shapes: p {tuple(p.shape)} and q {tuple(q.shape)} do not fit {k} drafts")
+    p = p.float()
+    q = q.float()
+    r = torch.rand(k, generator=generator, device=generator.device).to(p.device)
+    idx = x.to(p.device, torch.long).view(k, 1)
+    p_x = p[:k].gather(1, idx)[:, 0]
+    q_x = q.gather(1, idx)[:, 0]
+    wide = torch.float32 if p.device.type == "mps" else torch.float64  # MPS has no float64
+    ratio = torch.clamp(p_x.to(wide) / torch.where(q_x > 0, q_x, 1.0).to(wide), max=1.0)
+    accept = (q_x > 0) & (r.to(wide) < ratio)
+    n = accept.long().cumprod(0).sum()
+    at = n.view(1)
+    p_n = p.index_select(0, at)
+    q_n = torch.cat([q, q.new_zeros(1, q.shape[-1])]).index_select(0, at)
+    residual = torch.clamp(p_n - q_n, min=0.0)
+    total = residual.sum(-1, keepdim=True)
+    use_residual = (at < k).view(1, 1) & (total > 0)
+    dist = torch.where(use_residual, residual / torch.where(total > 0, total, 1.0), p_n)
+    token = torch.multinomial(dist, 1, generator=generator).view(()).to(n.device)
+    return torch.stack([n, token])

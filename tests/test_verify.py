@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy,
-                           verify_sampling)
+                           verify_greedy_tensor, verify_sampling, verify_sampling_tensor)
 
 NEG = float("-inf")
 
@@ -124,7 +124,16 @@ def _tables(seed: int):
     return p_tab, q_tab
 
 
-def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator) -> tuple[int, ...]:
+def _tensor_sampling(p, q, x, gen) -> tuple[int, int]:
+    n, tok = verify_sampling_tensor(p, q, x, gen).tolist()
+    return n, tok
+
+
+SAMPLERS = {"reference": verify_sampling, "tensor": _tensor_sampling}
+
+
+def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator,
+               verify=verify_sampling) -> tuple[int, ...]:
     out: list[int] = []
     while len(out) < length:
         prev = out[-1] if out else V
@@ -137,19 +146,20 @@ def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator) -> t
             ctx = t
         ctxs = [prev, *x]
         p = torch.stack([p_tab[c] for c in ctxs])
-        n, tok = verify_sampling(p, torch.stack(q_rows), torch.tensor(x), gen)
+        n, tok = verify(p, torch.stack(q_rows), torch.tensor(x), gen)
         out.extend([*x[:n], tok])
     return tuple(out[:length])
 
 
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
 @pytest.mark.parametrize("depth", [2, 3])
-def test_speculative_sampling_follows_target_distribution(depth):
+def test_speculative_sampling_follows_target_distribution(depth, sampler):
     p_tab, q_tab = _tables(depth)
     gen = make_generator(1234 + depth)
     samples = 40000
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(samples):
-        key = _speculate(p_tab, q_tab, depth, 3, gen)
+        key = _speculate(p_tab, q_tab, depth, 3, gen, SAMPLERS[sampler])
         counts[key] = counts.get(key, 0) + 1
     chi2 = 0.0
     for a in range(V):
@@ -175,3 +185,74 @@ def test_statistical_test_detects_a_wrong_sampler():
         counts[t] = counts.get(t, 0) + 1
     chi2 = sum((counts.get(a, 0) - samples * float(p_tab[V, a])) ** 2 / (samples * float(p_tab[V, a])) for a in range(V))
     assert chi2 > 16.27  # alpha = 1e-3, df = 3
+
+
+# --------------------------------------------------------------------------- the tensor path
+def _random_round(g: torch.Generator, k: int, vocab: int, degenerate: bool, posinf: bool = False):
+    """Target logits [k+1, V], dense q [k, V] (sparse rows, as the wire carries them) and drafts;
+    ``degenerate``: logits with -inf (filtered tokens) and +inf entries, q(x) = 0 for some
+    drafts, and a row where p = q exactly (an all-zero residual)."""
+    logits = torch.randn(k + 1, vocab, generator=g) * 3
+    q = torch.zeros(k, vocab)
+    for i in range(k):
+        ids = torch.randperm(vocab, generator=g)[:8]
+        q[i, ids] = torch.softmax(torch.randn(8, generator=g) * 2, -1)
+    x = torch.multinomial(q, 1, generator=g)[:, 0] if k else torch.zeros(0, dtype=torch.long)
+    if degenerate and k:
+        logits[:, torch.randperm(vocab, generator=g)[: vocab // 3]] = float("-inf")
+        if posinf:
+            logits[0, int(x[0])] = float("inf")  # one certain token (argmax only: softmax gives NaN)
+        else:
+            logits[0] = float("-inf")
+            logits[0, int(x[0])] = 0.0  # one certain token: every other p is 0
+        if k > 1:
+            q[1, int(x[1])] = 0.0  # a draft its own q could not have produced
+        p_last = torch.softmax(logits[k - 1], -1)
+        q[k - 1] = p_last  # p = q on this row: the residual is all zero
+    return logits, q, x
+
+
+@pytest.mark.parametrize("degenerate", [False, True])
+def test_tensor_greedy_equals_reference(degenerate):
+    g = torch.Generator().manual_seed(5)
+    seen = set()
+    for trial in range(300):
+        k = trial % 6
+        logits, _, x = _random_round(g, k, 50, degenerate, posinf=True)
+        if trial % 3 == 0:  # drafts the target agrees with, up to a point
+            best = logits.argmax(-1)
+            x = best[:k].clone()
+            cut = (trial // 3) % (k + 1)  # the first disagreement (k: none)
+            if cut < k:
+                x[cut] = (x[cut] + 1) % 50
+        want = verify_greedy(logits, x)
+        got = tuple(verify_greedy_tensor(logits, x).tolist())
+        assert got == want, (trial, k)
+        seen.add(want[0])
+    assert len(seen) >= 4  # acceptance lengths were varied, not all zero
+
+
+@pytest.mark.parametrize("degenerate", [False, True])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_tensor_sampling_equals_reference_for_one_generator_state(degenerate, params):
+    g = torch.Generator().manual_seed(9)
+    kept = []
+    for trial in range(200):
+        k = trial % 6
+        logits, q, x = _random_round(g, k, 50, degenerate)
+        p = logits_to_probs(logits, params)
+        a, b = make_generator(trial), make_generator(trial)
+        want = verify_sampling(p, q, x, a)
+        got = tuple(verify_sampling_tensor(p, q, x, b).tolist())
+        assert got == want, (trial, k)
+        assert torch.equal(a.get_state(), b.get_state())  # the same draws were consumed
+        kept.append(want[0])
+    assert len(set(kept)) >= 3
+
+
+def test_tensor_paths_check_shapes():
+    with pytest.raises(ValueError, match="rows"):
+        verify_greedy_tensor(torch.zeros(2, 4), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="shapes"):
+        verify_sampling_tensor(torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([1]), make_generator(0))
