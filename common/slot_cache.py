@@ -156,3 +156,230 @@ class SlotCache(DynamicCache):
                 raise NotImplementedError(f"{type(layer).__name__} layers cannot be compacted")
             if layer.is_initialized:
                 layer.compact(positions)
+
+
+# ---------------------------------------------------------------- many sequences, one buffer
+class SlotPool:
+    """Rows of one preallocated buffer per layer, [rows, H, slots, D], one row per sequence:
+    several generations' caches in one place, so that one forward can feed them all
+    (``PoolBatch``) with no copy in or out when the rows it feeds are adjacent.
+
+    ``acquire`` hands out a row as a ``PoolRowCache``, a one-sequence cache that behaves as a
+    ``SlotCache`` (its own length, rollback by moving it) whose slots live in the pool; ``release``
+    takes it back. Every row has the same number of slots: the pool grows (by a quarter, for all
+    rows at once) when a row needs more, and never shrinks, as a serving engine's KV memory is
+    held for its lifetime. Full-attention layers only (see ``supports``)."""
+
+    def __init__(self, config, rows: int, capacity: int = 0):
+        if rows < 1:
+            raise ValueError(f"a pool needs at least one row, got {rows}")
+        self.config = config
+        self.rows = rows
+        self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
+        self.slots_hint = max(int(capacity), MIN_SLOTS)
+        self.k: list[torch.Tensor | None] = [None] * self.n_layers
+        self.v: list[torch.Tensor | None] = [None] * self.n_layers
+        self.free = list(range(rows))
+        self.live: dict[int, PoolRowCache] = {}
+
+    @staticmethod
+    def supports(config) -> bool:
+        """Whether every layer of this model is a full-attention layer (a plain ``DynamicLayer``
+        in transformers' cache for it)."""
+        layers = DynamicCache(config=config).layers
+        return all(type(layer) is DynamicLayer for layer in layers)
+
+    @property
+    def slots(self) -> int:
+        k = next((t for t in self.k if t is not None), None)
+        return self.slots_hint if k is None else int(k.shape[2])
+
+    def acquire(self, capacity: int = 0) -> "PoolRowCache | None":
+        """A free row with room for ``capacity`` positions (the pool grows if it must), or None
+        when every row is taken."""
+        if not self.free:
+            return None
+        row = self.free.pop(0)
+        self.reserve(capacity)
+        cache = PoolRowCache(self, row)
+        self.live[row] = cache
+        return cache
+
+    def release(self, cache: "PoolRowCache") -> None:
+        if self.live.get(cache.row) is cache:
+            del self.live[cache.row]
+            self.free.append(cache.row)
+            self.free.sort()  # lowest rows first: the live ones stay adjacent where they can
+
+    def _init_layer(self, li: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape_k = (self.rows, key_states.shape[1], self.slots, key_states.shape[3])
+        shape_v = (self.rows, value_states.shape[1], self.slots, value_states.shape[3])
+        self.k[li] = key_states.new_zeros(shape_k)  # zeros: masked slots stay finite
+        self.v[li] = value_states.new_zeros(shape_v)
+
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` in every row (and a spare slot, as ``SlotLayer`` keeps)."""
+        if positions < self.slots:
+            return
+        cap = max(positions + 1, self.slots + max(self.slots // 4, MIN_SLOTS))
+        if all(t is None for t in self.k):
+            self.slots_hint = cap
+            return
+        for bufs in (self.k, self.v):
+            for li, old in enumerate(bufs):
+                if old is not None:
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[:, :, : old.shape[2]] = old
+                    bufs[li] = new
+        self.slots_hint = cap
+        for cache in self.live.values():
+            for layer in cache.layers:
+                if layer.is_initialized:
+                    layer._views()
+
+
+class PoolLayer(SlotLayer):
+    """One layer of one pool row: a ``SlotLayer`` whose buffer is the row's slice of the pool's."""
+
+    def __init__(self, pool: SlotPool, row: int, li: int):
+        DynamicLayer.__init__(self)
+        self.pool, self.row, self.li = pool, row, li
+        self.n = 0
+
+    @property
+    def k_buf(self) -> torch.Tensor:
+        return self.pool.k[self.li][self.row: self.row + 1]
+
+    @property
+    def v_buf(self) -> torch.Tensor:
+        return self.pool.v[self.li][self.row: self.row + 1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"a pool row holds one sequence, not a batch of {key_states.shape[0]}")
+        if self.pool.k[self.li] is None:
+            self.pool._init_layer(self.li, key_states, value_states)
+        self.device = key_states.device
+        self.n = 0
+        self._views()
+        self.is_initialized = True
+
+    def _reserve(self, need: int) -> None:
+        self.pool.reserve(need)
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError("a pool row is written by forwards only")
+
+    def reset(self) -> None:
+        self.n = 0
+        if self.is_initialized:
+            self._views()
+
+
+class PoolRowCache(SlotCache):
+    """One sequence's cache in a ``SlotPool`` row (see there); ``release()`` gives the row back."""
+
+    def __init__(self, pool: SlotPool, row: int):
+        DynamicCache.__init__(self, config=pool.config)
+        self.pool, self.row = pool, row
+        self.layers = [PoolLayer(pool, row, li) for li in range(pool.n_layers)]
+        self.layer_class_to_replicate = None
+
+    def reserve(self, positions: int) -> None:
+        self.pool.reserve(positions)
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+class _BatchLayer(DynamicLayer):
+    def __init__(self, batch: "PoolBatch", li: int):
+        super().__init__()
+        self.batch, self.li = batch, li
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.batch._update(self.li, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.batch.base
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop the rows' own caches")
+
+
+class PoolBatch(DynamicCache):
+    """A cache for one forward over several pool rows at once, each with its own length: row b
+    (``caches[b]``, holding n_b positions) feeds ``fed[b]`` new tokens, right-padded to the
+    longest feed M. Its keys and values go to its own slots n_b..n_b+M-1 (the pad positions
+    beyond n_b + fed[b] are written but stay outside the row's length), and attention reads
+    each row's first max(n) + M slots: a view of the pool when the rows are adjacent, else one
+    gather of just those rows. ``mask()`` and ``positions()`` are the 4-D attention mask and
+    position ids that make each row see exactly its own positions, causally; models must take
+    custom 4-D masks (rotary Llama and Qwen2 do). After the forward each row's cache holds its
+    n_b + fed[b] positions."""
+
+    def __init__(self, caches: list[PoolRowCache], fed: list[int]):
+        if not caches or len(caches) != len(fed) or min(fed) < 1:
+            raise ValueError("a batch needs one row cache per feed and at least one token per feed")
+        pool = caches[0].pool
+        if any(c.pool is not pool for c in caches) or len({c.row for c in caches}) != len(caches):
+            raise ValueError("a batch takes distinct rows of one pool")
+        DynamicCache.__init__(self, config=pool.config)
+        self.pool, self.caches, self.fed = pool, caches, list(fed)
+        self.lengths = [c.get_seq_length() for c in caches]
+        self.M = max(fed)
+        self.base = max(self.lengths)
+        self.kv_len = self.base + self.M
+        pool.reserve(self.kv_len)
+        self.layers = [_BatchLayer(self, li) for li in range(pool.n_layers)]
+        self.layer_class_to_replicate = None
+        rows = [c.row for c in caches]
+        self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        self._rows = torch.tensor(rows, dtype=torch.long)
+        self._slots = None  # [B, M] on the model's device, built at the first layer
+
+    def positions(self, device) -> torch.Tensor:
+        """Position ids [B, M]: n_b + j for a real token j, a pad repeating its row's last position."""
+        n = torch.tensor(self.lengths, device=device)[:, None]
+        j = torch.arange(self.M, device=device)[None, :]
+        last = torch.tensor(self.fed, device=device)[:, None] - 1
+        return n + torch.minimum(j, last)
+
+    def mask(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """[B, 1, M, max(n) + M], 0 where a query may look and dtype's minimum elsewhere: query j
+        of row b sees slots 0..n_b + j (a pad sees what its row's last token sees)."""
+        see = self.positions(device)[:, :, None]  # the last slot each query may see
+        slots = torch.arange(self.kv_len, device=device)[None, None, :]
+        allowed = slots <= see
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)[:, None]
+
+    def _update(self, li: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        pool = self.pool
+        for c in self.caches:  # a first forward on a fresh pool allocates its buffers
+            layer = c.layers[li]
+            if pool.k[li] is None:
+                pool._init_layer(li, key_states[:1], value_states[:1])
+            if not layer.is_initialized:
+                layer.device, layer.n, layer.is_initialized = key_states.device, 0, True
+        device = key_states.device
+        if self._slots is None or self._slots.device != device:
+            n = torch.tensor(self.lengths, device=device)[:, None]
+            self._slots = n + torch.arange(self.M, device=device)[None, :]
+            self._rows = self._rows.to(device)
+        rows = self._rows[:, None]
+        pool.k[li][rows, :, self._slots] = key_states.transpose(1, 2)
+        pool.v[li][rows, :, self._slots] = value_states.transpose(1, 2)
+        for c, n, m in zip(self.caches, self.lengths, self.fed):
+            layer = c.layers[li]
+            layer.n = n + m
+            layer._views()
+        if self._span is not None:
+            a, b = self._span
+            return pool.k[li][a:b, :, : self.kv_len], pool.v[li][a:b, :, : self.kv_len]
+        return (pool.k[li][:, :, : self.kv_len].index_select(0, self._rows),
+                pool.v[li][:, :, : self.kv_len].index_select(0, self._rows))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.base

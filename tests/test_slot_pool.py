@@ -1,0 +1,82 @@
+"""The slot pool: several sequences' caches as rows of one buffer, fed together in one forward
+with each row's own length, give what feeding each alone gives; rollback, growth and row reuse
+included."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.models import crop_cache
+from common.slot_cache import PoolBatch, SlotCache, SlotPool
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def rotary_model(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=4, hidden=32, layers=2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _batched(model, caches, feeds):
+    batch = PoolBatch(caches, [len(f) for f in feeds])
+    M = batch.M
+    ids = torch.tensor([f + [f[-1]] * (M - len(f)) for f in feeds])
+    out = model(input_ids=ids, cache=batch, use_cache=True, attention_mask=batch.mask(model.dtype, "cpu"),
+                position_ids=batch.positions("cpu"))
+    return [out.logits[b, : len(f)] for b, f in enumerate(feeds)]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [[0, 1, 2], [0, 2]])  # adjacent rows (views), and a gather
+def test_batched_rows_equal_one_at_a_time(rotary_model, rows):
+    torch.manual_seed(1)
+    pool = SlotPool(rotary_model.config, rows=3, capacity=8)  # grows during the test
+    caches = [pool.acquire(8) for _ in range(3)]
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (5, 19, 11)]
+    refs = [SlotCache(rotary_model.config) for _ in prompts]
+    for cache, ref, p in zip(caches, refs, prompts):  # prefill each alone, as the engine does
+        rotary_model(input_ids=torch.tensor([p]), cache=cache, use_cache=True)
+        rotary_model(input_ids=torch.tensor([p]), cache=ref, use_cache=True)
+    for step in range(4):  # rounds of ragged feeds with rollbacks between them
+        feeds = [torch.randint(3, 250, (1 + (step + b) % 4,)).tolist() for b in range(3)]
+        chosen = [caches[r] for r in rows]
+        got = _batched(rotary_model, chosen, [feeds[r] for r in rows])
+        for r, g in zip(rows, got):
+            want = rotary_model(input_ids=torch.tensor([feeds[r]]), cache=refs[r], use_cache=True).logits[0]
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+            assert caches[r].get_seq_length() == refs[r].get_seq_length()
+            keep = refs[r].get_seq_length() - (step % len(feeds[r]))  # reject some of the feed
+            crop_cache(caches[r], keep)
+            crop_cache(refs[r], keep)
+    assert pool.slots > 8  # it grew, under live rows
+    # a single-row forward after batched ones reads the same cache
+    for r in rows:
+        nxt = torch.tensor([[7]])
+        a = rotary_model(input_ids=nxt, cache=caches[r], use_cache=True).logits
+        b = rotary_model(input_ids=nxt, cache=refs[r], use_cache=True).logits
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_rows_are_reused_and_bounded(rotary_model):
+    pool = SlotPool(rotary_model.config, rows=2)
+    a, b = pool.acquire(), pool.acquire()
+    assert pool.acquire() is None  # every row taken
+    rotary_model(input_ids=torch.tensor([[5, 6, 7]]), cache=a, use_cache=True)
+    a.release()
+    c = pool.acquire()
+    assert c.row == a.row and c.get_seq_length() == 0  # a fresh sequence in the freed row
+    with pytest.raises(ValueError, match="distinct rows"):
+        PoolBatch([b, b], [1, 1])
+    with pytest.raises(ValueError, match="one sequence"):
+        rotary_model(input_ids=torch.tensor([[5], [6]]), cache=b, use_cache=True)
+
+
+def test_pool_supports_full_attention_models_only(rotary_model):
+    from transformers import Qwen2Config
+
+    assert SlotPool.supports(rotary_model.config)
+    sliding = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          intermediate_size=64, vocab_size=64, use_sliding_window=True, sliding_window=4,
+                          max_window_layers=0)
+    assert not SlotPool.supports(sliding)
