@@ -123,6 +123,10 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--insecure-listen", is_flag=True, help="Allow a non-loopback --listen without encryption.")
 @option("--max-active", type=click.IntRange(1), default=_d.max_active,
         help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
+@option("--max-batch", type=click.IntRange(1), default=_d.max_batch,
+        help="Of the active generations, the most verified together in one forward when their rounds are "
+             "ready at once (capped by --max-active; 1: one per forward). Outputs are those of one at a time. "
+             "Llama and Qwen2 models, eager forwards (off with --compile).")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")
 @option("--http", "http_addr", default=None, metavar="HOST:PORT",
@@ -136,7 +140,7 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "/health fails, the jobs held fail and the daemon exits with status 1 to be restarted. Keep it "
              "below systemd's WatchdogSec.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
-def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_queue, http_addr,
+def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_batch, max_queue, http_addr,
           served_model_name, metrics_port, stall_timeout, **kw) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
@@ -144,7 +148,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     Should the scheduler fail or stall, it exits with status 1, for systemd to restart it."""
     setup_logging(kw["log_level"], kw["log_format"])
     cfg = _config(kw, kw["draft"], listen)
-    cfg.max_active, cfg.max_queue, cfg.metrics_port = max_active, max_queue, metrics_port
+    cfg.max_active, cfg.max_batch, cfg.max_queue, cfg.metrics_port = max_active, max_batch, max_queue, metrics_port
     cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
     cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout
     check_listen(cfg)  # before the model loads

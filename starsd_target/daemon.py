@@ -50,6 +50,7 @@ class TargetConfig:
     heartbeat_s: float = 5.0
     stall_timeout_s: float = 30.0  # a scheduler pass this late: the daemon exits to be restarted
     max_active: int = 4  # generations interleaved on the model at once
+    max_batch: int = 4  # of those, the most verified together in one forward (1: one at a time)
     max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
     metrics_port: int | None = None
     curve_secret: Path | None = None  # this target's .key_secret file
@@ -80,7 +81,8 @@ class TargetDaemon:
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
         self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk,
-                                   runner=ModelRunner(self.loaded, compile=config.compile))
+                                   runner=ModelRunner(self.loaded, compile=config.compile),
+                                   max_batch=min(config.max_batch, config.max_active), rows=config.max_active)
         self.client: DraftClient | None = None
         self._stop = threading.Event()
         self._reload_keys = threading.Event()  # SIGHUP: re-read --listen-curve-allow
@@ -306,5 +308,6 @@ class TargetDaemon:
         profile = self._scheduler.profile.to_dict() if self._scheduler is not None else RoundProfile().to_dict()
         return {"served": self.served, "model": str(self.loaded.path),
                 "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3),
+                "max_batch": self.engine.max_batch, "batching_off": self.engine.batch_off,
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,
                 "round_profile": profile}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -17,8 +18,10 @@ import torch
 
 from common.models import LoadedModel, context_length, crop_cache
 from common.runner import ModelRunner
+from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
-from common.verify import SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy, verify_sampling
+from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_tensor,
+                           verify_sampling_tensor)
 from starsd_target.profile import RoundProfile
 
 log = logging.getLogger("starsd.target.engine")
@@ -34,6 +37,9 @@ MAX_NEW_TOKENS = 1 << 16  # for models that declare no context length (those tha
 # prefill 14% longer. On a GPU any of these is milliseconds.
 DEFAULT_PREFILL_CHUNK = 256
 PREALLOCATE_TOKENS = 512  # generated positions a generation's KV cache holds before it first grows
+# Architectures whose batched verification is tested (custom 4-D masks with per-row positions);
+# others verify one generation per forward.
+BATCH_ARCHITECTURES = ("llama", "qwen2")
 
 
 class InvalidRequest(ValueError):
@@ -135,15 +141,50 @@ def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 runner: ModelRunner | None = None):
-        """``runner``: how the model runs (compiled or eager); eager by default."""
+                 runner: ModelRunner | None = None, max_batch: int = 1, rows: int | None = None):
+        """``runner``: how the model runs (compiled or eager); eager by default. ``max_batch``:
+        the most generations one verification forward takes (1: one at a time); their caches
+        are ``rows`` rows of one pool (default ``max_batch``; a generation beyond them gets a
+        cache of its own and is verified alone)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
         self.runner = runner if runner is not None else ModelRunner(loaded)
         self.depth = depth
         self.prefill_chunk = prefill_chunk
         self.context = context_length(loaded.model)  # None: the model declares none
+        self.max_batch, self.batch_off = 1, self._batch_refusal(max_batch)
+        self.pool: SlotPool | None = None
+        if self.batch_off is None:
+            self.max_batch = max_batch
+            self.pool = SlotPool(loaded.model.config, max(rows or max_batch, max_batch),
+                                 capacity=PREALLOCATE_TOKENS + depth + 1)
+        elif max_batch > 1:
+            log.info("batched verification is off: %s; generations are verified one per forward", self.batch_off)
+
+    def _batch_refusal(self, max_batch: int) -> str | None:
+        """Why this model cannot verify several generations per forward (None: it can)."""
+        if max_batch <= 1:
+            return "max_batch is 1"
+        kind = getattr(self.loaded.model.config, "model_type", "?")
+        if kind not in BATCH_ARCHITECTURES:
+            return f"it is tested for {', '.join(BATCH_ARCHITECTURES)} models, not {kind}"
+        if not SlotPool.supports(self.loaded.model.config):
+            return "the model has layers other than full attention (sliding windows, linear attention)"
+        if self.runner.compiled:
+            return "the forward is compiled (compiled graphs take one sequence)"
+        return None
+
+    def new_cache(self, capacity: int):
+        """A generation's cache: a row of the pool while one is free (such generations can be
+        verified together), else a cache of its own."""
+        if self.pool is not None:
+            row = self.pool.acquire(capacity)
+            if row is not None:
+                return row
+        return self.runner.new_cache(capacity)
 
     def warm_up(self, features: bool = False) -> float:
         """With a compiled runner, compile the kinds of forward serving runs before the daemon
@@ -163,6 +204,7 @@ class TargetEngine:
                     g.verify(_WarmUpDrafts([tok] * min(self.depth, g.draft_depth())))
                     if not g.done:
                         g.verify(None, wanted=False)
+                    g.release()
             finally:
                 self.prefill_chunk = chunk
 
@@ -207,10 +249,58 @@ class TargetEngine:
 
     def _forward(self, cache, ids: list[int], features: bool = False,
                  logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits [len(ids), V] (float32, CPU; None with ``logits=False``, as a prefill needs none)
-        and, if asked, the final hidden states [len(ids), H]."""
-        rows, hidden = self.runner.forward(cache, ids, "all" if logits else "none", features)
-        return (rows.cpu() if rows is not None else None), hidden
+        """Logits [len(ids), V] (float32, on the model's device: verification runs there; None
+        with ``logits=False``, as a prefill needs none) and, if asked, the final hidden states
+        [len(ids), H]."""
+        return self.runner.forward(cache, ids, "all" if logits else "none", features)
+
+    @torch.inference_mode()
+    def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]],
+                       features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One forward over several pool rows' feeds (``PoolBatch``): each feed's logits rows
+        [len(feed), V] (float32, on the model's device) and, if asked, its hidden states.
+        Eager even when single forwards are compiled (batching is off then)."""
+        batch = PoolBatch(caches, [len(f) for f in feeds])
+        dev = self.runner.device
+        ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
+        out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=features,
+                                attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev))
+        logits = out.logits.float()
+        rows = [logits[b, : len(f)] for b, f in enumerate(feeds)]
+        hidden = [out.hidden_states[-1][b, : len(f)] for b, f in enumerate(feeds)] if features else None
+        return rows, hidden
+
+    def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list[int | None]:
+        """Verify several generations' rounds (generation, proposal, wanted) in one forward,
+        exactly as ``Generation.verify`` would one at a time; returns each one's kept count (or
+        None, as ``verify``). One generation, or any not in the pool, goes through ``verify``.
+        If the batched forward fails, every cache is back where it was and nothing is counted:
+        the caller may verify them one at a time, so that the failure is pinned on one."""
+        if len(rounds) == 1 or any(not isinstance(g.cache, PoolRowCache) for g, _, _ in rounds):
+            return [g.verify(p, w) for g, p, w in rounds]
+        if len(rounds) > self.max_batch:
+            raise ValueError(f"a batch of {len(rounds)} exceeds max_batch {self.max_batch}")
+        t_start = time.perf_counter()
+        plans = [g._plan(p, w) for g, p, w in rounds]
+        gens = [g for g, _, _ in rounds]
+        feeds = [[g.tokens[-1], *plan[1]] for g, plan in zip(gens, plans)]
+        t_forward = time.perf_counter()
+        try:
+            rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens))
+            decided = torch.stack([g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]).tolist()
+        except BaseException:
+            for g in gens:
+                crop_cache(g.cache, len(g.tokens) - 1)
+            raise
+        forward_s = time.perf_counter() - t_forward
+        kept = []
+        for b, (g, plan) in enumerate(zip(gens, plans)):
+            g.last_forward_s = forward_s
+            kept.append(g._apply(plan, *decided[b], rows[b], hidden[b] if hidden is not None else None))
+        math_s = time.perf_counter() - t_start - forward_s
+        for g in gens:
+            g.last_math_s = math_s
+        return kept
 
     def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
         k = len(prop.tokens)
@@ -295,14 +385,16 @@ class Generation:
         self.stop = tuple(stop or ())
         self.stats = GenerationStats(accepted_by_position=[0] * engine.depth)
         self.t_start = time.perf_counter()
-        self.gen = make_generator(params.seed)
+        self.gen = make_generator(params.seed, loaded.device)  # verification draws on the model's device
         self.tokens = list(prompt)
         self.out: list[int] = []
         self.finish = "length"
         self.done = False
         # room for the prompt and the first PREALLOCATE_TOKENS generated (with a round's drafts);
         # a longer generation grows the cache (amortised), so max_tokens never reserves memory
-        self.cache = engine.runner.new_cache(len(prompt) + min(max_tokens, PREALLOCATE_TOKENS) + engine.depth + 1)
+        self.cache = engine.new_cache(len(prompt) + min(max_tokens, PREALLOCATE_TOKENS) + engine.depth + 1)
+        # a pool row goes back when the generation ends, fails or is dropped, whichever comes first
+        self._release = weakref.finalize(self, self.cache.release) if isinstance(self.cache, PoolRowCache) else None
         self.feats = None
         if features:
             self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))
@@ -336,33 +428,52 @@ class Generation:
     def verify(self, prop: Proposal | None, wanted: bool = True) -> int | None:
         """One round: verify ``prop`` (None: the target alone). Returns how many drafts were kept,
         or None when the proposal was unusable. ``wanted`` says drafts were asked for this round,
-        so a round without them counts as a fallback."""
+        so a round without them counts as a fallback. (``TargetEngine.verify_batch`` runs the same
+        steps for several generations in one forward.)"""
+        t_start = time.perf_counter()
+        plan = self._plan(prop, wanted)
+        t_forward = time.perf_counter()
+        logits, hidden = self.engine._forward(self.cache, [self.tokens[-1], *plan[1]], self.feats is not None)
+        n, nxt = self._decide(logits, plan).tolist()  # the one host sync of the round
+        self.last_forward_s = time.perf_counter() - t_forward
+        kept = self._apply(plan, n, nxt, logits, hidden)
+        self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
+        return kept
+
+    def _plan(self, prop: Proposal | None, wanted: bool) -> tuple[Proposal | None, list[int], bool, bool]:
+        """(the proposal to verify or None, its draft tokens, whether it was invalid, whether the
+        round counts as a fallback). Counts nothing: ``_apply`` does, once the round is done."""
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
-        t_start = time.perf_counter()
-        engine, stats = self.engine, self.stats
         depth = self.draft_depth()
-        if prop is not None and not engine._valid(prop, depth, self.params.greedy):
-            stats.invalid_drafts += 1
+        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy)
+        if invalid:
             prop = None
-        if prop is None and wanted and depth > 0:
-            stats.fallback_rounds += 1
-        x = list(prop.tokens) if prop is not None else []
-        base = len(self.tokens) - 1  # cached positions before this round
-        t_forward = time.perf_counter()
-        logits, hidden = engine._forward(self.cache, [self.tokens[-1], *x], self.feats is not None)
-        self.last_forward_s = time.perf_counter() - t_forward
+        fallback = prop is None and wanted and depth > 0
+        return prop, (list(prop.tokens) if prop is not None else []), invalid, fallback
+
+    def _decide(self, logits: torch.Tensor, plan) -> torch.Tensor:
+        """The round's verification on the logits' device: [kept count, next token] as a tensor."""
+        prop, x = plan[0], plan[1]
+        xt = torch.tensor(x, dtype=torch.long, device=logits.device)
         if self.params.greedy:
-            n, nxt = verify_greedy(logits, torch.tensor(x, dtype=torch.long))
-        else:
-            p = logits_to_probs(logits, self.params)
-            q = torch.zeros(0, p.shape[-1])
-            if x:
-                q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1])
-            n, nxt = verify_sampling(p, q, torch.tensor(x, dtype=torch.long), self.gen)
+            return verify_greedy_tensor(logits, xt)
+        p = logits_to_probs(logits, self.params)
+        q = p.new_zeros(0, p.shape[-1])
+        if x:
+            q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1], p.device)
+        return verify_sampling_tensor(p, q, xt, self.gen)
+
+    def _apply(self, plan, n: int, nxt: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> int | None:
+        """Keep the round's outcome: roll the cache back to the kept tokens, append them, count."""
+        prop, x, invalid, fallback = plan
+        engine, stats = self.engine, self.stats
+        base = len(self.tokens) - 1  # cached positions before this round
         crop_cache(self.cache, base + 1 + n)
         if self.feats is not None:
             self.feats.append(hidden[: 1 + n].to("cpu", self.feats.buf.dtype))
+        stats.invalid_drafts += invalid
+        stats.fallback_rounds += fallback
         stats.rounds += 1
         stats.drafted += len(x)
         stats.accepted += n
@@ -382,8 +493,18 @@ class Generation:
             cut = engine._stop_cut(self.out, self.stop)
             if cut is not None:
                 self.out, self.finish, self.done = self.out[:cut], "stop", True
-        self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
         return n if prop is not None else None
+
+    @property
+    def batchable(self) -> bool:
+        """Its cache is a pool row: its rounds can share a forward with others'."""
+        return isinstance(self.cache, PoolRowCache)
+
+    def release(self) -> None:
+        """Free the KV cache (a pool row goes back to the pool); the generation runs no more rounds."""
+        if self._release is not None:
+            self._release()
+        self.cache = None
 
     def text(self) -> str:
         text = self.engine.decode(self.out)
@@ -392,7 +513,7 @@ class Generation:
     def result(self) -> GenerationResult:
         self.stats.generated = len(self.out)
         self.stats.wall_s = time.perf_counter() - self.t_start
-        self.cache = None  # free the KV cache as soon as the output is known
+        self.release()
         return GenerationResult(list(self.out), self.text(), self.finish, self.stats)
 
 

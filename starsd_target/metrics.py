@@ -54,6 +54,8 @@ class TargetMetrics:
         self.verify_seconds = Histogram("starsd_target_verify_seconds", "One verification forward",
                                         buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1),
                                         registry=r)
+        self.verify_batch = Histogram("starsd_target_verify_batch_size", "Generations one verification forward took",
+                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         for i in range(depth):
             self.accepted_per_pos.labels(position=str(i))
         self._profile = _ProfileCollector()
@@ -65,7 +67,12 @@ class TargetMetrics:
         """Expose ``profile`` (the scheduler's) as starsd_target_round_seconds_total and _rounds_total."""
         self._profile.profile = profile
 
-    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, verify_s: float) -> None:
+    def on_forward(self, generations: int, verify_s: float) -> None:
+        """One verification forward (over one generation's round, or several batched)."""
+        self.verify_batch.observe(generations)
+        self.verify_seconds.observe(verify_s)
+
+    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool) -> None:
         if drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)
@@ -75,7 +82,6 @@ class TargetMetrics:
         if fallback:
             self.fallback_rounds.inc()
         self.generated_tokens.inc(produced)
-        self.verify_seconds.observe(verify_s)
         self._rounds += 1
         self._tokens += produced
         self.mean_accepted_length.set(self._tokens / self._rounds)

@@ -110,6 +110,8 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        self.forwards = 0  # verification forwards run
+        self.batched_rounds = 0  # rounds verified beside others in one forward
         self._chunks = 0  # prefill chunks run so far: the clock the turns are taken by
         self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
         self.thread: threading.Thread | None = None
@@ -153,7 +155,8 @@ class Scheduler:
 
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
-                "failed": self.failed, "cancelled": self.cancelled}
+                "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
+                "batched_rounds": self.batched_rounds}
 
     def _refusal(self) -> ShuttingDown:
         if self.failure is not None:
@@ -346,32 +349,60 @@ class Scheduler:
         return True
 
     def _verify_one(self) -> None:
-        ready = [a for a in self.active if a.verifiable]
-        if ready:
-            a = min(ready, key=lambda r: r.ready_at)  # the longest-waiting generation goes first
-            with self._confined(a):
-                self._round(a)
+        """Verify the longest-waiting generation whose round can run, and with it (one forward,
+        ``TargetEngine.verify_batch``) the next longest-waiting ones up to the engine's
+        ``max_batch``."""
+        ready = sorted((a for a in self.active if a.verifiable), key=lambda r: r.ready_at)
+        if not ready:
+            return
+        batch = [a for a in ready if a.gen.batchable][: self.engine.max_batch]
+        if len(batch) < 2 or batch[0] is not ready[0]:
+            batch = ready[:1]
+        self._rounds(batch)
 
-    def _round(self, a: _Active) -> None:
-        before = len(a.gen.out)
-        s = a.gen.stats
-        counts = (s.drafted, s.accepted, s.fallback_rounds, len(a.gen.tokens))
+    def _rounds(self, batch: list[_Active]) -> None:
+        before = [(len(a.gen.out), a.gen.stats.drafted, a.gen.stats.accepted, a.gen.stats.fallback_rounds,
+                   len(a.gen.tokens)) for a in batch]
         t0 = time.perf_counter()
-        n = a.gen.verify(a.proposal, wanted=a.wanted)
-        if a.proposal is not None and n is not None:
-            a.drafts.kept(n)
+        if len(batch) == 1:
+            with self._confined(batch[0]):
+                kept = [batch[0].gen.verify(batch[0].proposal, wanted=batch[0].wanted)]
+            if batch[0] not in self.active:
+                return  # it failed, alone
+        else:
+            try:
+                kept = self.engine.verify_batch([(a.gen, a.proposal, a.wanted) for a in batch])
+            except Exception:
+                # the caches are as they were: one at a time, so a fault fails its own job only
+                log.warning("a batched verification of %d generations failed; verifying them one at a time",
+                            len(batch), exc_info=True)
+                for a in batch:
+                    self._rounds([a])
+                return
         end = time.perf_counter()
         verify_s = end - t0
+        self.forwards += 1
+        self.batched_rounds += len(batch) if len(batch) > 1 else 0
+        if self.metrics is not None:
+            self.metrics.on_forward(len(batch), verify_s)
+        for a, n, counts in zip(batch, kept, before):
+            with self._confined(a):
+                self._after_round(a, n, counts, verify_s, end)
+
+    def _after_round(self, a: _Active, n: int | None, counts: tuple, verify_s: float, end: float) -> None:
+        s = a.gen.stats
+        if a.proposal is not None and n is not None:
+            a.drafts.kept(n)
         self._profile(a, end)
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
-            self.metrics.on_round(s.drafted - counts[0], s.accepted - counts[1], len(a.gen.tokens) - counts[3],
-                                  s.fallback_rounds > counts[2], verify_s)
+            self.metrics.on_round(s.drafted - counts[1], s.accepted - counts[2], len(a.gen.tokens) - counts[4],
+                                  s.fallback_rounds > counts[3])
             self.metrics.active.set(len(self.active))
             self.metrics.queued.set(self.jobs.qsize())
         a.ready, a.proposal = False, None
-        if a.job.on_progress is not None and len(a.gen.out) != before:
+        if a.job.on_progress is not None and len(a.gen.out) != counts[0]:
             a.job.on_progress(a.gen)
         if a.gen.done:
             self._finish(a, None)
@@ -392,6 +423,8 @@ class Scheduler:
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
         """Take ``a`` off the model (its cache goes with it), close its draft session, settle its job."""
         self.active.remove(a)
+        if exc is not None:
+            a.gen.release()  # its cache (a pool row) is free for the next job at once
         if self.metrics is not None:
             self.metrics.active.set(len(self.active))
         if a.drafts is not None:

@@ -1,0 +1,133 @@
+"""Batched verification: several generations' rounds in one target forward (rows of one slot
+pool, ragged feeds) give exactly the outputs of one at a time, greedy and seeded sampling, with
+drafts accepted; a failed batch leaves every cache as it was."""
+
+import pytest
+
+from common.models import load_causal_lm
+from common.verify import SamplingParams
+from fakes import LocalDrafts, running_server
+from starsd_draftd.backends.model import ModelBackend
+from starsd_target.client import DraftClient
+from starsd_target.engine import TargetEngine
+from starsd_target.scheduler import Job, Scheduler
+from tiny_models import reference_greedy
+
+PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\nimport re\n", "class Point:\n", "for i in range(10):"]
+PARAMS = [SamplingParams(), SamplingParams(), SamplingParams(0.8, 40, seed=3), SamplingParams(1.0, 0, 0.9, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def backend(near_draft):
+    return ModelBackend(load_causal_lm(str(near_draft)))
+
+
+def _lockstep(engine, backend, prompts, params, max_tokens, skip_every=0):
+    """Drive the generations round by round, all verified in one ``verify_batch`` per step; with
+    ``skip_every``, some rounds go without drafts (a ragged batch of feeds of length 1 and more)."""
+    gens = [engine.start(engine.encode(p), max_tokens, sp) for p, sp in zip(prompts, params)]
+    drafts = [LocalDrafts(backend, sp) for sp in params]
+    for g in gens:
+        while g.prefilling:
+            g.prefill()
+    step = batches = 0
+    while not all(g.done for g in gens):
+        live = [(g, d) for g, d in zip(gens, drafts) if not g.done]
+        rounds = []
+        for i, (g, d) in enumerate(live):
+            skip = skip_every and (step + i) % skip_every == 0
+            rounds.append((g, None if skip else d.propose(g.tokens, g.draft_depth()), True))  # skipped: drafts lost
+        engine.verify_batch(rounds)
+        batches += len(rounds) > 1
+        step += 1
+    return [g.result() for g in gens], batches
+
+
+def _one_at_a_time(engine, backend, prompts, params, max_tokens):
+    return [engine.generate(engine.encode(p), max_tokens, sp, drafts=LocalDrafts(backend, sp))
+            for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("skip_every", [0, 3])
+def test_a_batch_of_four_equals_one_at_a_time(loaded_target, tiny_target, backend, skip_every):
+    batched = TargetEngine(loaded_target, depth=4, max_batch=4)
+    assert batched.max_batch == 4 and batched.batch_off is None
+    alone = TargetEngine(loaded_target, depth=4)
+    got, batches = _lockstep(batched, backend, PROMPTS, PARAMS, 40, skip_every)
+    want, alone_batches = _lockstep(alone, backend, PROMPTS, PARAMS, 40, skip_every)  # the same rounds, one per forward
+    assert batches >= 5 and alone.pool is None
+    for g, w, p, sp in zip(got, want, PROMPTS, PARAMS):
+        assert g.token_ids == w.token_ids
+        assert (g.stats.rounds, g.stats.accepted, g.stats.fallback_rounds) == \
+            (w.stats.rounds, w.stats.accepted, w.stats.fallback_rounds)
+        assert g.stats.accepted > 0
+        if sp.greedy:
+            assert g.token_ids == reference_greedy(tiny_target, batched.encode(p), 40)
+        # rounds without drafts were verified in the batches beside rounds with them, or none were
+        assert (g.stats.fallback_rounds > 0) == bool(skip_every)
+    if not skip_every:  # and the engine's own one-generation loop agrees
+        assert [r.token_ids for r in _one_at_a_time(alone, backend, PROMPTS, PARAMS, 40)] == [g.token_ids for g in got]
+    assert not batched.pool.live and len(batched.pool.free) == 4  # every row back in the pool
+
+
+def test_a_failed_batch_leaves_the_caches_as_they_were(loaded_target, backend, monkeypatch):
+    engine = TargetEngine(loaded_target, depth=4, max_batch=2)
+    gens = [engine.start(engine.encode(p), 20, SamplingParams()) for p in PROMPTS[:2]]
+    for g in gens:
+        while g.prefilling:
+            g.prefill()
+    lengths = [g.cache.get_seq_length() for g in gens]
+    drafts = [LocalDrafts(backend) for _ in gens]
+    props = [d.propose(g.tokens, 4) for g, d in zip(gens, drafts)]
+
+    real = engine._forward_batch
+
+    def half(caches, feeds, features):  # the forward runs (rows written), then verification fails
+        real(caches, feeds, features)
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine, "_forward_batch", half)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.verify_batch([(g, p, True) for g, p in zip(gens, props)])
+    assert [g.cache.get_seq_length() for g in gens] == lengths
+    assert all(g.stats.rounds == 0 and g.stats.fallback_rounds == 0 for g in gens)
+    monkeypatch.undo()
+    # one at a time afterwards, from where they were: still exact
+    for g, p in zip(gens, props):
+        g.verify(p)
+    assert all(g.stats.rounds == 1 for g in gens)
+
+
+def test_engines_refuse_batching_they_cannot_do(tmp_path):
+    from tiny_models import make_tiny_checkpoint
+
+    gpt2 = load_causal_lm(str(make_tiny_checkpoint(tmp_path / "g", "gpt2", seed=1)))
+    engine = TargetEngine(gpt2, depth=2, max_batch=4)
+    assert engine.max_batch == 1 and "gpt2" in engine.batch_off and engine.pool is None
+    with pytest.raises(ValueError, match="max_batch"):
+        TargetEngine(gpt2, max_batch=0)
+
+
+def test_the_scheduler_batches_concurrent_generations_exactly(loaded_target, backend):
+    """Four concurrent jobs through the scheduler with a draft server: their rounds share
+    forwards (batched_rounds > 0) and each output equals the same job run alone."""
+    outs = {}
+    for max_batch in (4, 1):
+        engine = TargetEngine(loaded_target, depth=4, max_batch=max_batch, rows=4)
+        with running_server(backend, batch_max=4) as (server, ctx):
+            client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
+            client.handshake(10)
+            sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4)
+            sched.start()
+            futures = [sched.submit(Job(engine.encode(p), 40, sp)) for p, sp in zip(PROMPTS, PARAMS)]
+            outs[max_batch] = [f.result(120) for f in futures]
+            load = sched.load()
+            sched.stop()
+            client.close()
+        if max_batch == 4:
+            assert load["batched_rounds"] > 0 and load["verify_forwards"] < sum(r.stats.rounds for r in outs[4])
+        else:
+            assert load["batched_rounds"] == 0
+    for a, b in zip(outs[4], outs[1]):
+        assert a.token_ids == b.token_ids
+        assert a.stats.accepted > 0 and a.stats.fallback_rounds == 0
