@@ -7,17 +7,27 @@ prompt and output: the log-softmax of its raw logits at each generated position.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
+import openai
 import pytest
 import torch
+import zmq
+from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
+from common.control import ControlClient
 from common.models import load_causal_lm
+from common.protocol import ErrorCode, Message, MsgType, RemoteError
+from common.sockets import free_tcp_endpoint
+from common.token_bytes import token_bytes
 from common.verify import SamplingParams
-from fakes import LocalDrafts
+from fakes import LocalDrafts, running_server
 from starsd_draftd.backends.model import ModelBackend
+from starsd_target.daemon import TargetConfig, TargetDaemon
 from starsd_target.engine import MAX_LOGPROBS, InvalidRequest, TargetEngine
+from starsd_target.http_api import create_app
 from tiny_models import reference_greedy
 
 PROMPT = "def parse(line):\n    "
@@ -153,3 +163,216 @@ def test_engine_check_bounds_the_speculation_and_logprob_options(engine, kwargs,
         engine.check([65, 66], 5, SamplingParams(), (), **kwargs)
     assert info.value.param == param and str(info.value)
     engine.check([65, 66], 5, SamplingParams(), (), max_draft=DEPTH, logprobs=MAX_LOGPROBS)
+
+
+# ---------------------------------------------------------------- the HTTP API and the job socket
+class CountingModelBackend(ModelBackend):
+    """A real draft model that counts the sessions opened and records the depth each request asked for."""
+
+    def __init__(self, loaded):
+        super().__init__(loaded)
+        self.sessions = 0
+        self.depths: list[int] = []
+
+    def new_state(self, params):
+        self.sessions += 1
+        return super().new_state(params)
+
+    def draft_many(self, requests):
+        self.depths.extend(r.depth for r in requests)
+        return super().draft_many(requests)
+
+
+@dataclass
+class Served:
+    http: TestClient
+    daemon: TargetDaemon
+    backend: CountingModelBackend
+
+    def post(self, path: str, **body) -> dict:
+        r = self.http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target, loaded_target, near_draft):
+    """A target daemon linked to an in-process draft server (a real draft model), its job socket
+    served in a thread, and its HTTP app."""
+    backend = CountingModelBackend(load_causal_lm(str(near_draft)))
+    with running_server(backend) as (server, ctx):
+        cfg = TargetConfig(model=str(tiny_target), draft=server.endpoint, listen=free_tcp_endpoint(), depth=DEPTH,
+                           draft_timeout_s=10)
+        d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
+        assert d.connect()
+        ready = threading.Event()
+        thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
+        thread.start()
+        assert ready.wait(30)
+        try:
+            with TestClient(create_app(d, "tiny")) as http:
+                yield Served(http, d, backend)
+        finally:
+            d.stop()
+            thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=served.http, max_retries=0)
+
+
+def _chat_prompt(engine: TargetEngine, messages: list[dict]) -> list[int]:
+    tok = engine.loaded.tokenizer
+    return engine.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def _offsets(engine: TargetEngine, ids: list[int]) -> list[int]:
+    """Where each token's text starts in the output's text (a token inside a character: where that character starts)."""
+    return [len(engine.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+
+
+def test_completion_logprobs_are_the_targets_with_drafts_kept(served, reference):
+    engine = served.daemon.engine
+    prompt = engine.encode(PROMPT)
+    plain = served.post("/v1/completions", prompt=PROMPT, max_tokens=30, temperature=0)
+    r = served.post("/v1/completions", prompt=PROMPT, max_tokens=30, temperature=0, logprobs=3)
+    assert r["starsd"]["accepted"] > 0 and r["starsd"]["speculate"] is True
+    assert r["starsd"]["max_draft_tokens"] == DEPTH
+    choice = r["choices"][0]
+    assert choice["text"] == plain["choices"][0]["text"] and plain["choices"][0]["logprobs"] is None
+    ids = reference_greedy(served.daemon.config.model, prompt, 30)
+    want = reference(prompt, ids)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
+    assert lp["token_logprobs"] == pytest.approx([float(want[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    for i, top in enumerate(lp["top_logprobs"]):
+        values = torch.topk(want[i], 3).values.tolist()
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(values, abs=1e-4)
+        assert top[lp["tokens"][i]] == pytest.approx(lp["token_logprobs"][i])  # the chosen token is there
+    assert lp["text_offset"] == _offsets(engine, ids)
+    for name, t in zip(lp["tokens"], ids):  # a token that is part of a character is named by its bytes
+        raw = token_bytes(engine.loaded.tokenizer, t)
+        try:
+            assert name == raw.decode("utf-8")
+        except UnicodeDecodeError:
+            assert name == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_chat_logprobs_through_the_openai_client(served, openai_client, reference):
+    engine = served.daemon.engine
+    msgs = [{"role": "user", "content": "write a loop"}]
+    r = openai_client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    plain = openai_client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == plain.choices[0].message.content and plain.choices[0].logprobs is None
+    assert r.model_extra["starsd"]["accepted"] > 0
+    prompt = _chat_prompt(engine, msgs)
+    ids = reference_greedy(served.daemon.config.model, prompt, 24)
+    want = reference(prompt, ids)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ids) == r.usage.completion_tokens
+    for i, (entry, t) in enumerate(zip(content, ids)):
+        assert entry.logprob == pytest.approx(float(want[i, t]), abs=1e-4)
+        assert bytes(entry.bytes) == token_bytes(engine.loaded.tokenizer, t)
+        values, top_ids = torch.topk(want[i], 2)
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [bytes(a.bytes) for a in entry.top_logprobs] == [token_bytes(engine.loaded.tokenizer, j)
+                                                               for j in top_ids.tolist()]
+    text_tokens = content[:-1] if r.choices[0].finish_reason == "stop" else content
+    assert b"".join(bytes(e.bytes) for e in text_tokens).decode("utf-8", "replace") == r.choices[0].message.content
+
+
+def test_streamed_logprobs_come_with_their_chunks_and_add_up_to_the_whole(served, openai_client):
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=40, temperature=0, logprobs=2)
+    whole = openai_client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in openai_client.completions.create(stream=True, **kw)]
+    assert "".join(c.text for c in chunks) == whole.text
+    with_lp = [c for c in chunks if c.logprobs is not None]
+    assert len(with_lp) > 2  # the log-probabilities arrive as the text does, not all at the end
+    for field_name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        streamed = [x for c in with_lp for x in getattr(c.logprobs, field_name)]
+        assert streamed == getattr(whole.logprobs, field_name), field_name
+    for c in with_lp:  # each chunk's tokens are those of its text
+        if c.text:
+            assert c.logprobs.tokens
+
+    msgs = [{"role": "user", "content": "count to ten"}]
+    ckw = dict(model="tiny", messages=msgs, max_tokens=30, temperature=0, logprobs=True, top_logprobs=1)
+    chat_whole = openai_client.chat.completions.create(**ckw).choices[0]
+    chat_chunks = [c.choices[0] for c in openai_client.chat.completions.create(stream=True, **ckw)]
+    streamed = [e for c in chat_chunks if c.logprobs is not None for e in c.logprobs.content]
+    assert [(e.token, e.logprob, e.bytes) for e in streamed] == \
+        [(e.token, e.logprob, e.bytes) for e in chat_whole.logprobs.content]
+    assert "".join(c.delta.content or "" for c in chat_chunks) == chat_whole.message.content
+
+
+def test_speculate_false_opens_no_draft_session_and_drafts_nothing(served, openai_client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0)
+    spec = openai_client.completions.create(**kw)
+    sessions = served.backend.sessions
+    alone = openai_client.completions.create(extra_body={"starsd": {"speculate": False}}, **kw)
+    assert served.backend.sessions == sessions  # no draft session was opened for it
+    s = alone.model_extra["starsd"]
+    assert s["drafted"] == 0 and s["fallback_rounds"] == 0 and s["rounds"] == 30
+    assert s["speculate"] is False and s["max_draft_tokens"] == 0
+    assert spec.model_extra["starsd"]["drafted"] > 0 and spec.model_extra["starsd"]["speculate"] is True
+    assert alone.choices[0].text == spec.choices[0].text
+    zero = served.post("/v1/completions", prompt=PROMPT, max_tokens=30, temperature=0,
+                       starsd={"max_draft_tokens": 0})
+    assert served.backend.sessions == sessions
+    assert zero["starsd"]["drafted"] == 0 and zero["starsd"]["fallback_rounds"] == 0
+    assert zero["choices"][0]["text"] == spec.choices[0].text
+
+
+def test_max_draft_tokens_caps_every_round(served):
+    before = len(served.backend.depths)
+    r = served.post("/v1/chat/completions", messages=[{"role": "user", "content": "write a loop"}], max_tokens=30,
+                    temperature=0, starsd={"max_draft_tokens": 1})
+    asked = served.backend.depths[before:]
+    s = r["starsd"]
+    assert asked and max(asked) == 1
+    assert s["max_draft_tokens"] == 1 and s["speculate"] is True
+    assert 0 < s["accepted"] <= s["drafted"] <= s["rounds"]
+    assert s["accepted_by_position"][1:] == [0] * (DEPTH - 1)
+    before = len(served.backend.depths)
+    served.post("/v1/chat/completions", messages=[{"role": "user", "content": "write a loop"}], max_tokens=30,
+                temperature=0)
+    assert max(served.backend.depths[before:]) == DEPTH  # without the cap, the target's depth
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", dict(starsd={"max_draft_tokens": DEPTH + 1}), "starsd.max_draft_tokens"),
+    ("/v1/completions", dict(starsd={"max_draft_tokens": -1}), "starsd.max_draft_tokens"),
+    ("/v1/completions", dict(starsd={"max_draft_tokens": "2"}), "starsd.max_draft_tokens"),
+    ("/v1/completions", dict(starsd={"speculate": "no"}), "starsd.speculate"),
+    ("/v1/completions", dict(starsd={"speculate": False, "depth": 3}), "starsd.depth"),
+    ("/v1/completions", dict(starsd=5), "starsd"),
+    ("/v1/completions", dict(logprobs=6), "logprobs"),
+    ("/v1/completions", dict(logprobs=-1), "logprobs"),
+    ("/v1/completions", dict(logprobs=2, echo=True), "echo"),
+    ("/v1/chat/completions", dict(starsd={"max_draft_tokens": DEPTH + 1}), "starsd.max_draft_tokens"),
+    ("/v1/chat/completions", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", dict(top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", dict(logprobs="sometimes"), "logprobs"),
+])
+def test_bad_speculation_and_logprob_values_get_400_naming_the_param(served, path, fields, param):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = served.http.post(path, json={**body, "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_the_job_socket_takes_max_draft_tokens(served):
+    def generate(**fields):
+        with ControlClient(served.daemon.endpoint, zmq.Context.instance()) as cc:
+            return cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt": PROMPT, "max_tokens": 20, **fields}), 60)
+
+    capped = generate(max_draft_tokens=1).header["stats"]
+    assert capped["max_draft_tokens"] == 1 and 0 < capped["drafted"] <= capped["rounds"]
+    assert generate().header["stats"]["max_draft_tokens"] == DEPTH  # the field is optional
+    with pytest.raises(RemoteError) as info:
+        generate(max_draft_tokens=DEPTH + 1)
+    assert info.value.code == ErrorCode.BAD_REQUEST and "max_draft_tokens" in str(info.value)
