@@ -136,11 +136,10 @@ class TargetDaemon:
         return ids
 
     def generate(self, prompt: str | list[int], max_tokens: int, params: SamplingParams,
-                 stop: list[str] | tuple[str, ...] = (), no_draft: bool = False,
-                 max_draft: int | None = None) -> GenerationResult:
+                 stop: list[str] | tuple[str, ...] = (), no_draft: bool = False) -> GenerationResult:
         """One generation in the calling thread (the one-off CLI path): the scheduler, driven
         here with this one job, instead of in its own thread as `serve` runs it."""
-        return self.scheduler().run_one(self.job(prompt, max_tokens, params, stop, no_draft, max_draft=max_draft))
+        return self.scheduler().run_one(self.job(prompt, max_tokens, params, stop, no_draft))
 
     # ------------------------------------------------------------ serving
     def scheduler(self) -> Scheduler:

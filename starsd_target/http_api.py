@@ -110,7 +110,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = None  # null or false: none
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 
     def checked(self) -> None:

@@ -376,3 +376,12 @@ def test_the_job_socket_takes_max_draft_tokens(served):
     with pytest.raises(RemoteError) as info:
         generate(max_draft_tokens=DEPTH + 1)
     assert info.value.code == ErrorCode.BAD_REQUEST and "max_draft_tokens" in str(info.value)
+
+
+def test_null_options_mean_their_defaults(served):
+    r = served.post("/v1/chat/completions", messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0,
+                    logprobs=None, top_logprobs=None, starsd=None)
+    assert r["choices"][0]["logprobs"] is None and r["starsd"]["max_draft_tokens"] == DEPTH
+    r = served.post("/v1/completions", prompt="x", max_tokens=4, temperature=0, logprobs=None,
+                    starsd={"max_draft_tokens": None})
+    assert r["choices"][0]["logprobs"] is None and r["starsd"]["speculate"] is True
