@@ -207,6 +207,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "seed": ("opt_uint", False),
         "stop": ("strs", False),
         "no_draft": ("bool", False),
+        "max_draft_tokens": ("uint", False),  # drafts per round at most, within the target's depth (0: none)
     },
     MsgType.RESULT: {"id": ("uint", True), "text": ("str", True), "token_ids": ("ids", True), "stats": ("map", True)},
     MsgType.PING: {},

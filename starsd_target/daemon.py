@@ -165,13 +165,16 @@ class TargetDaemon:
         return None if self.config.draft is None else self._link()
 
     def job(self, prompt: str | list[int], max_tokens: int, params: SamplingParams, stop=(), no_draft: bool = False,
-            on_progress=None) -> Job:
+            on_progress=None, max_draft: int | None = None, logprobs: int | None = None) -> Job:
         """A job for the scheduler, checked against the target's bounds (``TargetEngine.check``)
-        before it queues: ValueError (InvalidRequest) for bad input, the same for every front end."""
+        before it queues: ValueError (InvalidRequest) for bad input, the same for every front end.
+        ``max_draft`` caps its drafts per round (0..--depth; None: --depth); ``logprobs``: record
+        each token's log-probability and that many alternatives (None: none)."""
         ids = self._prompt_ids(prompt)
         stop = tuple(stop or ())
-        self.engine.check(ids, max_tokens, params, stop)
-        return Job(ids, max_tokens, params, stop, no_draft=no_draft, on_progress=on_progress)
+        self.engine.check(ids, max_tokens, params, stop, max_draft, logprobs)
+        return Job(ids, max_tokens, params, stop, no_draft=no_draft, max_draft=max_draft, logprobs=logprobs,
+                   on_progress=on_progress)
 
     def healthy(self) -> bool:
         """The scheduler runs and makes passes: what /health and the systemd watchdog report."""
@@ -274,7 +277,8 @@ class TargetDaemon:
             try:
                 params = SamplingParams(float(h.get("temperature", 0.0)), int(h.get("top_k", 0)),
                                         float(h.get("top_p", 1.0)), h.get("seed"))
-                job = self.job(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False))
+                job = self.job(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False),
+                               max_draft=h.get("max_draft_tokens"))
                 future = self.submit(job)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), rid) from None

@@ -40,6 +40,7 @@ PREALLOCATE_TOKENS = 512  # generated positions a generation's KV cache holds be
 # Architectures whose batched verification is tested (custom 4-D masks with per-row positions);
 # others verify one generation per forward.
 BATCH_ARCHITECTURES = ("llama", "qwen2")
+MAX_LOGPROBS = 20  # the most alternatives per generated token a request may ask the log-probabilities of
 
 
 class InvalidRequest(ValueError):
@@ -83,6 +84,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     accepted_by_position: list[int] = field(default_factory=list)
+    max_draft_tokens: int = 0  # the draft length a round asks for at most (0: this generation speculates not)
     profile: RoundProfile = field(default_factory=RoundProfile)  # where its rounds' time went (the scheduler's)
 
     @property
@@ -98,7 +100,19 @@ class GenerationStats:
         d = asdict(self)
         d["mean_accepted_length"] = self.mean_accepted_length
         d["tokens_per_s"] = self.tokens_per_s
+        d["speculate"] = self.max_draft_tokens > 0
         return d
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target model's own distribution: the
+    log-softmax of its raw logits at that position (before temperature, top-k and top-p), and
+    ``top``, the most likely tokens there as (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -107,6 +121,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked for them
 
 
 class FeatureBuffer:
@@ -210,10 +225,12 @@ class TargetEngine:
 
         return self.runner.warm_up(exercise, "target model")
 
-    def check(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=()) -> None:
+    def check(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
+              max_draft: int | None = None, logprobs: int | None = None) -> None:
         """InvalidRequest unless the request fits the target's bounds: prompt ids in the
         vocabulary, prompt plus max_tokens within the model's context, top_k at most the
-        vocabulary, stop strings bounded in number and length. One check for every front end."""
+        vocabulary, stop strings bounded in number and length, a draft-length cap within the
+        target's depth, at most MAX_LOGPROBS alternatives per token. One check for every front end."""
         if not prompt:
             raise InvalidRequest("the prompt must hold at least one token", "prompt")
         if max_tokens < 1:
@@ -232,6 +249,11 @@ class TargetEngine:
                                                for s in stop):
             raise InvalidRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
                                  f"{MAX_STOP_CHARS} characters", "stop")
+        if max_draft is not None and not (_is_int(max_draft) and 0 <= max_draft <= self.depth):
+            raise InvalidRequest(f"max_draft_tokens must be an integer in 0..{self.depth} (the target's draft "
+                                 f"depth), got {max_draft!r}", "max_draft_tokens")
+        if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}", "logprobs")
 
     @property
     def model(self):
@@ -319,17 +341,22 @@ class TargetEngine:
         return bool(torch.isfinite(qp).all() and (qp >= 0).all() and (qp.sum(-1) <= 1.0 + 1e-3).all())
 
     def start(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
-              features: bool = False) -> "Generation":
+              features: bool = False, max_draft: int | None = None, logprobs: int | None = None) -> "Generation":
         """A generation, not yet prefilled: ``prefill()`` it until ``prefilling`` is false, then
-        run its rounds (see Generation). A scheduler interleaves the chunks with other rounds."""
-        return Generation(self, prompt, max_tokens, params, stop, features)
+        run its rounds (see Generation). A scheduler interleaves the chunks with other rounds.
+        ``max_draft``: the most drafts a round asks for (0..depth; None: the engine's depth).
+        ``logprobs``: record each generated token's log-probability and that many alternatives
+        (0..MAX_LOGPROBS; None: record none)."""
+        return Generation(self, prompt, max_tokens, params, stop, features, max_draft, logprobs)
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-                 drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = ()) -> GenerationResult:
+                 drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = (),
+                 max_draft: int | None = None, logprobs: int | None = None) -> GenerationResult:
         """Run one generation to the end, asking ``drafts`` for proposals each round: a local
         convenience for tests and fakes. The daemons drive generations through
         ``starsd_target.scheduler.Scheduler`` (one job or many), never through this loop."""
-        g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0)
+        g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0,
+                       max_draft=0 if drafts is None else max_draft, logprobs=logprobs)
         try:
             while g.prefilling:
                 g.prefill()
@@ -373,17 +400,25 @@ class Generation:
     Round protocol: ``draft_depth()`` says how many drafts are worth asking for (0: none),
     ``features()`` gives what feature-based drafters need, ``verify(proposal)`` runs the
     target's forward over the proposal and appends the kept tokens. ``done`` turns true at
-    EOS, a stop string or max_tokens; ``result()`` then gives the output."""
+    EOS, a stop string or max_tokens; ``result()`` then gives the output.
+
+    ``max_draft`` caps the drafts a round asks for (None: the engine's depth; 0: none, so no
+    round counts as a fallback). With ``logprobs`` (a count of alternatives, 0..MAX_LOGPROBS)
+    each generated token's log-probability under the target's raw logits is recorded
+    (``token_logprobs()``); None records nothing and costs nothing."""
 
     def __init__(self, engine: TargetEngine, prompt: list[int], max_tokens: int, params: SamplingParams,
-                 stop=(), features: bool = False):
+                 stop=(), features: bool = False, max_draft: int | None = None, logprobs: int | None = None):
         loaded = engine.loaded
-        engine.check(prompt, max_tokens, params, tuple(stop or ()))
+        engine.check(prompt, max_tokens, params, tuple(stop or ()), max_draft, logprobs)
         self.engine = engine
         self.max_tokens = max_tokens
         self.params = params
         self.stop = tuple(stop or ())
-        self.stats = GenerationStats(accepted_by_position=[0] * engine.depth)
+        self.max_draft = engine.depth if max_draft is None else max_draft
+        self.logprob_top = logprobs  # alternatives recorded per token; None: no log-probabilities
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        self.stats = GenerationStats(accepted_by_position=[0] * engine.depth, max_draft_tokens=self.max_draft)
         self.t_start = time.perf_counter()
         self.gen = make_generator(params.seed, loaded.device)  # verification draws on the model's device
         self.tokens = list(prompt)
@@ -420,7 +455,7 @@ class Generation:
         self.stats.prefill_s += time.perf_counter() - t0
 
     def draft_depth(self) -> int:
-        return 0 if self.done else min(self.engine.depth, self.max_tokens - len(self.out) - 1)
+        return 0 if self.done else min(self.max_draft, self.max_tokens - len(self.out) - 1)
 
     def features(self) -> np.ndarray | None:
         return self.feats.view() if self.feats is not None else None
@@ -493,6 +528,7 @@ class Generation:
             cut = engine._stop_cut(self.out, self.stop)
             if cut is not None:
                 self.out, self.finish, self.done = self.out[:cut], "stop", True
+        self._record_logprobs(logits[: n + 1], new)
         return n if prop is not None else None
 
     @property
@@ -506,6 +542,31 @@ class Generation:
             self._release()
         self.cache = None
 
+    def _record_logprobs(self, logits_rows: torch.Tensor, new_tokens: list[int]) -> None:
+        """Append the log-probabilities of ``new_tokens``, one per row of ``logits_rows`` [m, V]
+        (the target's raw logits at the positions that produced them, on the model's device),
+        with the ``logprob_top`` most likely tokens of each row. Computed where the rows are;
+        two small transfers cross to the host. Entries past ``out`` (tokens cut at EOS,
+        max_tokens or a stop string) are dropped. Nothing is done when none were asked for."""
+        if self.logprobs is None or not new_tokens:
+            return
+        rows = torch.log_softmax(logits_rows[: len(new_tokens)].float(), dim=-1)
+        ids = torch.tensor(new_tokens, dtype=torch.long, device=rows.device).unsqueeze(1)
+        values = rows.gather(1, ids)
+        top_ids = None
+        if self.logprob_top:
+            top = torch.topk(rows, min(self.logprob_top, rows.shape[-1]), dim=-1)
+            values, top_ids = torch.cat([values, top.values], dim=1), top.indices.tolist()
+        values = values.tolist()
+        for i, t in enumerate(new_tokens):
+            alts = tuple(zip(top_ids[i], values[i][1:])) if top_ids is not None else ()
+            self.logprobs.append(TokenLogprob(t, values[i][0], alts))
+        del self.logprobs[len(self.out):]
+
+    def token_logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per token of ``out`` (None: the request asked for no log-probabilities)."""
+        return None if self.logprobs is None else self.logprobs[: len(self.out)]
+
     def text(self) -> str:
         text = self.engine.decode(self.out)
         return _cut_at_stop(text, self.stop) if self.finish == "stop" and self.stop else text
@@ -514,7 +575,11 @@ class Generation:
         self.stats.generated = len(self.out)
         self.stats.wall_s = time.perf_counter() - self.t_start
         self.release()
-        return GenerationResult(list(self.out), self.text(), self.finish, self.stats)
+        return GenerationResult(list(self.out), self.text(), self.finish, self.stats, self.token_logprobs())
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _cut_at_stop(text: str, stop) -> str:

@@ -18,12 +18,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.token_bytes import token_bytes
 from common.verify import MAX_SEED, MAX_TOP_K, SamplingParams
-from starsd_target.engine import Generation, GenerationResult, InvalidRequest
+from starsd_target.engine import Generation, GenerationResult, InvalidRequest, TokenLogprob
 from starsd_target.scheduler import Job, Overloaded, ShuttingDown
 
 MAX_TOKENS_DEFAULT = 16
 DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is still there
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI bounds it
+MAX_CHAT_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
+LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is sent as (JSON has no infinity), as OpenAI does
 
 
 class ClientGone(Exception):
@@ -41,6 +45,18 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
                         content={"error": {"message": message, "type": type_, "param": param, "code": None}})
 
 
+class SpeculationOptions(BaseModel):
+    """The request body's ``starsd`` object: how this request is speculated. Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    speculate: bool = Field(default=True, strict=True,
+                            description="false: the target alone generates this request (no draft session)")
+    max_draft_tokens: int | None = Field(default=None, ge=0, strict=True,
+                                         description="the most drafts a round asks for, 0..the target's --depth "
+                                                     "(0: none); default: --depth")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -53,10 +69,20 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
     n: int = 1
+    starsd: SpeculationOptions | None = None
 
     def checked(self) -> None:
         if self.n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
+
+    def speculation(self) -> tuple[bool, int | None]:
+        """(no_draft, max_draft) for the job, from the ``starsd`` object."""
+        opts = self.starsd or SpeculationOptions()
+        return not opts.speculate, opts.max_draft_tokens
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token whose log-probabilities the response carries (None: no logprobs)."""
+        return None
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
@@ -70,8 +96,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -81,6 +110,16 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None  # null or false: none
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    def checked(self) -> None:
+        super().checked()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
@@ -107,6 +146,81 @@ class _Stream:
 
     def final(self, text: str) -> str:
         return text[len(self.sent):] if text.startswith(self.sent) else ""
+
+
+class _Logprobs:
+    """A generation's token log-probabilities in OpenAI's shapes: completions' ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (the alternatives and the chosen token, by token
+    string) and ``text_offset``; chat's ``content`` list of ``token``, ``logprob``, ``bytes``
+    and ``top_logprobs``. One per response: it renders each token once, in order, and keeps
+    the text offset across a stream's chunks. A token that is part of a character is named
+    ``bytes:\\xNN...``, as OpenAI names it, and its offset is where that character starts
+    (an undecodable byte's replacement character is counted from the next token on)."""
+
+    WINDOW = 6  # tokens decoded before each one to find the text it adds
+
+    def __init__(self, tokenizer, kind: str):
+        self.tokenizer, self.kind = tokenizer, kind
+        self.ids: list[int] = []  # the tokens rendered so far
+        self.offset = 0  # characters of text before the next token
+        self._names: dict[int, tuple[str, list[int]]] = {}
+
+    def _name(self, tok: int) -> tuple[str, list[int]]:
+        """The token's string and its bytes."""
+        if tok not in self._names:
+            if self.tokenizer is None:
+                self._names[tok] = (f"token_id:{tok}", [])
+            else:
+                raw = token_bytes(self.tokenizer, tok)
+                try:
+                    name = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    name = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+                self._names[tok] = (name, list(raw))
+        return self._names[tok]
+
+    def _added_text(self, tok: int) -> str:
+        """The characters ``tok`` adds to the text decoded so far (none while it ends inside a
+        character), from a few preceding tokens rather than the whole output."""
+        if self.tokenizer is None:
+            return ""
+        window = self.ids[-self.WINDOW:]
+        before = self.tokenizer.decode(window, skip_special_tokens=True).rstrip("\ufffd")
+        after = self.tokenizer.decode([*window, tok], skip_special_tokens=True).rstrip("\ufffd")
+        return after[len(before):] if after.startswith(before) else ""
+
+    def take(self, entries: list[TokenLogprob] | None, chars: int | None = None) -> dict | None:
+        """The entries not rendered yet, rendered; with ``chars``, only those whose text ends
+        within the first ``chars`` characters (what a stream has sent). None when there are none."""
+        rendered = []
+        for e in (entries or [])[len(self.ids):]:
+            added = self._added_text(e.token)
+            if chars is not None and self.offset + len(added) > chars:
+                break
+            rendered.append((e, self.offset))
+            self.ids.append(e.token)
+            self.offset += len(added)
+        if not rendered:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(e) for e, _ in rendered], "refusal": None}
+        return {"tokens": [self._name(e.token)[0] for e, _ in rendered],
+                "token_logprobs": [_finite(e.logprob) for e, _ in rendered],
+                "top_logprobs": [{**{self._name(t)[0]: _finite(v) for t, v in e.top},
+                                  self._name(e.token)[0]: _finite(e.logprob)} for e, _ in rendered],
+                "text_offset": [offset for _, offset in rendered]}
+
+    def _chat_entry(self, e: TokenLogprob) -> dict:
+        name, raw = self._name(e.token)
+        top = []
+        for t, v in e.top:
+            alt, alt_raw = self._name(t)
+            top.append({"token": alt, "logprob": _finite(v), "bytes": alt_raw})
+        return {"token": name, "logprob": _finite(e.logprob), "bytes": raw, "top_logprobs": top}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def create_app(daemon, model_name: str) -> "BodyLimit":
@@ -145,13 +259,16 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         if req.model is not None and req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model")
+        no_draft, max_draft = req.speculation()
         try:
             job = daemon.job(prompt_ids, req.max_tokens or MAX_TOKENS_DEFAULT, req.params(), req.stops(),
-                             on_progress=on_progress)
+                             no_draft=no_draft, on_progress=on_progress, max_draft=max_draft,
+                             logprobs=req.logprob_count())
             daemon.submit(job)
             return job
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
+            param = "starsd.max_draft_tokens" if exc.param == "max_draft_tokens" else exc.param
+            raise ApiError(400, str(exc), param=param) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -177,13 +294,15 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         """A finished response, or a streaming one; ``kind`` is "text" or "chat"."""
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         now = int(time.time())
+        logprobs = _Logprobs(tokenizer, kind) if req.logprob_count() is not None else None
         if not req.stream:
             result = await _await(request, _submit(prompt_ids, req))
-            choice = {"index": 0, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "finish_reason": result.finish_reason,
+                      "logprobs": logprobs.take(result.logprobs) if logprobs is not None else None}
             if kind == "chat":
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
-                choice.update(text=result.text, logprobs=None)
+                choice["text"] = result.text
             return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                     "created": now, "model": model_name, "choices": [choice],
                     "usage": _usage(len(prompt_ids), result), "starsd": result.stats.to_dict()}
@@ -194,19 +313,20 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         def on_progress(gen: Generation) -> None:  # scheduler thread
             text = stream.delta(gen)
             if text:
-                loop.call_soon_threadsafe(deltas.put_nowait, text)
+                lp = logprobs.take(gen.token_logprobs(), len(stream.sent)) if logprobs is not None else None
+                loop.call_soon_threadsafe(deltas.put_nowait, (text, lp))
 
         job = _submit(prompt_ids, req, on_progress)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, lp: dict | None = None) -> str:
             if kind == "chat":
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
@@ -223,18 +343,21 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
                     finally:
                         getter.cancel()
                     if getter in done:
-                        yield chunk(getter.result(), None)
+                        text, lp = getter.result()
+                        yield chunk(text, None, lp=lp)
                         continue
                     break
                 while not deltas.empty():
-                    yield chunk(deltas.get_nowait(), None)
+                    text, lp = deltas.get_nowait()
+                    yield chunk(text, None, lp=lp)
                 try:
                     result = wrapped.result()
                 except Exception as exc:  # the generation failed after streaming began
                     err = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     return
-                yield chunk(stream.final(result.text), result.finish_reason)
+                rest = logprobs.take(result.logprobs) if logprobs is not None else None
+                yield chunk(stream.final(result.text), result.finish_reason, lp=rest)
                 yield "data: [DONE]\n\n"
             except ClientGone:
                 return
@@ -271,8 +394,8 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        if req.logprobs is not None or req.echo:
-            raise ApiError(400, "logprobs and echo are not supported", param="logprobs" if req.logprobs else "echo")
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
         # tokenizing a long prompt takes a while: off the event loop, which serves everyone
         return await _run(request, await run_in_threadpool(_encode_prompt, req.prompt), req, "text")
 

@@ -55,6 +55,8 @@ class Job:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     no_draft: bool = False
+    max_draft: int | None = None  # the most drafts a round asks for (None: the target's depth; 0: as no_draft)
+    logprobs: int | None = None  # record token log-probabilities with this many alternatives (None: none)
     on_progress: Callable[[Generation], None] | None = None  # streaming: called after each round that added tokens
     draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -260,13 +262,14 @@ class Scheduler:
             self._count("cancelled")  # cancelled while it waited
             return
         try:
-            client = None if job.no_draft else self.link()
+            client = None if job.no_draft or job.max_draft == 0 else self.link()
             drafts = None
             if client is not None:
                 drafts = RemoteDraftSession(client, client.next_session(), job.draft_params or job.params,
                                             self.draft_timeout_s)
             features = client is not None and client.feature_size > 0
-            gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features)
+            gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features,
+                                    max_draft=job.max_draft if drafts is not None else 0, logprobs=job.logprobs)
         except Exception as exc:  # a bad job fails alone
             self._settle(job, exc=exc)
             return

@@ -74,6 +74,38 @@ def test_completion_is_the_targets_own_greedy_output(client, loaded_target, tiny
     assert r.model_extra["starsd"]["accepted"] > 0  # drafts were used
 
 
+def test_logprobs_and_per_request_speculation(client, tiny_target, loaded_target):
+    """Through `serve --http` and a real draft daemon: logprobs are the target's own
+    log-softmax; the starsd object turns speculation off or caps it, output unchanged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from starsd_target.engine import TargetEngine
+
+    prompt = "def parse(line):\n    "
+    kw = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    r = client.completions.create(logprobs=2, **kw)
+    ids = TargetEngine(loaded_target).encode(prompt)
+    out = reference_greedy(tiny_target, ids, 24)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([ids + out])).logits[0, len(ids) - 1: -1].float(), dim=-1)
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(out)],
+                                                                 abs=1e-4)
+    assert r.model_extra["starsd"]["accepted"] > 0
+    alone = client.completions.create(extra_body={"starsd": {"speculate": False}}, **kw)
+    s = alone.model_extra["starsd"]
+    assert s["drafted"] == 0 and s["fallback_rounds"] == 0 and s["speculate"] is False
+    capped = client.completions.create(extra_body={"starsd": {"max_draft_tokens": 1}}, **kw)
+    c = capped.model_extra["starsd"]
+    assert c["max_draft_tokens"] == 1 and 0 < c["drafted"] <= c["rounds"]
+    assert not any(c["accepted_by_position"][1:])
+    assert alone.choices[0].text == capped.choices[0].text == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(extra_body={"starsd": {"max_draft_tokens": 99}}, **kw)
+    assert info.value.body["param"] == "starsd.max_draft_tokens"
+
+
 def test_streamed_completion_adds_up_to_the_whole(client):
     kwargs = dict(model="tiny", prompt="import os\n", max_tokens=30, temperature=0)
     whole = client.completions.create(**kwargs).choices[0].text

@@ -17,6 +17,8 @@ from __future__ import annotations
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from common.token_bytes import bytes_to_unicode
+
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -40,27 +42,6 @@ __all__ = [
     "byte_to_id",
     "make_byte_tokenizer",
 ]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """Reversible map from each byte to a printable unicode character.
-
-    This is the standard byte-level mapping that the ``ByteLevel``
-    pre-tokenizer and decoder of the ``tokenizers`` library use internally.
-    """
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\xa1"), ord("\xac") + 1))
-        + list(range(ord("\xae"), ord("\xff") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
 
 
 def byte_to_id(b: int) -> int:
