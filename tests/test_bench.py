@@ -23,6 +23,7 @@ from starsd_draftd.bench.emulated_target import EmulatedTarget, Round, TargetMod
 from starsd_draftd.bench.emulation import EMULATION_LABEL, EmulatedBackend, PacedSleep, ServiceModel
 from starsd_draftd.bench.trace import BusyIndex, Trace, TracingBackend, idle_gaps, services_between
 from starsd_draftd.bench.plan import Plan
+from starsd_draftd.bench.report import format_report
 
 
 class FakeClock:
@@ -434,6 +435,25 @@ def test_quick_bench_real_model_fields(quick_report):
         assert ms["draft_wait"] + ms["verify_forward"] + ms["verify_math"] + ms["rest"] == pytest.approx(ms["round"])
         assert ms["draft_queue"] + ms["draft_forward"] + ms["wire"] == pytest.approx(ms["draft_wait"])
         assert set(p["draftd_ms_per_request"]) == {"queue", "draft_forward", "rest"}
+
+
+@pytest.mark.slow
+def test_quick_bench_batched_verification_fields(quick_report):
+    _, r = quick_report
+    v = r["verify"]
+    assert [row["generations"] for row in v["rows"]] == [1, 2] and v["modes"] == {"batched": 8, "one_at_a_time": 1}
+    for row in v["rows"]:
+        assert row["same_tokens"] is True  # batched or not, with drafts or not: the same greedy tokens
+        for key in ("spec_batched", "spec_one_at_a_time", "alone_batched", "alone_one_at_a_time"):
+            assert _num(row[key]["system_tps"]) and row[key]["rounds"] > 0, key
+            assert row[key]["verify_forwards"] > 0, key
+        assert row["spec_batched"]["fallback_rounds"] == 0 and row["spec_batched"]["mean_accepted_length"] > 1.0
+        assert row["spec_one_at_a_time"]["batched_rounds"] == 0 and row["alone_one_at_a_time"]["batched_rounds"] == 0
+        assert _num(row["spec_gain"]) and _num(row["alone_gain"])
+    two = v["rows"][1]
+    # two generations with no drafts to wait for are ready together every pass: they share forwards
+    assert two["alone_batched"]["batched_rounds"] > 0 and two["alone_batched"]["rounds_per_forward"] > 1.0
+    assert "Batched verification" in format_report(r)
 
 
 @pytest.mark.slow

@@ -217,15 +217,25 @@ def _batched_generate(target, prompts: list[str], gen_kw: dict) -> dict:
     return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "batch": len(prompts)}
 
 
+def bench_dtype(cfg: BenchConfig) -> str:
+    """The daemons' dtype: the demo's for the demo pair; float32 for the tiny random pair, whose
+    16-bit logits hold top-2 ties one rounding step apart, which a forward of another shape
+    (a batch of generations, a longer feed) can break either way: float32 keeps the
+    exactness checks meaningful."""
+    from starsd_draftd.demo.run import DemoConfig, demo_dtype
+
+    return "float32" if cfg.models == "tiny" else demo_dtype(DemoConfig())
+
+
 def start_real(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> tuple[list[str], list[str]]:
     """The real section's draft daemon (real draft model, traced, one session at a time) and its
     target daemons; returns the targets' endpoints and names."""
-    from starsd_draftd.demo.run import DemoConfig, demo_dtype, topology
+    from starsd_draftd.demo.run import DemoConfig, topology
 
     target_dir, draft_dir = models
     names = [f"real-target{i + 1}" for i in range(min(cfg.real_n_max, cfg.n_max))]
     topo = topology(DemoConfig(targets=len(names), pin=cfg.real_pin))
-    dtype = demo_dtype(DemoConfig())
+    dtype = bench_dtype(cfg)
     pool.state["real_topology"], pool.state["real_dtype"] = topo.describe(), dtype
     draft_ep = pool.start("real-draftd", lambda ep: [
         "starsd_draftd.bench.emulation_serve", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,

@@ -168,6 +168,10 @@ def format_report(report: dict) -> str:
                          f"{pl['tokens_per_round']:.2f}): N_full = {pl['n_full']}, saturated "
                          f"{pl['saturated_system_tps']:.0f} tok/s.")
         lines.append("")
+    if "verify" in report:
+        from starsd_draftd.bench.verify_batch import format_verify
+
+        lines += format_verify(report["verify"])
     if "batched" in report:
         b = report["batched"]
         lines += ["## Batched drafting (draft service capacity)", ""]

@@ -16,6 +16,8 @@ Sections (each with real daemons as separate processes, real sockets on loopback
   ``generate(assistant_model=...)``.
 * ``batched``: draft service capacity (requests/s with k sessions waiting) of the real draft
   model, one session at a time versus batched drafting.
+* ``verify``: one target daemon with 1, 2, 4 and 8 generations at once, verified together in one
+  forward versus one per forward, with drafts and alone (``starsd_draftd.bench.verify_batch``).
 
 Output: ``bench.json``, ``bench.png`` and ``bench.md`` in the results folder.
 """
@@ -44,6 +46,7 @@ from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_
                                       real_measure, start_real)
 from starsd_draftd.bench.report import _derive, format_report, plot_report
 from starsd_draftd.bench.star import emulation_section, start_emulation
+from starsd_draftd.bench.verify_batch import start_verify, verify_section, verify_streams
 from starsd_draftd.bench.wire import WIRE_CASES, start_wire, wire_section
 
 log = logging.getLogger("starsd.bench")
@@ -65,7 +68,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(1)
     n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
-               "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3}
+               "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
+               "verify": len(verify_streams(cfg)) + 1}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -98,7 +102,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     try:
         models = None
-        if {"real", "batched"} & set(cfg.sections):
+        if {"real", "batched", "verify"} & set(cfg.sections):
             if cfg.models == "tiny":
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
@@ -117,6 +121,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 start_real(cfg, pool, models)
             if "batched" in sel and batch_max_supported():
                 start_batched(cfg, pool, models[1])
+            if "verify" in sel:
+                start_verify(cfg, pool, models)
         if "wire" in cfg.sections:
             report["wire"] = timed("wire", lambda: wire_section(cfg, pool, step))
         if "emulation" in cfg.sections:
@@ -128,6 +134,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["batched"] = timed("batched", lambda: batched_section(cfg, pool, step, models[1], models[0]))
         if real_raw is not None:
             report["real"] = timed("real", lambda: real_finish(cfg, pool, real_raw, step))
+        if "verify" in cfg.sections:  # after the real section: its daemons have stopped, the cores are free
+            report["verify"] = timed("verify", lambda: verify_section(cfg, pool, step, models))
     finally:
         bar.close()
         pool.stop_all()
