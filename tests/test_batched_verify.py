@@ -131,3 +131,26 @@ def test_the_scheduler_batches_concurrent_generations_exactly(loaded_target, bac
     for a, b in zip(outs[4], outs[1]):
         assert a.token_ids == b.token_ids
         assert a.stats.accepted > 0 and a.stats.fallback_rounds == 0
+
+
+def test_batched_rounds_collect_the_same_features(loaded_target, backend):
+    """For feature-based drafters (EAGLE) each generation keeps the target's hidden states of its
+    kept positions: batched, they are those of one at a time (float tolerance)."""
+    import torch
+
+    feats = {}
+    for max_batch in (2, 1):
+        engine = TargetEngine(loaded_target, depth=4, max_batch=max_batch)
+        gens = [engine.start(engine.encode(p), 16, SamplingParams(), features=True) for p in PROMPTS[:2]]
+        drafts = [LocalDrafts(backend) for _ in gens]
+        for g in gens:
+            while g.prefilling:
+                g.prefill()
+        while not all(g.done for g in gens):
+            engine.verify_batch([(g, d.propose(g.tokens, g.draft_depth()), True)
+                                 for g, d in zip(gens, drafts) if not g.done])
+        assert all(g.stats.accepted > 0 for g in gens)
+        feats[max_batch] = [torch.from_numpy(g.features().astype("float32")) for g in gens]
+    for a, b in zip(feats[2], feats[1]):
+        assert a.shape == b.shape and a.shape[0] > 16
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
