@@ -89,16 +89,16 @@ def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
 
 
 class _Stream:
-    """Text deltas of a generation as it grows, safe to send: held back are a trailing partial
-    character (byte-level tokens) and the tail a stop string might still claim."""
+    """Text deltas of a generation as it grows, safe to send: the generation's own final text so
+    far (``Generation.text_so_far``: no trailing partial character), less the tail a stop string
+    might still claim."""
 
-    def __init__(self, decode, stops: tuple[str, ...]):
-        self.decode = decode
+    def __init__(self, stops: tuple[str, ...]):
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = ""
 
     def delta(self, gen: Generation) -> str:
-        text = self.decode(gen.out).rstrip("\ufffd")
+        text = gen.text_so_far()
         safe = text[: len(text) - self.hold] if self.hold else text
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
@@ -189,7 +189,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
                     "usage": _usage(len(prompt_ids), result), "starsd": result.stats.to_dict()}
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(daemon.engine.decode, req.stops())
+        stream = _Stream(req.stops())
 
         def on_progress(gen: Generation) -> None:  # scheduler thread
             text = stream.delta(gen)
