@@ -40,16 +40,16 @@ def piece_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def _feed(text: IncrementalText, ids: list[int], rng: random.Random, most: int = 6) -> list[int]:
-    """Add ``ids`` in random batches of 1 to ``most`` (as rounds do); the tokens each add decoded."""
-    costs, i = [], 0
+def _rounds(text: IncrementalText, ids: list[int], rng: random.Random, most: int = 6):
+    """Add ``ids`` in random batches of 1 to ``most`` (as rounds do) until a stop string ends the
+    text; after each: how many of ``ids`` were offered so far, and the tokens that add decoded."""
+    i = 0
     while i < len(ids) and text.stop_at is None:
         k = rng.randint(1, most)
         before = text.decoded
         text.add(ids[i: i + k])
-        costs.append(text.decoded - before)
         i += k
-    return costs
+        yield min(i, len(ids)), text.decoded - before
 
 
 def _random_ids(rng: random.Random, n: int) -> list[int]:
@@ -66,11 +66,7 @@ def test_byte_level_text_equals_a_full_decode_at_every_round(byte_decode):
     for _ in range(300):
         ids = _random_ids(rng, rng.randint(0, 200))
         text = IncrementalText(byte_decode)
-        i = 0
-        while i < len(ids):
-            k = rng.randint(1, 6)
-            text.add(ids[i: i + k])
-            i += k
+        for i, _ in _rounds(text, ids, rng):
             whole = byte_decode(ids[:i])
             assert text.full() == whole
             assert whole.startswith(text.text)  # the final part never changes
@@ -102,11 +98,7 @@ def test_sentencepiece_style_text_equals_a_full_decode(piece_tokenizer):
         assert decode(ids) == s  # the tokenizer round-trips
         split_characters += sum(t in byte_ids for t in ids)
         text = IncrementalText(decode)
-        i = 0
-        while i < len(ids):
-            k = rng.randint(1, 6)
-            text.add(ids[i: i + k])
-            i += k
+        for _ in _rounds(text, ids, rng):
             assert s.startswith(text.text)  # what is final stays: the rest of the text only adds to it
         assert text.full() == s
     assert split_characters > 1000  # 中, 文, é and 😀 are not in the vocabulary: they come as bytes
@@ -163,7 +155,7 @@ def test_tokens_decoded_per_round_stay_bounded_as_the_text_grows(byte_decode):
                 [BYTE_OFFSET + b for b in "".join(rng.choice(ALPHABET) for _ in range(2000)).encode()],
                 [BYTE_OFFSET + 0x80] * 3000):  # a run of continuation bytes, never a complete character
         text = IncrementalText(byte_decode, ("never in it \x01",))
-        costs = _feed(text, ids, rng, most=k)
+        costs = [cost for _, cost in _rounds(text, ids, rng, most=k)]
         assert text.full() == byte_decode(ids)
         assert max(costs) <= bound
         assert sum(costs) <= 10 * len(ids)  # linear: a full decode per round would be ~len(ids)**2 / 7
