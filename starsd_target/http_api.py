@@ -10,19 +10,27 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from common.verify import MAX_SEED, MAX_TOP_K, SamplingParams
-from starsd_target.engine import Generation, GenerationResult, InvalidRequest
+from common.verify import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
+from starsd_target.api_schema import (ChatResponse, CompletionResponse, Health, ModelList, generation_responses,
+                                      install_openapi)
+from starsd_target.engine import (MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Generation, GenerationResult,
+                                  InvalidRequest)
 from starsd_target.scheduler import Job, Overloaded, ShuttingDown
 
 MAX_TOKENS_DEFAULT = 16
+# The largest seed taken over HTTP: the largest integer a double holds exactly, as many JSON
+# parsers and validators read numbers (JavaScript's MAX_SAFE_INTEGER). Near the wire's MAX_SEED a
+# double cannot tell neighbouring integers apart, so a bound there is not the same bound for all.
+MAX_HTTP_SEED = min(MAX_SEED, (1 << 53) - 1)
 DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is still there
 
 
@@ -36,30 +44,46 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
+def _error(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": type_, "param": param, "code": None}})
 
 
+def _integral(value):
+    """A float with no fraction as the integer it is: JSON Schema's integers include 5.0."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field's type, within ``bounds`` (Field's ge, le...), 5.0 taken as 5."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type (false or "5" for a number, 1 for a boolean) is refused
+    # with a 400, not coerced, so that the server takes exactly what its published schema says
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)  # the upper bound is the model's (TargetEngine.check)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    # at most the model's context (the published schema says so), less the prompt (TargetEngine.check)
+    max_tokens: integer(ge=1, le=MAX_NEW_TOKENS) | None = Field(
+        default=None, description="at most the model's context less the prompt's tokens")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+                               description=f"0 (or below {MIN_TEMPERATURE}) is greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)  # an extension many servers accept
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    top_k: integer(ge=0, le=MAX_TOP_K) = Field(default=0, description="0: off; at most the vocabulary size")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: integer(ge=0, le=MAX_HTTP_SEED) | None = None
     stream: bool = False
-    n: int = 1
-
-    def checked(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+    n: Literal[1] = Field(default=1, description="one choice per request")
 
     def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+        """The sampling parameters; a temperature too small to divide logits by is greedy."""
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(temperature, self.top_k, self.top_p, self.seed)
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings as a tuple (their bounds are checked with the rest of the job's)."""
@@ -69,12 +93,17 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None
-    echo: bool = False
+    # text, one text in a list, or token ids (within the vocabulary); one prompt per request
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
+                                                             Field(min_length=1, max_length=1)]
+             | Annotated[list[integer(ge=0)], Field(min_length=1)])
+    logprobs: None = Field(default=None, description="not supported: null or absent")
+    echo: Literal[False] = Field(default=False, description="not supported: false or absent")
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -109,6 +138,14 @@ class _Stream:
         return text[len(self.sent):] if text.startswith(self.sent) else ""
 
 
+def _outcome(job: Job) -> asyncio.Future:
+    """The job's future on the event loop. A request that stops waiting for it (its client hung
+    up) leaves the outcome unread: it is marked read, so asyncio does not log it as lost."""
+    wrapped = asyncio.wrap_future(job.future)
+    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return wrapped
+
+
 def create_app(daemon, model_name: str) -> "BodyLimit":
     """The HTTP front end of ``daemon`` (a TargetDaemon whose scheduler runs): the FastAPI app
     (``.app``) behind the request-body limit."""
@@ -123,11 +160,16 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request body",
-                      "invalid_request_error", loc or None)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return _error(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}" if loc else "invalid request body",
+                      "invalid_request_error", loc[0] if loc else None)  # param: the top-level field, as OpenAI's
 
-    @app.get("/health")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        """Unknown paths (404) and methods (405, with Allow) in the same error shape."""
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
         """200 while the scheduler runs; 503 once it died or stalled (the daemon then exits)."""
         status = daemon.status()
@@ -135,13 +177,12 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
             return JSONResponse(status_code=503, content={"status": "unhealthy", **status})
         return {"status": "ok", **status}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "starsd"}]}
 
     def _submit(prompt_ids: list[int], req: _Sampling, on_progress=None) -> Job:
-        req.checked()
         if req.model is not None and req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model")
@@ -213,7 +254,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         async def events():
             """The chunks as the generation grows. However the stream ends early (the client
             hung up, the server closed the response), the job is cancelled with it."""
-            wrapped = asyncio.wrap_future(job.future)
+            wrapped = _outcome(job)
             try:
                 yield chunk("", None, first=True)
                 while True:
@@ -256,7 +297,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
                 raise ClientGone()
 
     async def _await(request: Request, job: Job) -> GenerationResult:
-        wrapped = asyncio.wrap_future(job.future)
+        wrapped = _outcome(job)
         try:
             await _wait(request, job, wrapped)
             return wrapped.result()
@@ -269,14 +310,14 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         except Exception as exc:
             raise ApiError(500, f"generation failed: {exc}", "server_error") from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
-        if req.logprobs is not None or req.echo:
-            raise ApiError(400, "logprobs and echo are not supported", param="logprobs" if req.logprobs else "echo")
         # tokenizing a long prompt takes a while: off the event loop, which serves everyone
         return await _run(request, await run_in_threadpool(_encode_prompt, req.prompt), req, "text")
 
-    @app.post("/v1/chat/completions")
+    # listed in the API's document only where it can succeed: with a chat template
+    @app.post("/v1/chat/completions", response_model=None, responses=generation_responses(ChatResponse),
+              include_in_schema=bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)))
     async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
@@ -288,6 +329,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
 
         return await _run(request, await run_in_threadpool(encode), req, "chat")
 
+    install_openapi(app, daemon.loaded.logits_size, daemon.engine.context, MAX_NEW_TOKENS)
     return BodyLimit(app, max_body_bytes(daemon.engine.context))
 
 
