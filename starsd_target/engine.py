@@ -22,12 +22,14 @@ from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_tensor,
                            verify_sampling_tensor)
+from starsd_target.detokenizer import IncrementalText
 from starsd_target.profile import RoundProfile
 
 log = logging.getLogger("starsd.target.engine")
 
 # Bounds on one request, the same on every front end (HTTP and the job socket): each stop string
-# is searched in the decoded output after every round, so their number and length bound that work.
+# is searched in the new text of every round (and as many characters before it as it is long),
+# so their number and length bound that work.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1 << 16  # for models that declare no context length (those that do are bounded by it)
@@ -373,15 +375,6 @@ class TargetEngine:
                 drafts.close()
         return g.result()
 
-    def _stop_cut(self, out: list[int], stop) -> int | None:
-        """The fewest generated tokens whose text contains a stop string, or None."""
-        if not any(s in self.decode(out) for s in stop):
-            return None
-        for i in range(1, len(out) + 1):
-            if any(s in self.decode(out[:i]) for s in stop):
-                return i
-        return len(out)
-
 
 @dataclass
 class _WarmUpDrafts:
@@ -421,8 +414,9 @@ class Generation:
         self.stats = GenerationStats(accepted_by_position=[0] * engine.depth, max_draft_tokens=self.max_draft)
         self.t_start = time.perf_counter()
         self.gen = make_generator(params.seed, loaded.device)  # verification draws on the model's device
-        self.tokens = list(prompt)
+        self.tokens = list(prompt)  # the prompt and ``out``
         self.out: list[int] = []
+        self.detok = IncrementalText(engine.decode, self.stop)  # the text of ``out``, grown each round
         self.finish = "length"
         self.done = False
         # room for the prompt and the first PREALLOCATE_TOKENS generated (with a round's drafts);
@@ -515,7 +509,7 @@ class Generation:
         for i in range(n):
             stats.accepted_by_position[i] += 1
         new = [*x[:n], nxt]
-        self.tokens.extend(new)
+        start = len(self.out)
         for t in new:
             self.out.append(t)
             if t in engine.loaded.eos_token_ids:
@@ -524,11 +518,8 @@ class Generation:
             if len(self.out) >= self.max_tokens:
                 self.done = True
                 break
-        if self.stop and not self.done:
-            cut = engine._stop_cut(self.out, self.stop)
-            if cut is not None:
-                self.out, self.finish, self.done = self.out[:cut], "stop", True
-        self._record_logprobs(logits[: n + 1], new)
+        self._add_text(start)
+        self._record_logprobs(logits[: n + 1], new)  # after the text: entries past a stop string go
         return n if prop is not None else None
 
     @property
@@ -567,9 +558,25 @@ class Generation:
         """One entry per token of ``out`` (None: the request asked for no log-probabilities)."""
         return None if self.logprobs is None else self.logprobs[: len(self.out)]
 
+    def _add_text(self, start: int) -> None:
+        """Take ``out[start:]`` (this round's tokens, none past an EOS) into ``tokens`` and the text;
+        a stop string in the text ends the generation at the fewest tokens whose text holds it."""
+        keep = self.detok.add(self.out[start:])
+        if keep is not None:
+            del self.out[start + keep:]
+            self.finish, self.done = "stop", True
+        self.tokens.extend(self.out[start:])
+
+    def text_so_far(self) -> str:
+        """The output's text as far as it is final: no incomplete character at its end, and
+        nothing from a stop string on."""
+        if self.detok.stop_at is not None:
+            return self.text()
+        return self.detok.text
+
     def text(self) -> str:
-        text = self.engine.decode(self.out)
-        return _cut_at_stop(text, self.stop) if self.finish == "stop" and self.stop else text
+        """The output's text (``decode(out)``), ending before the stop string that ended it."""
+        return self.detok.full()[: self.detok.stop_at]
 
     def result(self) -> GenerationResult:
         self.stats.generated = len(self.out)
@@ -581,7 +588,3 @@ class Generation:
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
-
-def _cut_at_stop(text: str, stop) -> str:
-    idx = [text.find(s) for s in stop if s and s in text]
-    return text[: min(idx)] if idx else text

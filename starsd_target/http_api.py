@@ -10,20 +10,28 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from common.token_bytes import token_bytes
-from common.verify import MAX_SEED, MAX_TOP_K, SamplingParams
-from starsd_target.engine import Generation, GenerationResult, InvalidRequest, TokenLogprob
+from common.verify import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
+from starsd_target.api_schema import (ChatResponse, CompletionResponse, Health, ModelList, generation_responses,
+                                      install_openapi)
+from starsd_target.engine import (MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Generation, GenerationResult,
+                                  InvalidRequest, TokenLogprob)
 from starsd_target.scheduler import Job, Overloaded, ShuttingDown
 
 MAX_TOKENS_DEFAULT = 16
+# The largest seed taken over HTTP: the largest integer a double holds exactly, as many JSON
+# parsers and validators read numbers (JavaScript's MAX_SAFE_INTEGER). Near the wire's MAX_SEED a
+# double cannot tell neighbouring integers apart, so a bound there is not the same bound for all.
+MAX_HTTP_SEED = min(MAX_SEED, (1 << 53) - 1)
 DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is still there
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI bounds it
 MAX_CHAT_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
@@ -40,40 +48,54 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
+def _error(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": type_, "param": param, "code": None}})
+
+
+def _integral(value):
+    """A float with no fraction as the integer it is: JSON Schema's integers include 5.0."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field's type, within ``bounds`` (Field's ge, le...), 5.0 taken as 5."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SpeculationOptions(BaseModel):
     """The request body's ``starsd`` object: how this request is speculated. Unknown keys are refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the request: no coercion between JSON types
 
-    speculate: bool = Field(default=True, strict=True,
+    speculate: bool = Field(default=True,
                             description="false: the target alone generates this request (no draft session)")
-    max_draft_tokens: int | None = Field(default=None, ge=0, strict=True,
-                                         description="the most drafts a round asks for, 0..the target's --depth "
-                                                     "(0: none); default: --depth")
+    max_draft_tokens: integer(ge=0) | None = Field(
+        default=None, description="the most drafts a round asks for, 0..the target's --depth (0: none); "
+                                  "default: --depth")
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type (false or "5" for a number, 1 for a boolean) is refused
+    # with a 400, not coerced, so that the server takes exactly what its published schema says
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)  # the upper bound is the model's (TargetEngine.check)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    # at most the model's context (the published schema says so), less the prompt (TargetEngine.check)
+    max_tokens: integer(ge=1, le=MAX_NEW_TOKENS) | None = Field(
+        default=None, description="at most the model's context less the prompt's tokens")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+                               description=f"0 (or below {MIN_TEMPERATURE}) is greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)  # an extension many servers accept
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    top_k: integer(ge=0, le=MAX_TOP_K) = Field(default=0, description="0: off; at most the vocabulary size")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: integer(ge=0, le=MAX_HTTP_SEED) | None = None
     stream: bool = False
-    n: int = 1
+    n: Literal[1] = Field(default=1, description="one choice per request")
     starsd: SpeculationOptions | None = None
-
-    def checked(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
 
     def speculation(self) -> tuple[bool, int | None]:
         """(no_draft, max_draft) for the job, from the ``starsd`` object."""
@@ -85,7 +107,9 @@ class _Sampling(BaseModel):
         return None
 
     def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+        """The sampling parameters; a temperature too small to divide logits by is greedy."""
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(temperature, self.top_k, self.top_p, self.seed)
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings as a tuple (their bounds are checked with the rest of the job's)."""
@@ -95,15 +119,21 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: bool = False
+    # text, one text in a list, or token ids (within the vocabulary); one prompt per request
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]],
+                                                             Field(min_length=1, max_length=1)]
+             | Annotated[list[integer(ge=0)], Field(min_length=1)])
+    logprobs: integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
+        default=None, description="the log-probabilities of each token and of this many most likely alternatives")
+    echo: Literal[False] = Field(default=False, description="not supported: false or absent")
 
     def logprob_count(self) -> int | None:
         return self.logprobs
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -111,12 +141,9 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None  # null or false: none
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-
-    def checked(self) -> None:
-        super().checked()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    top_logprobs: integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS) | None = Field(
+        default=None, description="with logprobs true: this many most likely alternatives per token "
+                                  "(without it, no log-probabilities are returned)")
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -128,16 +155,16 @@ def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
 
 
 class _Stream:
-    """Text deltas of a generation as it grows, safe to send: held back are a trailing partial
-    character (byte-level tokens) and the tail a stop string might still claim."""
+    """Text deltas of a generation as it grows, safe to send: the generation's own final text so
+    far (``Generation.text_so_far``: no trailing partial character), less the tail a stop string
+    might still claim."""
 
-    def __init__(self, decode, stops: tuple[str, ...]):
-        self.decode = decode
+    def __init__(self, stops: tuple[str, ...]):
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = ""
 
     def delta(self, gen: Generation) -> str:
-        text = self.decode(gen.out).rstrip("\ufffd")
+        text = gen.text_so_far()
         safe = text[: len(text) - self.hold] if self.hold else text
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
@@ -223,6 +250,14 @@ def _finite(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+def _outcome(job: Job) -> asyncio.Future:
+    """The job's future on the event loop. A request that stops waiting for it (its client hung
+    up) leaves the outcome unread: it is marked read, so asyncio does not log it as lost."""
+    wrapped = asyncio.wrap_future(job.future)
+    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return wrapped
+
+
 def create_app(daemon, model_name: str) -> "BodyLimit":
     """The HTTP front end of ``daemon`` (a TargetDaemon whose scheduler runs): the FastAPI app
     (``.app``) behind the request-body limit."""
@@ -237,11 +272,20 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request body",
-                      "invalid_request_error", loc or None)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # param: the top-level field, as OpenAI's; inside the starsd object, its key too
+        param = loc[0] if loc else None
+        if param == "starsd" and len(loc) > 1:
+            param = f"starsd.{loc[1]}"
+        return _error(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}" if loc else "invalid request body",
+                      "invalid_request_error", param)
 
-    @app.get("/health")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        """Unknown paths (404) and methods (405, with Allow) in the same error shape."""
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
         """200 while the scheduler runs; 503 once it died or stalled (the daemon then exits)."""
         status = daemon.status()
@@ -249,13 +293,12 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
             return JSONResponse(status_code=503, content={"status": "unhealthy", **status})
         return {"status": "ok", **status}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "starsd"}]}
 
     def _submit(prompt_ids: list[int], req: _Sampling, on_progress=None) -> Job:
-        req.checked()
         if req.model is not None and req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model")
@@ -308,7 +351,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
                     "usage": _usage(len(prompt_ids), result), "starsd": result.stats.to_dict()}
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(daemon.engine.decode, req.stops())
+        stream = _Stream(req.stops())
 
         def on_progress(gen: Generation) -> None:  # scheduler thread
             text = stream.delta(gen)
@@ -333,7 +376,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         async def events():
             """The chunks as the generation grows. However the stream ends early (the client
             hung up, the server closed the response), the job is cancelled with it."""
-            wrapped = asyncio.wrap_future(job.future)
+            wrapped = _outcome(job)
             try:
                 yield chunk("", None, first=True)
                 while True:
@@ -379,7 +422,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
                 raise ClientGone()
 
     async def _await(request: Request, job: Job) -> GenerationResult:
-        wrapped = asyncio.wrap_future(job.future)
+        wrapped = _outcome(job)
         try:
             await _wait(request, job, wrapped)
             return wrapped.result()
@@ -392,14 +435,14 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         except Exception as exc:
             raise ApiError(500, f"generation failed: {exc}", "server_error") from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         # tokenizing a long prompt takes a while: off the event loop, which serves everyone
         return await _run(request, await run_in_threadpool(_encode_prompt, req.prompt), req, "text")
 
-    @app.post("/v1/chat/completions")
+    # listed in the API's document only where it can succeed: with a chat template
+    @app.post("/v1/chat/completions", response_model=None, responses=generation_responses(ChatResponse),
+              include_in_schema=bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)))
     async def chat(req: ChatRequest, request: Request):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
@@ -411,6 +454,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
 
         return await _run(request, await run_in_threadpool(encode), req, "chat")
 
+    install_openapi(app, daemon.loaded.logits_size, daemon.engine.context, MAX_NEW_TOKENS, daemon.engine.depth)
     return BodyLimit(app, max_body_bytes(daemon.engine.context))
 
 

@@ -442,6 +442,7 @@ class Scheduler:
             except Exception as err:
                 log.exception("a generation failed at its end")
                 exc = err
+        a.gen.cache = None  # freed now, whatever still holds the generation (a failure's traceback, say)
         self._settle(a.job, result, exc)
 
     def _settle(self, job: Job, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:

@@ -146,3 +146,65 @@ def test_bad_arguments(engine):
         engine.generate([1], 0, SamplingParams())
     with pytest.raises(ValueError):
         engine.generate([10**6], 5, SamplingParams())
+
+
+def _fewest_holding(engine, ids, stop):
+    """By brute force: the fewest tokens whose full decode holds ``stop``, and that decode up to it."""
+    for i in range(1, len(ids) + 1):
+        text = engine.decode(ids[:i])
+        if stop in text:
+            return i, text[: text.find(stop)]
+    return None
+
+
+def test_stop_strings_spanning_rounds_cut_at_the_fewest_tokens(engine, tiny_target):
+    prompt = engine.encode(PROMPT_TEXT)
+    ref = reference_greedy(tiny_target, prompt, 40)
+    text = engine.decode(ref)
+    cuts = 0
+    for start in range(0, len(text) - 4, 3):
+        stop = text[start: start + 1 + start % 4]
+        want = _fewest_holding(engine, ref, stop)
+        r = engine.generate(prompt, 40, SamplingParams(), OracleDrafts(prompt, ref), stop=[stop])
+        assert r.stats.accepted == r.stats.drafted > 0  # rounds of 5 tokens: stops span their boundaries
+        assert (r.token_ids, r.text, r.finish_reason) == (ref[: want[0]], want[1], "stop"), stop
+        cuts += want[0] % 5 != 0  # a cut inside a round of 5 tokens, not at its end
+    assert cuts > 5
+
+
+def test_tokens_stop_at_eos_like_out(loaded_target, tiny_target):
+    """Drafts run past the EOS a round accepts: neither the output nor the verified tokens keep them."""
+    prompt = loaded_target.tokenizer.encode(PROMPT_TEXT)
+    ref = reference_greedy(tiny_target, prompt, 20)
+    eos = ref[6]
+    first = ref.index(eos)
+    eng = TargetEngine(dataclasses.replace(loaded_target, eos_token_ids=frozenset({eos})), depth=4)
+    g = eng.start(prompt, 50, SamplingParams())
+    while g.prefilling:
+        g.prefill()
+    src = OracleDrafts(prompt, ref)
+    while not g.done:
+        g.verify(src.propose(g.tokens, g.draft_depth()))
+    assert g.stats.accepted > len(g.out) - g.stats.rounds  # the round kept drafts past the EOS
+    assert g.out == ref[: first + 1] and g.tokens == prompt + g.out
+    assert g.result().stats.generated == first + 1
+
+
+def test_streamed_text_is_final_and_decodes_one_window_per_token(engine):
+    """The text a round makes final is never taken back, and what the rounds decode does not grow
+    with the output (a full decode per round would be quadratic)."""
+    prompt = engine.encode(PROMPT_TEXT)
+    g = engine.start(prompt, 400, SamplingParams(temperature=1.0, seed=5))
+    while g.prefilling:
+        g.prefill()
+    seen, costs = [], []
+    while not g.done:
+        before = g.detok.decoded
+        g.verify(None, wanted=False)
+        costs.append(g.detok.decoded - before)
+        seen.append(g.text_so_far())
+    assert len(g.out) == 400
+    final = g.result().text
+    assert final == engine.decode(g.out)
+    assert all(final.startswith(s) for s in seen)
+    assert max(costs[200:]) <= max(costs[:20]) + 16  # bounded, whatever the length so far

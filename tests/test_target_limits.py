@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -201,10 +202,11 @@ def test_a_dead_loop_fails_its_jobs_at_once_and_reports_unhealthy(loaded_target)
 def test_a_cancelled_job_is_dropped_at_the_next_pass(loaded_target):
     engine = TargetEngine(loaded_target, depth=4)
     sched = Scheduler(engine, lambda: None, draft_timeout_s=1, max_active=1)
-    rounds = []
+    rounds, gens = [], []
 
     def progress(gen):
         rounds.append(len(gen.out))
+        gens.append(gen)
         if len(rounds) == 3:
             job.cancel()  # as the HTTP front end does when its client hangs up
 
@@ -220,8 +222,38 @@ def test_a_cancelled_job_is_dropped_at_the_next_pass(loaded_target):
     finally:
         sched.stop()
     assert rounds == [1, 2, 3] and not sched.active
+    assert gens[-1].cache is None  # its KV cache went with it
     assert waiting.future.cancelled()
     assert sched.load()["cancelled"] == 2 and sched.load()["completed"] == 0
+
+
+def test_a_streaming_callback_that_raises_fails_its_job_alone(loaded_target, tiny_target):
+    engine = TargetEngine(loaded_target, depth=4)
+    sched = Scheduler(engine, lambda: None, draft_timeout_s=1, max_active=2)
+    calls, beside = [], []
+
+    def broken(gen):
+        calls.append(len(gen.out))
+        if len(calls) == 2:
+            beside.append(len(sched.active))
+            raise RuntimeError("the stream's callback failed")
+
+    bad = Job(engine.encode(PROMPT), 200, SamplingParams(), on_progress=broken)
+    good = Job(engine.encode("x = 1"), 30, SamplingParams(), on_progress=lambda gen: None)
+    sched.submit(bad)
+    sched.submit(good)
+    sched.start()
+    try:
+        with pytest.raises(RuntimeError, match="callback failed"):
+            bad.future.result(30)
+        assert good.future.result(60).token_ids == reference_greedy(tiny_target, engine.encode("x = 1"), 30)
+        assert sched.healthy()
+        after = sched.submit(Job(engine.encode("b"), 5, SamplingParams()))
+        assert len(after.result(30).token_ids) == 5
+    finally:
+        sched.stop()
+    assert calls == [1, 2] and beside == [2]  # raised while the other ran beside it, then never called again
+    assert not sched.active and sched.load()["failed"] == 1 and sched.load()["completed"] == 2
 
 
 # ---------------------------------------------------------------- both front ends, in process
@@ -436,21 +468,30 @@ class SlowCounting(CountingBackend):
         return super().draft(state, verified, depth, new_features)
 
 
+@dataclass
+class HttpServer:
+    base: str  # the HTTP API
+    metrics: str  # its Prometheus page
+    drafts: SlowCounting  # the draft server's backend: it counts the sessions released
+
+
 @pytest.fixture(scope="module")
 def http_server(tiny_target, loaded_target, tmp_path_factory):
     """A real `starsd-target serve --http` process, drafting from a slow in-process draft server."""
     log = tmp_path_factory.mktemp("http-limits") / "target.log"
-    port = _free_port()
-    with running_server(SlowCounting(loaded_target.vocab_size, loaded_target.fingerprint)) as (server, _):
+    port, metrics = _free_port(), _free_port()
+    backend = SlowCounting(loaded_target.vocab_size, loaded_target.fingerprint)
+    with running_server(backend) as (server, _):
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "starsd_target", "serve", "--model", str(tiny_target),
                                      "--draft", server.endpoint, "--connect-timeout", "60", "--listen",
-                                     free_tcp_endpoint(), "--http", f"127.0.0.1:{port}"],
+                                     free_tcp_endpoint(), "--http", f"127.0.0.1:{port}",
+                                     "--metrics-port", str(metrics)],
                                     stdout=out, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
             _wait_http(base, proc, log)
-            yield base
+            yield HttpServer(base, f"http://127.0.0.1:{metrics}/metrics", backend)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -465,23 +506,45 @@ def _health_until(base: str, cond, timeout_s: float = 30) -> dict:
         time.sleep(0.05)
 
 
+def _sample(url: str, name: str) -> float:
+    """One sample's value (0 when absent) from a Prometheus text page."""
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rpartition(" ")[2])
+    return 0.0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_hangs_up_cancels_its_generation(http_server, stream):
-    before = httpx.get(http_server + "/health").json()
-    body = {"prompt": "x", "max_tokens": CONTEXT - 8, "temperature": 0, "stream": stream}
+    """The generation leaves the scheduler (active drops to 0), far short of max_tokens; its draft
+    session is closed and the metrics count it cancelled."""
+    base, max_tokens = http_server.base, CONTEXT - 8
+    tokens = "starsd_target_generated_tokens_total"
+    cancelled = 'starsd_target_requests_total{outcome="cancelled"}'
+    before = httpx.get(base + "/health").json()
+    generated, counted = _sample(http_server.metrics, tokens), _sample(http_server.metrics, cancelled)
+    released = http_server.drafts.released
+    body = {"prompt": "x", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     with httpx.Client(timeout=30) as c:
         if stream:
-            with c.stream("POST", http_server + "/v1/completions", json=body) as r:
+            with c.stream("POST", base + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 data = (line for line in r.iter_lines() if line.startswith("data:"))
                 assert [next(data) for _ in range(3)]  # the first chunks came: leaving the block hangs up
+                assert httpx.get(base + "/health").json()["active"] == 1
         else:
             with pytest.raises(httpx.ReadTimeout):
-                c.post(http_server + "/v1/completions", json=body, timeout=0.5)
-    after = _health_until(http_server, lambda h: h["cancelled"] > before["cancelled"] and h["active"] == 0)
+                c.post(base + "/v1/completions", json=body, timeout=0.5)
+    after = _health_until(base, lambda h: h["cancelled"] > before["cancelled"] and h["active"] == 0)
     assert after["cancelled"] == before["cancelled"] + 1 and after["active"] == 0
     assert after["completed"] == before["completed"]  # it did not run to max_tokens
     assert after["draft_connected"]  # the rounds were paced by the (slow) drafts, as intended
+    assert 0 < _sample(http_server.metrics, tokens) - generated < max_tokens / 5
+    assert _sample(http_server.metrics, cancelled) == counted + 1
+    deadline = time.monotonic() + 10
+    while http_server.drafts.released == released and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http_server.drafts.released == released + 1  # the draft daemon dropped its session
 
 
 # ---------------------------------------------------------------- the job socket's exposure
