@@ -426,8 +426,6 @@ class Scheduler:
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
         """Take ``a`` off the model (its cache goes with it), close its draft session, settle its job."""
         self.active.remove(a)
-        if exc is not None:
-            a.gen.release()  # its cache (a pool row) is free for the next job at once
         if self.metrics is not None:
             self.metrics.active.set(len(self.active))
         if a.drafts is not None:
@@ -442,7 +440,7 @@ class Scheduler:
             except Exception as err:
                 log.exception("a generation failed at its end")
                 exc = err
-        a.gen.cache = None  # freed now, whatever still holds the generation (a failure's traceback, say)
+        a.gen.release()  # freed now (a pool row back in the pool), whatever still holds the generation
         self._settle(a.job, result, exc)
 
     def _settle(self, job: Job, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:
