@@ -199,8 +199,8 @@ class SlotPool:
         when every row is taken."""
         if not self.free:
             return None
+        self.reserve(capacity)  # first: a growth that fails takes no row
         row = self.free.pop(0)
-        self.reserve(capacity)
         cache = PoolRowCache(self, row)
         self.live[row] = cache
         return cache
@@ -225,12 +225,15 @@ class SlotPool:
         if all(t is None for t in self.k):
             self.slots_hint = cap
             return
-        for bufs in (self.k, self.v):
-            for li, old in enumerate(bufs):
+        grown = {}
+        for name in ("k", "v"):  # every new buffer first: a failed allocation leaves the pool as it was
+            grown[name] = [None if old is None else old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                           for old in getattr(self, name)]
+        for name, bufs in grown.items():
+            for new, old in zip(bufs, getattr(self, name)):
                 if old is not None:
-                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
                     new[:, :, : old.shape[2]] = old
-                    bufs[li] = new
+            setattr(self, name, bufs)
         self.slots_hint = cap
         for cache in self.live.values():
             for layer in cache.layers:
@@ -316,8 +319,9 @@ class PoolBatch(DynamicCache):
     each row's first max(n) + M slots: a view of the pool when the rows are adjacent, else one
     gather of just those rows. ``mask()`` and ``positions()`` are the 4-D attention mask and
     position ids that make each row see exactly its own positions, causally; models must take
-    custom 4-D masks (rotary Llama and Qwen2 do). After the forward each row's cache holds its
-    n_b + fed[b] positions."""
+    custom 4-D masks (rotary Llama and Qwen2 do). ``commit()``, once the forward has returned,
+    makes each row's cache hold its n_b + fed[b] positions; a forward that fails part way leaves
+    every row's length as it was (what it wrote lies past those lengths)."""
 
     def __init__(self, caches: list[PoolRowCache], fed: list[int]):
         if not caches or len(caches) != len(fed) or min(fed) < 1:
@@ -371,10 +375,6 @@ class PoolBatch(DynamicCache):
         rows = self._rows[:, None]
         pool.k[li][rows, :, self._slots] = key_states.transpose(1, 2)
         pool.v[li][rows, :, self._slots] = value_states.transpose(1, 2)
-        for c, n, m in zip(self.caches, self.lengths, self.fed):
-            layer = c.layers[li]
-            layer.n = n + m
-            layer._views()
         if self._span is not None:
             a, b = self._span
             return pool.k[li][a:b, :, : self.kv_len], pool.v[li][a:b, :, : self.kv_len]
@@ -383,3 +383,10 @@ class PoolBatch(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.base
+
+    def commit(self) -> None:
+        """The forward went through: every row's layers now hold its new positions."""
+        for c, n, m in zip(self.caches, self.lengths, self.fed):
+            for layer in c.layers:
+                layer.n = n + m
+                layer._views()

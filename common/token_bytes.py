@@ -33,13 +33,18 @@ _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The bytes of one token: its text in UTF-8 when it decodes to whole characters; else the
+    """The bytes of one token: its text in UTF-8 when it decodes to whole characters (with its
+    leading space where a SentencePiece piece marks one, as the token carries it in a text); else the
     raw bytes of a byte-level piece (GPT-2-style vocabularies) or of a SentencePiece byte
     fallback (``<0xNN>``); else its text with replacement characters, in UTF-8."""
     text = tokenizer.decode([token_id], skip_special_tokens=False)
-    if "\ufffd" not in text:
-        return text.encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token_id)
+    if "\ufffd" not in text:
+        if isinstance(piece, str) and piece.startswith("\u2581"):
+            # SentencePiece's word-start marker: decoding one token alone drops its space, which
+            # the token carries within a text (OpenAI's token strings concatenate to the text)
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return text.encode("utf-8")
     if isinstance(piece, str) and piece:
         m = _SP_BYTE.match(piece)
         if m:

@@ -151,19 +151,23 @@ def dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int,
 # ---------------------------------------------------------------- the tensor path
 # The same decisions as verify_greedy and verify_sampling, as tensor operations on whatever device
 # the logits are on: no Python loop over positions and no host sync. Each returns a long tensor
-# [n, token] on that device; the caller moves it to the host once (for a batch of generations,
-# once for all of them).
+# [n, token, valid] on that device; the caller moves it to the host once (for a batch of
+# generations, once for all of them) and refuses the round when valid is 0: NaN logits, or a
+# distribution that is no distribution, which the reference functions raise on (a categorical draw
+# from one on CUDA would fail the whole device context, not the one request).
 
 
 def verify_greedy_tensor(target_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``verify_greedy`` as tensor ops: n is the length of the prefix of x that matches the
-    argmax rows (a cumulative product of matches), the token is the argmax after it."""
+    argmax rows (a cumulative product of matches), the token is the argmax after it; valid is 0
+    if any logit is NaN."""
     k = int(x.shape[0])
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
     best = torch.argmax(target_logits, dim=-1)
     n = (x.to(best.device) == best[:k]).long().cumprod(0).sum()
-    return torch.stack([n, best.gather(0, n.view(1))[0]])
+    valid = (~torch.isnan(target_logits).any()).long()
+    return torch.stack([n, best.gather(0, n.view(1))[0], valid])
 
 
 def verify_sampling_tensor(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
@@ -174,7 +178,9 @@ def verify_sampling_tensor(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
     - x_i is accepted when q(x_i) > 0 and r_i < min(1, p(x_i) / q(x_i)) (the ratio in float64,
       as the reference computes it); n is the count of leading acceptances;
     - the token comes from row n of norm(max(0, p - q)), or of p where n = k (the bonus) or where
-      that residual is all zero (rounding); one row is built, never all k + 1.
+      that residual is all zero (rounding); one row is built, never all k + 1;
+    - valid is 0 when that row is no distribution (NaN, negative, or all zero); the draw is then
+      made from a stand-in, so that nothing fails on the device, and the caller refuses the round.
     """
     k = int(x.shape[0])
     if p.shape[0] != k + 1 or q.shape[0] != k:
@@ -196,5 +202,8 @@ def verify_sampling_tensor(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
     total = residual.sum(-1, keepdim=True)
     use_residual = (at < k).view(1, 1) & (total > 0)
     dist = torch.where(use_residual, residual / torch.where(total > 0, total, 1.0), p_n)
-    token = torch.multinomial(dist, 1, generator=generator).view(()).to(n.device)
-    return torch.stack([n, token])
+    valid = torch.isfinite(dist).all() & (dist >= 0).all() & (dist.sum() > 0)
+    safe = torch.zeros_like(dist)
+    safe[:, 0] = 1.0
+    token = torch.multinomial(torch.where(valid, dist, safe), 1, generator=generator).view(()).to(n.device)
+    return torch.stack([n, token, valid.long().to(n.device)])

@@ -34,6 +34,7 @@ ERROR_MEANINGS = {
     404: "The model named is not the one this server serves",
     413: "The request body exceeds the server's limit",
     429: "The server's job queue is full; try again later",
+    500: "The generation failed in the server (the request's own job only; the server goes on)",
     503: "The server is shutting down, or its scheduler failed and it is restarting",
 }
 
@@ -44,10 +45,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its string, log-probability, the most likely alternatives (token
+    string to log-probability, the chosen token included) and where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: dict[str, Any] | None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"]
 
 
@@ -66,9 +77,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -109,7 +136,7 @@ def generation_responses(model: type[BaseModel]) -> dict[int | str, dict]:
     """A generation route's answers: ``model`` as JSON, or (``stream``) server-sent events."""
     return {200: {"model": model, "description": "The generation; with stream, server-sent events of its chunks",
                   "content": {"text/event-stream": {"schema": SSE_EVENT}}},
-            **error_responses(400, 404, 413, 429, 503)}
+            **error_responses(400, 404, 413, 429, 500, 503)}
 
 
 def install_openapi(app: FastAPI, vocab: int, context: int | None, max_new_tokens: int, depth: int) -> None:

@@ -42,7 +42,15 @@ PREALLOCATE_TOKENS = 512  # generated positions a generation's KV cache holds be
 # Architectures whose batched verification is tested (custom 4-D masks with per-row positions);
 # others verify one generation per forward.
 BATCH_ARCHITECTURES = ("llama", "qwen2")
+# A generation whose prompt (with room for its first PREALLOCATE_TOKENS) needs more positions takes
+# a cache of its own rather than a pool row, so that one long prompt does not size every row.
+POOL_ROW_LIMIT = 4096
 MAX_LOGPROBS = 20  # the most alternatives per generated token a request may ask the log-probabilities of
+
+
+class BatchFailed(RuntimeError):
+    """A batched verification failed before any of its generations took an outcome; their caches
+    and random generators are as they were (``TargetEngine.verify_batch``)."""
 
 
 class InvalidRequest(ValueError):
@@ -192,12 +200,17 @@ class TargetEngine:
             return "the model has layers other than full attention (sliding windows, linear attention)"
         if self.runner.compiled:
             return "the forward is compiled (compiled graphs take one sequence)"
+        attn = getattr(self.loaded.model.config, "_attn_implementation", None) or "sdpa"
+        if attn not in ("sdpa", "eager"):
+            return f"its attention ({attn}) is not one that takes a custom 4-D mask (sdpa, eager)"
         return None
 
     def new_cache(self, capacity: int):
         """A generation's cache: a row of the pool while one is free (such generations can be
-        verified together), else a cache of its own."""
-        if self.pool is not None:
+        verified together), else a cache of its own. A generation that needs more than
+        POOL_ROW_LIMIT positions from its start always gets its own (and is verified alone):
+        every row of the pool is as long as the longest."""
+        if self.pool is not None and capacity <= POOL_ROW_LIMIT:
             row = self.pool.acquire(capacity)
             if row is not None:
                 return row
@@ -289,42 +302,51 @@ class TargetEngine:
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
         out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=features,
                                 attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev))
+        batch.commit()
         logits = out.logits.float()
         rows = [logits[b, : len(f)] for b, f in enumerate(feeds)]
         hidden = [out.hidden_states[-1][b, : len(f)] for b, f in enumerate(feeds)] if features else None
         return rows, hidden
 
-    def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list[int | None]:
+    def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list:
         """Verify several generations' rounds (generation, proposal, wanted) in one forward,
-        exactly as ``Generation.verify`` would one at a time; returns each one's kept count (or
-        None, as ``verify``). One generation, or any not in the pool, goes through ``verify``.
-        If the batched forward fails, every cache is back where it was and nothing is counted:
-        the caller may verify them one at a time, so that the failure is pinned on one."""
+        exactly as ``Generation.verify`` would one at a time. Returns, per generation, its kept
+        count (or None, as ``verify``), or the exception that failed its own outcome (that
+        generation alone is then broken). One generation, or any not in the pool, goes through
+        ``verify``. ``BatchFailed`` when the batch fails before any generation took its outcome:
+        every cache and random generator is then as it was, for the caller to verify them one at
+        a time, so that the failure is pinned on one."""
         if len(rounds) == 1 or any(not isinstance(g.cache, PoolRowCache) for g, _, _ in rounds):
             return [g.verify(p, w) for g, p, w in rounds]
         if len(rounds) > self.max_batch:
             raise ValueError(f"a batch of {len(rounds)} exceeds max_batch {self.max_batch}")
         t_start = time.perf_counter()
-        plans = [g._plan(p, w) for g, p, w in rounds]
         gens = [g for g, _, _ in rounds]
-        feeds = [[g.tokens[-1], *plan[1]] for g, plan in zip(gens, plans)]
-        t_forward = time.perf_counter()
+        states = [None if g.params.greedy else g.gen.get_state() for g in gens]
         try:
+            plans = [g._plan(p, w) for g, p, w in rounds]
+            feeds = [[g.tokens[-1], *plan[1]] for g, plan in zip(gens, plans)]
+            t_forward = time.perf_counter()
             rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens))
             decided = torch.stack([g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]).tolist()
-        except BaseException:
-            for g in gens:
+        except Exception as exc:
+            for g, state in zip(gens, states):
                 crop_cache(g.cache, len(g.tokens) - 1)
-            raise
+                if state is not None:
+                    g.gen.set_state(state)
+            raise BatchFailed(f"a batched verification of {len(gens)} generations failed: {exc}") from exc
         forward_s = time.perf_counter() - t_forward
-        kept = []
+        outcomes: list = []
         for b, (g, plan) in enumerate(zip(gens, plans)):
             g.last_forward_s = forward_s
-            kept.append(g._apply(plan, *decided[b], rows[b], hidden[b] if hidden is not None else None))
+            try:
+                outcomes.append(g._apply(plan, *decided[b], rows[b], hidden[b] if hidden is not None else None))
+            except Exception as exc:
+                outcomes.append(exc)
         math_s = time.perf_counter() - t_start - forward_s
         for g in gens:
             g.last_math_s = math_s
-        return kept
+        return outcomes
 
     def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
         k = len(prop.tokens)
@@ -370,6 +392,9 @@ class TargetEngine:
                 n = g.verify(prop, wanted=drafts is not None and depth > 0)
                 if prop is not None and n is not None:
                     drafts.kept(n)
+        except BaseException:
+            g.release()
+            raise
         finally:
             if drafts is not None:
                 drafts.close()
@@ -463,9 +488,9 @@ class Generation:
         plan = self._plan(prop, wanted)
         t_forward = time.perf_counter()
         logits, hidden = self.engine._forward(self.cache, [self.tokens[-1], *plan[1]], self.feats is not None)
-        n, nxt = self._decide(logits, plan).tolist()  # the one host sync of the round
+        n, nxt, valid = self._decide(logits, plan).tolist()  # the one host sync of the round
         self.last_forward_s = time.perf_counter() - t_forward
-        kept = self._apply(plan, n, nxt, logits, hidden)
+        kept = self._apply(plan, n, nxt, valid, logits, hidden)
         self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
         return kept
 
@@ -482,7 +507,8 @@ class Generation:
         return prop, (list(prop.tokens) if prop is not None else []), invalid, fallback
 
     def _decide(self, logits: torch.Tensor, plan) -> torch.Tensor:
-        """The round's verification on the logits' device: [kept count, next token] as a tensor."""
+        """The round's verification on the logits' device: [kept count, next token, valid] as a
+        tensor (``common.verify``'s tensor path)."""
         prop, x = plan[0], plan[1]
         xt = torch.tensor(x, dtype=torch.long, device=logits.device)
         if self.params.greedy:
@@ -493,10 +519,15 @@ class Generation:
             q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1], p.device)
         return verify_sampling_tensor(p, q, xt, self.gen)
 
-    def _apply(self, plan, n: int, nxt: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> int | None:
-        """Keep the round's outcome: roll the cache back to the kept tokens, append them, count."""
+    def _apply(self, plan, n: int, nxt: int, valid: int, logits: torch.Tensor,
+               hidden: torch.Tensor | None) -> int | None:
+        """Keep the round's outcome: roll the cache back to the kept tokens, append them, count.
+        A round whose verification saw no valid distribution (``valid`` 0: NaN logits) fails the
+        generation with ValueError."""
         prop, x, invalid, fallback = plan
         engine, stats = self.engine, self.stats
+        if not valid:
+            raise ValueError("the target model's logits are not a distribution (NaN): the generation cannot go on")
         base = len(self.tokens) - 1  # cached positions before this round
         crop_cache(self.cache, base + 1 + n)
         if self.feats is not None:

@@ -85,7 +85,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     # at most the model's context (the published schema says so), less the prompt (TargetEngine.check)
-    max_tokens: integer(ge=1, le=MAX_NEW_TOKENS) | None = Field(
+    max_tokens: integer(ge=1) | None = Field(
         default=None, description="at most the model's context less the prompt's tokens")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False,
                                description=f"0 (or below {MIN_TEMPERATURE}) is greedy")

@@ -25,7 +25,7 @@ from typing import Callable
 
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
-from starsd_target.engine import Generation, GenerationResult, TargetEngine
+from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile, split_round
 
@@ -375,10 +375,9 @@ class Scheduler:
         else:
             try:
                 kept = self.engine.verify_batch([(a.gen, a.proposal, a.wanted) for a in batch])
-            except Exception:
-                # the caches are as they were: one at a time, so a fault fails its own job only
-                log.warning("a batched verification of %d generations failed; verifying them one at a time",
-                            len(batch), exc_info=True)
+            except BatchFailed:
+                # caches and generators are as they were: one at a time, so a fault fails its own job only
+                log.warning("verifying them one at a time", exc_info=True)
                 for a in batch:
                     self._rounds([a])
                 return
@@ -390,6 +389,8 @@ class Scheduler:
             self.metrics.on_forward(len(batch), verify_s)
         for a, n, counts in zip(batch, kept, before):
             with self._confined(a):
+                if isinstance(n, BaseException):
+                    raise n  # its own outcome failed (in a batch): that job alone
                 self._after_round(a, n, counts, verify_s, end)
 
     def _after_round(self, a: _Active, n: int | None, counts: tuple, verify_s: float, end: float) -> None:

@@ -70,32 +70,76 @@ def test_a_batch_of_four_equals_one_at_a_time(loaded_target, tiny_target, backen
     assert not batched.pool.live and len(batched.pool.free) == 4  # every row back in the pool
 
 
-def test_a_failed_batch_leaves_the_caches_as_they_were(loaded_target, backend, monkeypatch):
+@pytest.mark.parametrize("where", ["in the forward", "after the forward"])
+def test_a_failed_batch_leaves_caches_and_generators_as_they_were(loaded_target, backend, monkeypatch, where):
+    """A batch that fails in its forward (part way through the layers) or after it (in
+    verification) changes no cache and no random generator: verified one at a time afterwards,
+    greedy and seeded sampling give exactly what they would have."""
+    import torch
+
+    from starsd_target.engine import BatchFailed
+
+    params = [SamplingParams(), SamplingParams(0.9, 0, 1.0, seed=11)]
+    engine = TargetEngine(loaded_target, depth=4, max_batch=2)
+    gens = [engine.start(engine.encode(p), 20, sp) for p, sp in zip(PROMPTS[:2], params)]
+    drafts = [LocalDrafts(backend, sp) for sp in params]
+    for g in gens:
+        while g.prefilling:
+            g.prefill()
+    lengths = [g.cache.get_seq_length() for g in gens]
+    states = [g.gen.get_state() for g in gens]
+    props = [d.propose(g.tokens, 4) for g, d in zip(gens, drafts)]
+    if where == "in the forward":
+        def boom(*args, **kwargs):
+            raise RuntimeError("the device fell over")
+
+        hook = engine.model.model.layers[1].register_forward_pre_hook(boom)
+    else:
+        real = engine._forward_batch
+
+        def half(caches, feeds, features):  # the forward runs, then verification fails
+            real(caches, feeds, features)
+            raise RuntimeError("the device fell over")
+
+        monkeypatch.setattr(engine, "_forward_batch", half)
+    with pytest.raises(BatchFailed, match="fell over"):
+        engine.verify_batch([(g, p, True) for g, p in zip(gens, props)])
+    if where == "in the forward":
+        hook.remove()
+    monkeypatch.undo()
+    assert [[layer.n for layer in g.cache.layers] for g in gens] == [[n] * len(g.cache.layers)
+                                                                      for g, n in zip(gens, lengths)]
+    assert all(torch.equal(g.gen.get_state(), st) for g, st in zip(gens, states))
+    assert all(g.stats.rounds == 0 and g.stats.fallback_rounds == 0 for g in gens)
+    # one at a time from where they were, to the end: exactly the outputs of an untroubled run
+    first = True
+    while not all(g.done for g in gens):
+        for g, d, p in zip(gens, drafts, props):
+            if not g.done:
+                n = g.verify(p if first else d.propose(g.tokens, g.draft_depth()))
+                if n is not None:
+                    d.kept(n)
+        first = False
+    alone = TargetEngine(loaded_target, depth=4)
+    want = [alone.generate(alone.encode(p), 20, sp, drafts=LocalDrafts(backend, sp)) for p, sp in
+            zip(PROMPTS[:2], params)]
+    assert [g.result().token_ids for g in gens] == [w.token_ids for w in want]
+
+
+def test_one_generation_failing_in_a_batch_fails_alone(loaded_target, backend, monkeypatch):
     engine = TargetEngine(loaded_target, depth=4, max_batch=2)
     gens = [engine.start(engine.encode(p), 20, SamplingParams()) for p in PROMPTS[:2]]
     for g in gens:
         while g.prefilling:
             g.prefill()
-    lengths = [g.cache.get_seq_length() for g in gens]
-    drafts = [LocalDrafts(backend) for _ in gens]
-    props = [d.propose(g.tokens, 4) for g, d in zip(gens, drafts)]
 
-    real = engine._forward_batch
+    def broken(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
 
-    def half(caches, feeds, features):  # the forward runs (rows written), then verification fails
-        real(caches, feeds, features)
-        raise RuntimeError("the device fell over")
-
-    monkeypatch.setattr(engine, "_forward_batch", half)
-    with pytest.raises(RuntimeError, match="fell over"):
-        engine.verify_batch([(g, p, True) for g, p in zip(gens, props)])
-    assert [g.cache.get_seq_length() for g in gens] == lengths
-    assert all(g.stats.rounds == 0 and g.stats.fallback_rounds == 0 for g in gens)
-    monkeypatch.undo()
-    # one at a time afterwards, from where they were: still exact
-    for g, p in zip(gens, props):
-        g.verify(p)
-    assert all(g.stats.rounds == 1 for g in gens)
+    monkeypatch.setattr(gens[0], "_apply", broken)
+    outcomes = engine.verify_batch([(g, LocalDrafts(backend).propose(g.tokens, 4), True) for g in gens])
+    assert isinstance(outcomes[0], UnicodeDecodeError)
+    assert isinstance(outcomes[1], int) and gens[1].stats.rounds == 1 and len(gens[1].out) == outcomes[1] + 1
 
 
 def test_engines_refuse_batching_they_cannot_do(tmp_path):

@@ -161,3 +161,15 @@ def test_tokens_decoded_per_round_stay_bounded_as_the_text_grows(byte_decode):
         assert sum(costs) <= 10 * len(ids)  # linear: a full decode per round would be ~len(ids)**2 / 7
         late = costs[len(costs) // 2:]
         assert max(late) <= bound and sum(late) <= 10 * len(ids) / 2
+
+
+def test_token_bytes_concatenate_to_the_text_with_sentencepiece_spaces(piece_tokenizer):
+    """The bytes a token's log-probability entry reports join into the decoded text: a
+    SentencePiece piece keeps the space its marker stands for (decoding it alone drops it), and a
+    byte-fallback token is its byte."""
+    from common.token_bytes import token_bytes
+
+    ids = piece_tokenizer.encode("x the cat sat on the mat é", add_special_tokens=False)
+    joined = b"".join(token_bytes(piece_tokenizer, t) for t in ids)
+    assert joined.decode("utf-8") == " " + piece_tokenizer.decode(ids)  # the text's first space is the prompt's
+    assert token_bytes(piece_tokenizer, piece_tokenizer.convert_tokens_to_ids("▁cat")) == b" cat"

@@ -23,6 +23,7 @@ def _batched(model, caches, feeds):
     ids = torch.tensor([f + [f[-1]] * (M - len(f)) for f in feeds])
     out = model(input_ids=ids, cache=batch, use_cache=True, attention_mask=batch.mask(model.dtype, "cpu"),
                 position_ids=batch.positions("cpu"))
+    batch.commit()
     return [out.logits[b, : len(f)] for b, f in enumerate(feeds)]
 
 
@@ -80,3 +81,33 @@ def test_pool_supports_full_attention_models_only(rotary_model):
                           intermediate_size=64, vocab_size=64, use_sliding_window=True, sliding_window=4,
                           max_window_layers=0)
     assert not SlotPool.supports(sliding)
+
+
+@torch.inference_mode()
+def test_a_forward_that_fails_part_way_changes_no_row(rotary_model):
+    """A batched forward that raises in its second layer (after the first layer wrote) leaves
+    every row's length as it was, in every layer, and the rows go on exactly."""
+    torch.manual_seed(3)
+    pool = SlotPool(rotary_model.config, rows=2)
+    caches = [pool.acquire() for _ in range(2)]
+    refs = [SlotCache(rotary_model.config) for _ in range(2)]
+    for c, r, n in zip(caches, refs, (6, 9)):
+        p = torch.randint(3, 250, (1, n))
+        rotary_model(input_ids=p, cache=c, use_cache=True)
+        rotary_model(input_ids=p, cache=r, use_cache=True)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    hook = rotary_model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="memory"):
+            _batched(rotary_model, caches, [[5, 6, 7], [8]])
+    finally:
+        hook.remove()
+    assert [[layer.n for layer in c.layers] for c in caches] == [[6, 6], [9, 9]]
+    feeds = [[11, 12], [13, 14, 15]]
+    got = _batched(rotary_model, caches, feeds)
+    for g, r, f in zip(got, refs, feeds):
+        torch.testing.assert_close(g, rotary_model(input_ids=torch.tensor([f]), cache=r, use_cache=True).logits[0],
+                                   rtol=1e-4, atol=1e-4)

@@ -125,7 +125,8 @@ def _tables(seed: int):
 
 
 def _tensor_sampling(p, q, x, gen) -> tuple[int, int]:
-    n, tok = verify_sampling_tensor(p, q, x, gen).tolist()
+    n, tok, valid = verify_sampling_tensor(p, q, x, gen).tolist()
+    assert valid == 1
     return n, tok
 
 
@@ -226,8 +227,8 @@ def test_tensor_greedy_equals_reference(degenerate):
             if cut < k:
                 x[cut] = (x[cut] + 1) % 50
         want = verify_greedy(logits, x)
-        got = tuple(verify_greedy_tensor(logits, x).tolist())
-        assert got == want, (trial, k)
+        *got, valid = verify_greedy_tensor(logits, x).tolist()
+        assert tuple(got) == want and valid == 1, (trial, k)
         seen.add(want[0])
     assert len(seen) >= 4  # acceptance lengths were varied, not all zero
 
@@ -244,7 +245,7 @@ def test_tensor_sampling_equals_reference_for_one_generator_state(degenerate, pa
         p = logits_to_probs(logits, params)
         a, b = make_generator(trial), make_generator(trial)
         want = verify_sampling(p, q, x, a)
-        got = tuple(verify_sampling_tensor(p, q, x, b).tolist())
+        got = _tensor_sampling(p, q, x, b)
         assert got == want, (trial, k)
         assert torch.equal(a.get_state(), b.get_state())  # the same draws were consumed
         kept.append(want[0])
@@ -256,3 +257,18 @@ def test_tensor_paths_check_shapes():
         verify_greedy_tensor(torch.zeros(2, 4), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="shapes"):
         verify_sampling_tensor(torch.zeros(2, 4), torch.zeros(2, 4), torch.tensor([1]), make_generator(0))
+
+
+def test_tensor_paths_flag_what_is_no_distribution_instead_of_failing():
+    """NaN logits (an overflow in 16 bits): the tensor path draws from a stand-in and says
+    valid = 0, so that on a GPU nothing asserts on the device and the round can be refused."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    logits[1, 4] = float("nan")
+    assert verify_greedy_tensor(logits, torch.tensor([1, 2])).tolist()[2] == 0
+    p = torch.softmax(logits, -1)
+    q = torch.full((2, 10), 0.1)
+    x = torch.tensor([3, 5])
+    outcomes = {tuple(verify_sampling_tensor(p, q, x, make_generator(s)).tolist()) for s in range(20)}
+    assert all(valid == 0 for n, _, valid in outcomes if n == 1)  # row 1 is NaN: refused
+    assert all(valid == 1 for n, _, valid in outcomes if n == 0)  # row 0 is a distribution: fine
+    assert {n for n, _, _ in outcomes} >= {0, 1}

@@ -134,7 +134,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["batched"] = timed("batched", lambda: batched_section(cfg, pool, step, models[1], models[0]))
         if real_raw is not None:
             report["real"] = timed("real", lambda: real_finish(cfg, pool, real_raw, step))
-        if "verify" in cfg.sections:  # after the real section: its daemons have stopped, the cores are free
+        if "verify" in cfg.sections:  # after the real section (unless prestarted, as quick runs are): cores free
             report["verify"] = timed("verify", lambda: verify_section(cfg, pool, step, models))
     finally:
         bar.close()
