@@ -93,10 +93,12 @@ def test_the_demo_picks_the_fastest_exact_cpu_format(monkeypatch):
     from starsd_draftd.demo import run
 
     cfg = run.DemoConfig()
-    monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: True)
-    assert run.demo_dtype(cfg) == "bfloat16"
-    monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: False)
-    assert run.demo_dtype(cfg) == FP16_WEIGHTS
+    monkeypatch.setattr(fw, "fp16_weights_available", lambda: True)
+    for native in (True, False):  # fp16-weights first: exact (float32 compute), and the faster one measured
+        monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: native)
+        assert run.demo_dtype(cfg) == FP16_WEIGHTS
     monkeypatch.setattr(fw, "fp16_weights_available", lambda: False)
     assert run.demo_dtype(cfg) == "auto"
+    monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: True)
+    assert run.demo_dtype(cfg) == "bfloat16"  # no fbgemm (an ARM board, say): native bfloat16
     assert run.demo_dtype(run.DemoConfig(dtype="float32")) == "float32"  # an explicit choice stands

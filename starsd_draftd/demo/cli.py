@@ -45,8 +45,8 @@ def train_eagle(base_model, out, time_budget, threads, log_level, log_format) ->
              "standalone draft model.")
 @option("--device", default="cpu", help="Device for every daemon.")
 @option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto",
-        help="Model dtype for every daemon (auto, on a CPU: bfloat16 where it is native, else fp16-weights "
-             "where fbgemm is available, else float32; see `starsd-target serve --help`).")
+        help="Model dtype for every daemon (auto, on a CPU: fp16-weights where fbgemm is available (x86), "
+             "else bfloat16 where it is native, else float32; see `starsd-target serve --help`).")
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
              "are pinned to disjoint cores, as separate machines would be).")
