@@ -1,4 +1,4 @@
-"""``--dtype fp16-weights``: a CPU weight format for CPUs without native bfloat16.
+"""``--dtype fp16-weights``: a CPU weight format for x86 CPUs (the demo's first choice there).
 
 Every linear layer's weight is held in float16, packed once for fbgemm (PyTorch's x86 GEMM
 library), and multiplied in float32 (``torch.ops.quantized.linear_dynamic_fp16``). No activation is

@@ -217,6 +217,7 @@ class SlotPool:
         self.k[li] = key_states.new_zeros(shape_k)  # zeros: masked slots stay finite
         self.v[li] = value_states.new_zeros(shape_v)
 
+    @torch.inference_mode()  # the buffers are inference tensors, whichever thread grows them
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` in every row (and a spare slot, as ``SlotLayer`` keeps)."""
         if positions < self.slots:
@@ -233,7 +234,7 @@ class SlotPool:
             for new, old in zip(bufs, getattr(self, name)):
                 if old is not None:
                     new[:, :, : old.shape[2]] = old
-            setattr(self, name, bufs)
+        self.k, self.v = grown["k"], grown["v"]  # both at once, once every copy is made
         self.slots_hint = cap
         for cache in self.live.values():
             for layer in cache.layers:
@@ -293,6 +294,14 @@ class PoolRowCache(SlotCache):
 
     def release(self) -> None:
         self.pool.release(self)
+
+    @torch.inference_mode()
+    def scrub(self) -> None:
+        """Zero this row's slots in every layer (after a failure that may have written NaN there)."""
+        for li in range(self.pool.n_layers):
+            for bufs in (self.pool.k, self.pool.v):
+                if bufs[li] is not None:
+                    bufs[li][self.row].zero_()
 
 
 class _BatchLayer(DynamicLayer):

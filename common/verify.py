@@ -152,21 +152,22 @@ def dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int,
 # The same decisions as verify_greedy and verify_sampling, as tensor operations on whatever device
 # the logits are on: no Python loop over positions and no host sync. Each returns a long tensor
 # [n, token, valid] on that device; the caller moves it to the host once (for a batch of
-# generations, once for all of them) and refuses the round when valid is 0: NaN logits, or a
-# distribution that is no distribution, which the reference functions raise on (a categorical draw
-# from one on CUDA would fail the whole device context, not the one request).
+# generations, once for all of them) and refuses the round when valid is 0: NaN logits where the
+# round reads them, or a row that is no distribution, from which a categorical draw would fail (or
+# return nonsense) on the device instead of failing the one request.
 
 
 def verify_greedy_tensor(target_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``verify_greedy`` as tensor ops: n is the length of the prefix of x that matches the
     argmax rows (a cumulative product of matches), the token is the argmax after it; valid is 0
-    if any logit is NaN."""
+    if a row it read (0..n) holds a NaN."""
     k = int(x.shape[0])
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
     best = torch.argmax(target_logits, dim=-1)
     n = (x.to(best.device) == best[:k]).long().cumprod(0).sum()
-    valid = (~torch.isnan(target_logits).any()).long()
+    read = torch.arange(k + 1, device=best.device) <= n  # the rows the decision read: up to the token's
+    valid = (~(torch.isnan(target_logits).any(-1) & read).any()).long()
     return torch.stack([n, best.gather(0, n.view(1))[0], valid])
 
 

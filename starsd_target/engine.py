@@ -48,6 +48,10 @@ POOL_ROW_LIMIT = 4096
 MAX_LOGPROBS = 20  # the most alternatives per generated token a request may ask the log-probabilities of
 
 
+class GenerationFailed(RuntimeError):
+    """The model gave what no generation can go on from (NaN logits): a server fault, not the request's."""
+
+
 class BatchFailed(RuntimeError):
     """A batched verification failed before any of its generations took an outcome; their caches
     and random generators are as they were (``TargetEngine.verify_batch``)."""
@@ -329,11 +333,13 @@ class TargetEngine:
             t_forward = time.perf_counter()
             rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens))
             decided = torch.stack([g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]).tolist()
-        except Exception as exc:
+        except BaseException as exc:
             for g, state in zip(gens, states):
                 crop_cache(g.cache, len(g.tokens) - 1)
                 if state is not None:
                     g.gen.set_state(state)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt: the caches are restored, and it goes on up
             raise BatchFailed(f"a batched verification of {len(gens)} generations failed: {exc}") from exc
         forward_s = time.perf_counter() - t_forward
         outcomes: list = []
@@ -393,7 +399,7 @@ class TargetEngine:
                 if prop is not None and n is not None:
                     drafts.kept(n)
         except BaseException:
-            g.release()
+            g.release(scrub=True)
             raise
         finally:
             if drafts is not None:
@@ -523,11 +529,12 @@ class Generation:
                hidden: torch.Tensor | None) -> int | None:
         """Keep the round's outcome: roll the cache back to the kept tokens, append them, count.
         A round whose verification saw no valid distribution (``valid`` 0: NaN logits) fails the
-        generation with ValueError."""
+        generation with GenerationFailed."""
         prop, x, invalid, fallback = plan
         engine, stats = self.engine, self.stats
         if not valid:
-            raise ValueError("the target model's logits are not a distribution (NaN): the generation cannot go on")
+            raise GenerationFailed("the target model's logits are not a distribution (NaN): the generation "
+                                   "cannot go on")
         base = len(self.tokens) - 1  # cached positions before this round
         crop_cache(self.cache, base + 1 + n)
         if self.feats is not None:
@@ -558,9 +565,13 @@ class Generation:
         """Its cache is a pool row: its rounds can share a forward with others'."""
         return isinstance(self.cache, PoolRowCache)
 
-    def release(self) -> None:
-        """Free the KV cache (a pool row goes back to the pool); the generation runs no more rounds."""
+    def release(self, scrub: bool = False) -> None:
+        """Free the KV cache (a pool row goes back to the pool); the generation runs no more rounds.
+        ``scrub``: the generation failed, so its row may hold NaN keys: they are zeroed, since a
+        batched forward reads (masked) slots past each row's length, where a NaN still spreads."""
         if self._release is not None:
+            if scrub and isinstance(self.cache, PoolRowCache):
+                self.cache.scrub()
             self._release()
         self.cache = None
 

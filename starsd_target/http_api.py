@@ -430,9 +430,9 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
             raise ApiError(499, "the client closed the request", "cancelled") from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), "server_error") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        except Exception as exc:
+        except InvalidRequest as exc:  # the request, checked as its job started: the client's to fix
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except Exception as exc:  # the generation failed in the server (NaN logits, a tokenizer error...)
             raise ApiError(500, f"generation failed: {exc}", "server_error") from None
 
     @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse))

@@ -441,7 +441,11 @@ class Scheduler:
             except Exception as err:
                 log.exception("a generation failed at its end")
                 exc = err
-        a.gen.release()  # freed now (a pool row back in the pool), whatever still holds the generation
+        # freed now (a pool row back in the pool, scrubbed after a failure), whatever still holds the generation
+        try:
+            a.gen.release(scrub=exc is not None and not isinstance(exc, Cancelled))
+        except Exception:
+            log.exception("freeing a generation's cache failed")
         self._settle(a.job, result, exc)
 
     def _settle(self, job: Job, result: GenerationResult | None = None, exc: BaseException | None = None) -> None:

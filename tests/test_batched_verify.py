@@ -37,7 +37,8 @@ def _lockstep(engine, backend, prompts, params, max_tokens, skip_every=0):
         for i, (g, d) in enumerate(live):
             skip = skip_every and (step + i) % skip_every == 0
             rounds.append((g, None if skip else d.propose(g.tokens, g.draft_depth()), True))  # skipped: drafts lost
-        engine.verify_batch(rounds)
+        outcomes = engine.verify_batch(rounds)
+        assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
         batches += len(rounds) > 1
         step += 1
     return [g.result() for g in gens], batches

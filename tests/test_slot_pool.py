@@ -58,18 +58,25 @@ def test_batched_rows_equal_one_at_a_time(rotary_model, rows):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@torch.inference_mode()
 def test_rows_are_reused_and_bounded(rotary_model):
+    """Outside inference mode too, as the scheduler's thread acquires, grows, scrubs and releases rows."""
     pool = SlotPool(rotary_model.config, rows=2)
     a, b = pool.acquire(), pool.acquire()
     assert pool.acquire() is None  # every row taken
-    rotary_model(input_ids=torch.tensor([[5, 6, 7]]), cache=a, use_cache=True)
+    with torch.inference_mode():  # as the runner feeds
+        rotary_model(input_ids=torch.tensor([[5, 6, 7]]), cache=a, use_cache=True)
+    assert pool.k[0][a.row, :, :3].abs().sum() > 0
+    pool.reserve(pool.slots + 10)  # growth with a live row, outside inference mode
+    assert a.get_seq_length() == 3 and a.layers[0].keys.shape[2] == 3
+    a.scrub()  # after a failure: the row's slots zeroed (a NaN there would spread through masked reads)
+    assert all(pool.k[li][a.row].abs().sum() == 0 and pool.v[li][a.row].abs().sum() == 0
+               for li in range(pool.n_layers))
     a.release()
     c = pool.acquire()
     assert c.row == a.row and c.get_seq_length() == 0  # a fresh sequence in the freed row
     with pytest.raises(ValueError, match="distinct rows"):
         PoolBatch([b, b], [1, 1])
-    with pytest.raises(ValueError, match="one sequence"):
+    with pytest.raises(ValueError, match="one sequence"), torch.inference_mode():
         rotary_model(input_ids=torch.tensor([[5], [6]]), cache=b, use_cache=True)
 
 

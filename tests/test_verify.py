@@ -264,7 +264,10 @@ def test_tensor_paths_flag_what_is_no_distribution_instead_of_failing():
     valid = 0, so that on a GPU nothing asserts on the device and the round can be refused."""
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
     logits[1, 4] = float("nan")
-    assert verify_greedy_tensor(logits, torch.tensor([1, 2])).tolist()[2] == 0
+    x = logits.argmax(-1)[:2]  # drafts the first row agrees with: the NaN row is read
+    assert verify_greedy_tensor(logits, x).tolist()[2] == 0
+    other = (logits[0].argmax() + 1) % 10  # a draft rejected at once: the NaN row is not read
+    assert verify_greedy_tensor(logits, torch.tensor([int(other), 2])).tolist()[0::2] == [0, 1]
     p = torch.softmax(logits, -1)
     q = torch.full((2, 10), 0.1)
     x = torch.tensor([3, 5])
