@@ -31,7 +31,15 @@ class ControlClient:
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send one request and return its reply; an ERROR reply raises RemoteError.
         After a timeout the socket is replaced, so a late reply cannot answer the next call."""
-        self.sock.send_multipart(P.encode(msg), copy=False)
+        # a send can block too: a DEALER whose only connection failed its handshake (a CURVE key
+        # the server refuses) has no pipe to queue on, and waits for one without end
+        self.sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+        try:
+            self.sock.send_multipart(P.encode(msg), copy=False)
+        except zmq.Again:
+            self.sock.close(linger=0)
+            self._connect()
+            raise ControlTimeout(f"could not send to {self.endpoint} within {timeout_s:.1f}s") from None
         if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             self.sock.close(linger=0)
             self._connect()

@@ -635,3 +635,23 @@ def test_a_request_body_beyond_the_limit_is_refused_before_it_is_parsed(loaded_t
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         daemon.scheduler().stop()
+
+
+def test_a_control_call_that_cannot_send_times_out(tmp_path):
+    """A DEALER with no pipe to send on (its handshake refused, or nothing to connect to with
+    immediate set) blocks in send without end; the control client gives up as it does on a reply."""
+    from common.control import ControlClient, ControlTimeout
+
+    ctx = zmq.Context()
+    try:
+        endpoint = f"ipc://{tmp_path}/nobody"
+        cc = ControlClient(endpoint, ctx)
+        cc.sock.close(linger=0)
+        cc.sock = ctx.socket(zmq.DEALER)
+        cc.sock.setsockopt(zmq.IMMEDIATE, 1)  # no completed connection: no pipe to queue the message on
+        cc.sock.connect(endpoint)
+        with pytest.raises(ControlTimeout, match="could not send"):
+            cc.stats(0.3)  # before, this send never returned
+        cc.close()
+    finally:
+        ctx.destroy(linger=0)
