@@ -20,6 +20,15 @@ from transformers.cache_utils import DynamicLayer
 MIN_SLOTS = 64
 
 
+def grown_capacity(capacity: int, need: int) -> int:
+    """The slots a buffer of ``capacity`` grows to when ``need`` positions must fit: a quarter of
+    the capacity more (at least MIN_SLOTS), for amortised copies and a buffer at most 1.25x (plus
+    64 slots) of what it holds, close to the draft daemon's KV accounting; and always one spare
+    slot past ``need`` (a view covering the whole buffer would be contiguous where every other is
+    not, and a compiled forward would need a graph for it)."""
+    return max(need + 1, capacity + max(capacity // 4, MIN_SLOTS))
+
+
 class SlotLayer(DynamicLayer):
     """One layer's keys and values [B, H, capacity, D], of which the first ``n`` positions hold
     the cache; ``keys`` and ``values`` are views of those (what the model's attention reads)."""
@@ -49,13 +58,9 @@ class SlotLayer(DynamicLayer):
         self.values = self.v_buf[:, :, : self.n]
 
     def _reserve(self, need: int) -> None:
-        # always a free slot past the filled ones: a view that covered the whole buffer would be
-        # contiguous where every other is not, and a compiled forward would need a graph for it
-        if need < self.capacity:
+        if need < self.capacity:  # a spare slot always (see grown_capacity)
             return
-        # a quarter of the capacity more (at least 64 slots): amortised copies, and a buffer at most
-        # 1.25x (plus 64 slots) of what a session holds, close to the draft daemon's KV accounting
-        cap = max(need + 1, self.capacity + max(self.capacity // 4, MIN_SLOTS))
+        cap = grown_capacity(self.capacity, need)
         for name in ("k_buf", "v_buf"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], cap, old.shape[3])
@@ -222,7 +227,7 @@ class SlotPool:
         """Room for ``positions`` in every row (and a spare slot, as ``SlotLayer`` keeps)."""
         if positions < self.slots:
             return
-        cap = max(positions + 1, self.slots + max(self.slots // 4, MIN_SLOTS))
+        cap = grown_capacity(self.slots, positions)
         if all(t is None for t in self.k):
             self.slots_hint = cap
             return

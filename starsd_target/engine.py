@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -320,7 +320,7 @@ class TargetEngine:
         ``verify``. ``BatchFailed`` when the batch fails before any generation took its outcome:
         every cache and random generator is then as it was, for the caller to verify them one at
         a time, so that the failure is pinned on one."""
-        if len(rounds) == 1 or any(not isinstance(g.cache, PoolRowCache) for g, _, _ in rounds):
+        if len(rounds) == 1 or any(not g.batchable for g, _, _ in rounds):
             return [g.verify(p, w) for g, p, w in rounds]
         if len(rounds) > self.max_batch:
             raise ValueError(f"a batch of {len(rounds)} exceeds max_batch {self.max_batch}")
@@ -329,7 +329,7 @@ class TargetEngine:
         states = [None if g.params.greedy else g.gen.get_state() for g in gens]
         try:
             plans = [g._plan(p, w) for g, p, w in rounds]
-            feeds = [[g.tokens[-1], *plan[1]] for g, plan in zip(gens, plans)]
+            feeds = [[g.tokens[-1], *plan.x] for g, plan in zip(gens, plans)]
             t_forward = time.perf_counter()
             rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens))
             decided = torch.stack([g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]).tolist()
@@ -405,6 +405,15 @@ class TargetEngine:
             if drafts is not None:
                 drafts.close()
         return g.result()
+
+
+class _Plan(NamedTuple):
+    """A round before its forward: what ``Generation._plan`` decided, counted by ``_apply``."""
+
+    prop: "Proposal | None"  # the proposal to verify (None: the target alone)
+    x: list[int]  # its draft tokens
+    invalid: bool  # a proposal came and was unusable
+    fallback: bool  # drafts were wanted and the round goes without
 
 
 @dataclass
@@ -493,16 +502,15 @@ class Generation:
         t_start = time.perf_counter()
         plan = self._plan(prop, wanted)
         t_forward = time.perf_counter()
-        logits, hidden = self.engine._forward(self.cache, [self.tokens[-1], *plan[1]], self.feats is not None)
+        logits, hidden = self.engine._forward(self.cache, [self.tokens[-1], *plan.x], self.feats is not None)
         n, nxt, valid = self._decide(logits, plan).tolist()  # the one host sync of the round
         self.last_forward_s = time.perf_counter() - t_forward
         kept = self._apply(plan, n, nxt, valid, logits, hidden)
         self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
         return kept
 
-    def _plan(self, prop: Proposal | None, wanted: bool) -> tuple[Proposal | None, list[int], bool, bool]:
-        """(the proposal to verify or None, its draft tokens, whether it was invalid, whether the
-        round counts as a fallback). Counts nothing: ``_apply`` does, once the round is done."""
+    def _plan(self, prop: Proposal | None, wanted: bool) -> _Plan:
+        """What the round verifies. Counts nothing: ``_apply`` does, once the round is done."""
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
         depth = self.draft_depth()
@@ -510,12 +518,12 @@ class Generation:
         if invalid:
             prop = None
         fallback = prop is None and wanted and depth > 0
-        return prop, (list(prop.tokens) if prop is not None else []), invalid, fallback
+        return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback)
 
-    def _decide(self, logits: torch.Tensor, plan) -> torch.Tensor:
+    def _decide(self, logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """The round's verification on the logits' device: [kept count, next token, valid] as a
         tensor (``common.verify``'s tensor path)."""
-        prop, x = plan[0], plan[1]
+        prop, x = plan.prop, plan.x
         xt = torch.tensor(x, dtype=torch.long, device=logits.device)
         if self.params.greedy:
             return verify_greedy_tensor(logits, xt)
@@ -525,7 +533,7 @@ class Generation:
             q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1], p.device)
         return verify_sampling_tensor(p, q, xt, self.gen)
 
-    def _apply(self, plan, n: int, nxt: int, valid: int, logits: torch.Tensor,
+    def _apply(self, plan: _Plan, n: int, nxt: int, valid: int, logits: torch.Tensor,
                hidden: torch.Tensor | None) -> int | None:
         """Keep the round's outcome: roll the cache back to the kept tokens, append them, count.
         A round whose verification saw no valid distribution (``valid`` 0: NaN logits) fails the
