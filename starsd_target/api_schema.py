@@ -154,19 +154,18 @@ def install_openapi(app: FastAPI, vocab: int, context: int | None, max_new_token
             schemas = doc.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
-            _bound(schemas, vocab, context, max_new_tokens)
-            for branch in _branches(schemas.get("SpeculationOptions", {}).get("properties", {})
-                                    .get("max_draft_tokens", {})):
-                if branch.get("type") == "integer":
-                    branch["maximum"] = depth
+            _bound(schemas, vocab, context, max_new_tokens, depth)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def _bound(schemas: dict, vocab: int, context: int | None, max_new_tokens: int) -> None:
+def _bound(schemas: dict, vocab: int, context: int | None, max_new_tokens: int, depth: int) -> None:
     most_tokens = context - 1 if context is not None else max_new_tokens  # a prompt holds one token at least
+    for branch in _branches(schemas.get("SpeculationOptions", {}).get("properties", {}).get("max_draft_tokens", {})):
+        if branch.get("type") == "integer":
+            branch["maximum"] = depth
     for name in ("CompletionRequest", "ChatRequest"):
         props = schemas.get(name, {}).get("properties", {})
         for branch in _branches(props.get("max_tokens", {})):

@@ -246,6 +246,12 @@ class _Logprobs:
         return {"token": name, "logprob": _finite(e.logprob), "bytes": raw, "top_logprobs": top}
 
 
+def _request_param(engine_param: str | None) -> str | None:
+    """The request field an engine bound names (``InvalidRequest.param``): the same name, but for
+    the speculation cap, which the request carries inside its ``starsd`` object."""
+    return "starsd.max_draft_tokens" if engine_param == "max_draft_tokens" else engine_param
+
+
 def _finite(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -310,8 +316,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
             daemon.submit(job)
             return job
         except InvalidRequest as exc:
-            param = "starsd.max_draft_tokens" if exc.param == "max_draft_tokens" else exc.param
-            raise ApiError(400, str(exc), param=param) from None
+            raise ApiError(400, str(exc), param=_request_param(exc.param)) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -431,7 +436,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), "server_error") from None
         except InvalidRequest as exc:  # the request, checked as its job started: the client's to fix
-            raise ApiError(400, str(exc), param=exc.param) from None
+            raise ApiError(400, str(exc), param=_request_param(exc.param)) from None
         except Exception as exc:  # the generation failed in the server (NaN logits, a tokenizer error...)
             raise ApiError(500, f"generation failed: {exc}", "server_error") from None
 
