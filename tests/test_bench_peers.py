@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from starsd_draftd.bench.peers import report as rep
 from starsd_draftd.bench.peers.cli import main
-from starsd_draftd.bench.peers.run import VLLM_PEER, PeersConfig, daemon_args, run_order, vllm_blocks, vllm_command
+from starsd_draftd.bench.peers.run import VLLM_PEER, PeersConfig, daemon_args, plan, run_order, vllm_blocks, vllm_command
 
 
 def _load_peer():
@@ -165,6 +165,33 @@ def test_a_divergent_starsd_output_is_called_out(blocks):
                               "rows": rows, "summary": s, "blocks": blocks})
     assert s["starsd_spec_equals_starsd_alone"] == {"identical": 1, "of": 2}
     assert "(NOT all)" in md
+
+
+def test_each_starsd_dtype_is_compared_with_its_own_target_alone(blocks):
+    """Two StarSD dtypes are two roundings of the model: speculative rows answer to their own
+    dtype's target alone; the second dtype's target alone and vLLM to the first's (reported)."""
+    a = [1, 2, 3, 4]
+    other = [dict(b, dtype="bf16-weights", label=b["label"] + "-bf16") for b in blocks if b["system"] == "starsd"]
+    other[0] = dict(other[0], cases=[rep.starsd_case(1, [_starsd_phase([(a, 2, 0)]), _starsd_phase([([5, 6, 0, 0], 2, 0)])])])
+    other[1] = dict(other[1], cases=[rep.starsd_case(1, [_starsd_phase([(a, 4, 0)]), _starsd_phase([([5, 6, 0, 0], 4, 0)])])])
+    rows = rep.build_rows(blocks + other, max_tokens=4)
+    by = {(r["system"], r["mode"], r["dtype"]): r for r in rows}
+    assert by[("starsd", "alone", "fp16-weights")]["vs_starsd_alone"] is None  # the first run's: the reference
+    assert by[("starsd", "alone", "bf16-weights")]["vs_starsd_alone"]["identical"] == 1  # against fp16-weights'
+    assert by[("starsd", "spec", "bf16-weights")]["vs_starsd_alone"]["identical"] == 2  # against its own
+    assert by[("vllm", "alone", "float32")]["vs_starsd_alone"]["identical"] == 2
+    assert rep.summary(rows)["starsd_spec_equals_starsd_alone"] == {"identical": 4, "of": 4}
+    md = rep.format_markdown({"created": "now", "machine": {}, "config": {"prompts": 2, "max_tokens": 4, "depth": 4},
+                              "rows": rows, "summary": rep.summary(rows), "blocks": blocks + other})
+    assert md.count("(reference)") == 1
+
+
+def test_starsd_dtypes_run_fresh_daemons_each_and_bad_ones_are_refused(tmp_path):
+    cfg = PeersConfig(cpus=(0, 1), vllm_python=None, starsd_dtypes=("fp16-weights", "float32"))
+    steps = plan(cfg)
+    assert [s["draftd"][s["draftd"].index("--dtype") + 1] for s in steps] == ["fp16-weights", "float32"]
+    with pytest.raises(ValueError, match="unknown StarSD dtype"):
+        PeersConfig(cpus=(0, 1), vllm_python=None, starsd_dtypes=("fp8",)).check()
 
 
 # ---------------------------------------------------------------- the plan and the command line

@@ -47,6 +47,9 @@ def _words(text: str | None) -> tuple[str, ...]:
 @option("--vllm-kvcache-gib", type=click.IntRange(1), default=_c.vllm_kvcache_gib, help="VLLM_CPU_KVCACHE_SPACE.")
 @option("--preload", default=None,
         help="Colon-separated LD_PRELOAD for vLLM [default: Debian's libtcmalloc_minimal and the venv's libiomp5].")
+@option("--starsd-dtypes", default=None,
+        help="Comma-separated --dtype values StarSD's daemons run each case in, fresh daemons per dtype, each "
+             "compared with its own target alone [default: the demo's choice on this machine].")
 @option("--starsd-args", envvar="STARSD_ARGS", default="",
         help="Extra arguments for both daemons' serve, one shell-quoted string (e.g. --starsd-args=--compile).")
 @option("--draftd-args", default="", help="Extra arguments for the draft daemon only.")
@@ -59,7 +62,7 @@ def _words(text: str | None) -> tuple[str, ...]:
 @logging_options(option, default_level="warning")
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
 def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
-         vllm_kvcache_gib, preload, starsd_args, draftd_args, target_args, cpus, workdir, show_plan, as_json,
+         vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, show_plan, as_json,
          log_level, log_format) -> None:
     """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
     speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md."""
@@ -69,6 +72,7 @@ def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_star
                       vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()),
                       vllm_eager=vllm_eager, vllm_kvcache_gib=vllm_kvcache_gib,
                       preload=None if preload is None else tuple(p for p in preload.split(":") if p),
+                      starsd_dtypes=tuple(d.strip() for d in (starsd_dtypes or "").split(",") if d.strip()),
                       starsd_args=_words(starsd_args), draftd_args=_words(draftd_args),
                       target_args=_words(target_args), cpus=None if cpus is None else _ints(cpus), workdir=workdir)
     if show_plan:

@@ -78,11 +78,15 @@ def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max
 
 def build_rows(blocks: list[dict], max_tokens: int) -> list[dict]:
     """One row per measured block and streams count, StarSD's target alone first within each
-    streams count; each row's outputs compared with StarSD's target alone at that count."""
-    reference = {}
+    streams count; each row's outputs compared with StarSD's target alone at that count: StarSD's
+    speculative rows with its target alone in the same dtype (the same model), vLLM's with the
+    first StarSD dtype's, and a second StarSD dtype's target alone with the first's (another
+    rounding of the model: reported, as vLLM's)."""
+    alone = {}  # dtype -> streams -> outputs, in run order
     for b in blocks:
         if b["system"] == "starsd" and b["mode"] == "alone":
-            reference = {c["streams"]: c["outputs"] for c in b["cases"]}
+            alone.setdefault(b["dtype"], {c["streams"]: c["outputs"] for c in b["cases"]})
+    first = next(iter(alone.values()), {})
     streams = sorted({c["streams"] for b in blocks for c in b["cases"]})
     order = {("starsd", "alone"): 0, ("vllm", "alone"): 1, ("starsd", "spec"): 2, ("vllm", "spec"): 3}
     rows = []
@@ -90,8 +94,13 @@ def build_rows(blocks: list[dict], max_tokens: int) -> list[dict]:
         picked = [(b, c) for b in blocks for c in b["cases"] if c["streams"] == s]
         picked.sort(key=lambda bc: (order[(bc[0]["system"], bc[0]["mode"])], len(bc[0]["cores"]), bc[0]["dtype"]))
         for b, c in picked:
-            is_reference = b["system"] == "starsd" and b["mode"] == "alone"
-            rows.append(_row(b["system"], b, c, None if is_reference else reference.get(s), max_tokens))
+            if b["system"] == "starsd" and b["mode"] == "spec":
+                ref = alone.get(b["dtype"], {}).get(s)
+            elif b["system"] == "starsd":
+                ref = None if alone.get(b["dtype"]) is first else first.get(s)
+            else:
+                ref = first.get(s)
+            rows.append(_row(b["system"], b, c, ref, max_tokens))
     return rows
 
 
@@ -102,7 +111,7 @@ def summary(rows: list[dict]) -> dict:
         cmp = [r["vs_starsd_alone"] for r in rows if sel(r) and r["vs_starsd_alone"] is not None]
         return {"identical": sum(c["identical"] for c in cmp), "of": sum(c["of"] for c in cmp)} if cmp else None
 
-    return {"starsd_spec_equals_starsd_alone": tally(lambda r: r["system"] == "starsd"),
+    return {"starsd_spec_equals_starsd_alone": tally(lambda r: r["system"] == "starsd" and r["mode"] == "spec"),
             "vllm_equals_starsd_alone": tally(lambda r: r["system"] == "vllm"),
             "starsd_fallback_rounds": sum(r["fallback_rounds"] or 0 for r in rows if r["system"] == "starsd")}
 
@@ -122,7 +131,7 @@ def format_table(report: dict) -> str:
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in report["rows"]:
         cmp = r["vs_starsd_alone"]
-        same = "(reference)" if r["system"] == "starsd" and r["mode"] == "alone" else (
+        same = "(reference)" if r["system"] == "starsd" and r["mode"] == "alone" and cmp is None else (
             "n/a" if cmp is None else f"{cmp['identical']}/{cmp['of']} (common prefix {cmp['mean_common_prefix']:.0f})")
         kept = _fmt(r["kept_per_round"], ".2f")
         if r["vllm_mean_acceptance_length"] is not None:

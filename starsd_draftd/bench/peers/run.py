@@ -56,6 +56,7 @@ class PeersConfig:
     vllm_max_model_len: int = 512
     preload: tuple[str, ...] | None = None  # LD_PRELOAD for vLLM; None: tcmalloc and the venv's libiomp5 if found
     starsd: bool = True
+    starsd_dtypes: tuple[str, ...] = ()  # StarSD's daemons run each case in each; () the demo's choice
     starsd_args: tuple[str, ...] = ()  # extra arguments for both daemons' `serve`
     draftd_args: tuple[str, ...] = ()
     target_args: tuple[str, ...] = ()
@@ -80,6 +81,19 @@ class PeersConfig:
                              "or pass --vllm-python")
         if len(self.two_cores()) < 2:
             raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
+        from common.models import DTYPE_CHOICES
+
+        bad = [d for d in self.starsd_dtypes if d not in DTYPE_CHOICES]
+        if bad:
+            raise ValueError(f"unknown StarSD dtype(s) {', '.join(bad)}; choose from {', '.join(DTYPE_CHOICES)}")
+
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes StarSD's daemons run in: the configured ones, else the demo's choice here."""
+        if self.starsd_dtypes:
+            return self.starsd_dtypes
+        from starsd_draftd.demo.run import DemoConfig, demo_dtype
+
+        return (demo_dtype(DemoConfig()),)
 
     def two_cores(self) -> tuple[int, ...]:
         cpus = sorted(self.cpus) if self.cpus is not None else sorted(os.sched_getaffinity(0))
@@ -162,19 +176,15 @@ def vllm_command(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Pat
     return cmd, env
 
 
-def plan(cfg: PeersConfig, dtype: str | None = None) -> list[dict]:
+def plan(cfg: PeersConfig) -> list[dict]:
     """What a run would do, in order (``--plan`` prints it): each vLLM process's command and
-    environment, and StarSD's daemons."""
+    environment, and StarSD's daemons (once per dtype)."""
     if len(cfg.two_cores()) < 2:
         raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
-    if dtype is None:
-        from starsd_draftd.demo.run import DemoConfig, demo_dtype
-
-        dtype = demo_dtype(DemoConfig())  # what run_peers gives the daemons
     steps = []
     for item in run_order(vllm_blocks(cfg)):
         if item == "starsd":
-            if cfg.starsd:
+            for dtype in cfg.dtypes() if cfg.starsd else ():
                 d, t = daemon_args(cfg, dtype, "tcp://127.0.0.1:PORT1", "tcp://127.0.0.1:PORT2")
                 draft_core, target_core = cfg.two_cores()
                 steps.append({"system": "starsd", "draftd": d, "draftd_cores": [draft_core], "target": t,
@@ -332,12 +342,11 @@ def _prompt_ids(cfg: PeersConfig, target_dir: Path) -> tuple[list[str], list[lis
 def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
     """Run every case, write peers.json and peers.md into ``cfg.out``; the report."""
     from common.models import resolve_model_path
-    from starsd_draftd.demo.run import DemoConfig, demo_dtype
 
     cfg.check()
     t_start = time.perf_counter()
     target_dir, draft_dir = resolve_model_path(cfg.target_model), resolve_model_path(cfg.draft_model)
-    dtype = demo_dtype(DemoConfig())
+    dtypes = cfg.dtypes()
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     texts, prompts = _prompt_ids(cfg, target_dir)
@@ -348,10 +357,11 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
         if item == "starsd":
             if not cfg.starsd:
                 continue
-            res = run_starsd(cfg, prompts, dtype, workdir, progress)
-            for b in starsd_blocks(cfg, dtype):
-                blocks.append(dict(b, start=res["start"], cases=[res[b["mode"]][s] for s in cfg.streams]))
-            order.append("StarSD (target alone and speculative, alternated per streams count)")
+            for dtype in dtypes:
+                res = run_starsd(cfg, prompts, dtype, workdir, progress)
+                for b in starsd_blocks(cfg, dtype):
+                    blocks.append(dict(b, start=res["start"], cases=[res[b["mode"]][s] for s in cfg.streams]))
+                order.append(f"StarSD {dtype} (target alone and speculative, alternated per streams count)")
             continue
         res = run_vllm_block(cfg, item, target_dir, draft_dir, prompts_file, workdir, progress)
         vllm_meta = {"vllm_version": res["vllm_version"], "vllm_torch": res.get("torch_version"),
@@ -364,9 +374,9 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": _machine(), **vllm_meta,
               "config": dict({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-                             starsd_dtype=dtype, target_dir=str(target_dir), draft_dir=str(draft_dir)),
+                             starsd_dtypes=list(dtypes), target_dir=str(target_dir), draft_dir=str(draft_dir)),
               "prompt_texts": texts, "prompt_ids": prompts, "order": order, "blocks": blocks, "rows": rows,
-              "summary": rep.summary(rows), "notes": _notes(cfg, dtype), "logs": str(workdir),
+              "summary": rep.summary(rows), "notes": _notes(cfg, dtypes), "logs": str(workdir),
               "wall_s": time.perf_counter() - t_start}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,10 +385,11 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
     return report
 
 
-def _notes(cfg: PeersConfig, dtype: str) -> list[str]:
+def _notes(cfg: PeersConfig, dtypes: tuple[str, ...]) -> list[str]:
     draft_core, target_core = cfg.two_cores()
     notes = [f"StarSD: real daemons, draft on core {draft_core}, target on core {target_core}, one torch thread each, "
-             f"--dtype {dtype}; its target alone is the same target daemon with no_draft.",
+             f"--dtype {' and '.join(dtypes)} (fresh daemons per dtype); its target alone is the same target "
+             "daemon with no_draft, and each dtype's outputs are compared with its own target alone.",
              f"vLLM: one process tree per engine, pinned to its cores (front end included), VLLM_CPU_OMP_THREADS_BIND "
              f"to the same cores, enforce_eager={cfg.vllm_eager}, VLLM_CPU_KVCACHE_SPACE={cfg.vllm_kvcache_gib} GiB, "
              f"max_model_len {cfg.vllm_max_model_len}; speculative: method draft_model, num_speculative_tokens "
