@@ -53,6 +53,11 @@ def main() -> None:
         help="With requests waiting and room in the batch, wait up to this long for sessions whose targets "
              "usually answer within it (learned per session); 0 never waits (strictly work-conserving). "
              "Millisecond granularity.")
+@option("--lookahead/--no-lookahead", default=_s.lookahead,
+        help="With no request waiting, draft each served session's next round ahead of its request (its drafts "
+             "all kept, then the draft's guess of the target's next token), one forward at a time so a request "
+             "that comes waits one forward at most; a request for exactly that sequence is answered at once. "
+             "Lossless like every draft (--backend model; other backends draft on request).")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
@@ -117,13 +122,13 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads
                             compile=compile_))
 
 
-def _server_config(bind, depth, batch_max, batch_window_ms, max_sessions, max_sessions_per_peer, max_peers,
+def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_sessions, max_sessions_per_peer, max_peers,
                    max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue,
                    max_peer_queue_mib, max_kv_mib, max_peer_kv_mib, max_session_kv_mib, session_ttl, peer_ttl,
                    evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port) -> ServerConfig:
     """The serving loop's configuration from the command line's units (ms, MiB)."""
     return ServerConfig(
-        bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000,
+        bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000, lookahead=lookahead,
         max_sessions=max_sessions, max_sessions_per_peer=max_sessions_per_peer, max_peers=max_peers,
         max_peers_per_address=max_peers_per_address, max_sessions_per_address=max_sessions_per_address,
         max_queue=max_queue, max_queue_bytes=max_queue_mib * _MIB, max_peer_queue=max_peer_queue,
@@ -152,7 +157,20 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  peers {s['peers']}, live sessions {s['live_sessions']}, queue {s['queue_depth']}",
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
-            f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s)
+            f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
+        _lookahead_line(s)
+
+
+def _lookahead_line(s: dict) -> list[str]:
+    """What drafting ahead did (none from an older daemon, or before any)."""
+    la = s.get("lookahead")
+    if not la or not la["started"]:
+        return []
+    answered = la["hits"] + la["late_hits"]
+    tried = answered + la["misses"]
+    rate = f"{100 * answered / tried:.0f}% of {tried}" if tried else "none yet"
+    return [f"  lookahead: {la['started']} rounds drafted ahead, requests answered from them {rate} "
+            f"({la['late_hits']} finished on arrival), {la['idle_s']:.1f}s of idle time used"]
 
 
 def _profile_line(s: dict) -> list[str]:

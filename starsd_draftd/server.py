@@ -29,7 +29,7 @@ from common.security import AllowList
 from common.sockets import SocketOptions, bind_server, check_server_endpoint, is_local_address
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
-from starsd_draftd.backends.base import DraftBackend, DraftRequest
+from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 
@@ -51,6 +51,10 @@ class ServerConfig:
     # it (each session's reply-to-request turnaround is tracked). 0 keeps the loop strictly
     # work-conserving; a few ms fills batches when targets answer fast (many targets, short V).
     batch_window_s: float = 0.0
+    # With nothing queued, draft each served session's next round ahead (its drafts all kept,
+    # then the draft's guess of the target's next token), one forward per loop pass; a request
+    # that comes for exactly that sequence is answered from it at once.
+    lookahead: bool = True
     # The session table's bounds (TableLimits, fields of the same names)
     max_sessions: int = _TABLE.max_sessions
     max_sessions_per_peer: int = _TABLE.max_sessions_per_peer
@@ -145,6 +149,12 @@ class Stats:
         # remainder of its time from its reading off the socket to its reply's send (decode and
         # checks on arrival, admission, encode, send). The parts add up to the requests' time here.
         self.request_s = {part: 0.0 for part in REQUEST_PARTS}
+        # Lookahead: requests answered from work done ahead (hit: it was done; late_hit: it was
+        # finished on arrival), requests whose sequence it had not guessed (miss), work dropped
+        # unused with its session (dropped); the forward steps it ran and their seconds (idle time
+        # used: steps run only with nothing queued; finishing a late hit counts as drafting)
+        self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "steps": 0,
+                          "idle_s": 0.0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -173,6 +183,7 @@ class Stats:
             "loop_errors": self.loop_errors,
             "errors": dict(self.errors),
             "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},
+            "lookahead": dict(self.lookahead),
         }
 
 
@@ -195,6 +206,8 @@ class DraftServer:
         self.limits = message_limits(backend)
         self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
+        # sessions whose lookahead has steps left, the one replied to longest ago (back soonest) first
+        self._ahead: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
         self.stats = Stats()
         self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
@@ -292,12 +305,14 @@ class DraftServer:
             if self.allow is not None:
                 self.allow.reload()
                 self.stats.key_reloads += 1
-        timeout = 0 if (self.q_in or self.q_out) else 100
+        timeout = 0 if (self.q_in or self.q_out or self._ahead) else 100
         if poller.poll(timeout):
             self._drain_socket()
         if self.q_in:
             self._fill_batch()
             self._serve_batch()
+        elif self._ahead and not self.draining:
+            self._lookahead_step()  # one forward, then the socket is looked at again
         self._flush_out()
         now = time.monotonic()
         if now >= self._next_sweep:
@@ -319,7 +334,7 @@ class DraftServer:
     def _free_dropped(self) -> None:
         """Free the backend state of sessions the table dropped on its own, counted by why."""
         for s, why in self.sessions.take_dropped():
-            self.backend.release(s.state)
+            self._release(s)
             if why == "expired":
                 self.stats.sessions_expired += 1
                 log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
@@ -446,7 +461,7 @@ class DraftServer:
         elif mtype is MsgType.CLOSE:
             s = self.sessions.close(principal, h["session"])
             if s is not None:
-                self.backend.release(s.state)
+                self._release(s)
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
 
@@ -553,7 +568,7 @@ class DraftServer:
         self._check_ids(prompt, sid, None)
         old = self.sessions.close(principal, sid)
         if old is not None:
-            self.backend.release(old.state)
+            self._release(old)
         state = self.backend.new_state(params)
         try:
             self.sessions.open(principal, sid, params, prompt, state, address,
@@ -682,8 +697,11 @@ class DraftServer:
         if not admitted:
             return
         t0 = time.perf_counter()
+        ahead = self._answered_ahead(admitted)  # index -> drafts done ahead for exactly its sequence
         try:
-            drafts = self.backend.draft_many([a[3] for a in admitted])
+            todo = [a[3] for i, a in enumerate(admitted) if i not in ahead]
+            drafted = iter(self.backend.draft_many(todo) if todo else [])
+            drafts = [ahead[i] if i in ahead else next(drafted) for i in range(len(admitted))]
         except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
             log.exception("drafting failed for %d session(s)", len(admitted))
             for identity, h, *_ in admitted:
@@ -719,14 +737,87 @@ class DraftServer:
         stats.profiled += len(admitted)
         window = self.config.batch_window_s > 0
         sent = time.monotonic()
-        for (_, _, key, _, _), draft in zip(admitted, drafts):
+        for (_, h, key, req, _), draft in zip(admitted, drafts):
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)
                 if window:
                     session.replied_at = sent
                     self._awaited[key] = session
+                if self.config.lookahead and not self.draining:
+                    self._start_lookahead(session, draft, min(self.config.max_depth, req.depth + 1), h["seq"])
         self.metrics.on_batch(len(admitted), elapsed)
+
+    # ------------------------------------------------------------ lookahead
+    def _answered_ahead(self, admitted: list) -> dict[int, Draft]:
+        """The admitted requests lookahead answers: those whose session drafted ahead for exactly
+        the sequence the request brings (finished now if it was still under way: a late hit),
+        as their drafts (at most the depth asked). The other sessions' work ahead is dropped."""
+        out: dict[int, Draft] = {}
+        for i, (_, _, key, req, _) in enumerate(admitted):
+            session = self.sessions.sessions.get(key)
+            task = session.ahead if session is not None else None
+            if task is None:
+                continue
+            session.ahead = None
+            self._ahead.pop(key, None)
+            st = self.stats.lookahead
+            if task.guess is None or task.guess != req.verified:
+                task.close()
+                st["misses"] += 1
+                continue
+            late = not task.done
+            draft = task.finish()  # a late hit's remaining steps are drafting, on the request's time
+            st["late_hits" if late else "hits"] += 1
+            out[i] = Draft(draft.tokens[: req.depth],
+                           None if draft.q_ids is None else draft.q_ids[: req.depth],
+                           None if draft.q_probs is None else draft.q_probs[: req.depth])
+        return out
+
+    def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
+        """Queue the drafting of ``session``'s next round ahead of its request, when its cache
+        memory fits in what is free without evicting anyone."""
+        sequence = session.verified + list(draft.tokens)
+        try:
+            self.sessions.reserve(session, len(sequence) + 1 + depth, seq, keep=set(self.sessions.sessions))
+        except ProtocolError:
+            return  # no room: the next request is drafted on arrival
+        task = self.backend.lookahead(session.state, sequence, depth)
+        if task is None:
+            return
+        session.ahead = task
+        self._ahead[session.key] = session
+        self.stats.lookahead["started"] += 1
+
+    def _lookahead_step(self) -> None:
+        """One forward of the lookahead of the session replied to longest ago."""
+        key, session = next(iter(self._ahead.items()))
+        task = session.ahead
+        t0 = time.perf_counter()
+        try:
+            done = task.step()
+        except Exception:  # work ahead is optional: a failure costs it, not the session
+            log.exception("drafting ahead failed for session %d", key[1])
+            session.ahead = None
+            self._ahead.pop(key, None)
+            task.close()
+            return
+        finally:
+            spent = time.perf_counter() - t0
+            self.stats.lookahead["steps"] += 1
+            self.stats.lookahead["idle_s"] += spent  # not busy_s: that is drafting for requests
+        if done:
+            self._ahead.pop(key, None)
+
+    def _release(self, session: Session) -> None:
+        """Free a session's backend state, dropping any work done ahead for it first."""
+        task = session.ahead
+        if task is not None:
+            session.ahead = None
+            self._ahead.pop(session.key, None)
+            task.close()
+            self.stats.lookahead["dropped"] += 1
+        self.backend.release(session.state)
 
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark

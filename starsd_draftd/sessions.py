@@ -34,6 +34,7 @@ class Session:
     touched: float = field(default_factory=time.monotonic)
     replied_at: float | None = None  # when its last draft went out, until its next request arrives
     turnaround_s: float | None = None  # smoothed time from a reply to the session's next request
+    ahead: object | None = None  # its next round drafted ahead (a backends.base.Lookahead), done or not
 
     def returned(self, now: float) -> None:
         """A request of this session arrived: learn how long the target took to come back."""

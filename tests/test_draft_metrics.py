@@ -26,7 +26,9 @@ def test_series_follow_the_daemons_counters():
     stats = {"live_sessions": 3, "queue_depth": 1, "peers": 2, "requests": 10, "drafted_tokens": 50,
              "errors": {"BAD_REQUEST": 2, "DESYNC": 1}, "queue_bytes": 4096, "kv_bytes": 8192,
              "limits": {"max_queue_bytes": 1 << 20, "max_sessions": 8},
-             "request_profile": {"requests": 10, "seconds": {"queue": 0.0, "draft_forward": 0.5, "rest": 0.01}}}
+             "request_profile": {"requests": 10, "seconds": {"queue": 0.0, "draft_forward": 0.5, "rest": 0.01}},
+             "lookahead": {"started": 9, "hits": 4, "late_hits": 1, "misses": 3, "dropped": 1, "steps": 40,
+                           "idle_s": 0.25}}
     m = DraftMetrics(lambda: stats)
     m.busy_fraction = 0.75
     m.on_batch(2, 0.003)
@@ -44,6 +46,11 @@ def test_series_follow_the_daemons_counters():
     assert got[("starsd_draftd_drafted_tokens_total", ())] == 50
     assert got[("starsd_draftd_errors_total", (("code", "BAD_REQUEST"),))] == 2
     assert got[("starsd_draftd_errors_total", (("code", "DESYNC"),))] == 1
+    assert got[("starsd_draftd_lookahead_total", (("outcome", "hit"),))] == 4
+    assert got[("starsd_draftd_lookahead_total", (("outcome", "late_hit"),))] == 1
+    assert got[("starsd_draftd_lookahead_total", (("outcome", "miss"),))] == 3
+    assert got[("starsd_draftd_lookahead_total", (("outcome", "dropped"),))] == 1
+    assert got[("starsd_draftd_lookahead_idle_seconds_total", ())] == 0.25
     assert got[("starsd_draftd_service_seconds_count", ())] == 2
     assert got[("starsd_draftd_service_seconds_bucket", (("le", "0.0005"),))] == 1
     assert got[("starsd_draftd_batch_size_sum", ())] == 3

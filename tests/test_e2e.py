@@ -69,6 +69,8 @@ def test_four_targets_greedy_equal_generate(star4, tiny_target):
     with ControlClient(draft_ep) as cc:
         s = cc.stats()
     assert s["peers"] >= 4 and s["requests"] >= sum(r["stats"]["rounds"] for r in results) - 4
+    la = s["lookahead"]  # on by default: rounds were drafted ahead, and requests checked against them
+    assert la["started"] > 0 and la["hits"] + la["late_hits"] + la["misses"] > 0
 
 
 def test_sampled_runs_with_a_seed_repeat(star4):

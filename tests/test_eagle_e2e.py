@@ -121,6 +121,9 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
             drafted += r.stats.drafted
             accepted += r.stats.accepted
         client.close()
+        ahead = server.stats.lookahead
+    if kind == "model":  # drafted ahead by default, and the exactness holds with it
+        assert ahead["started"] > 0 and ahead["hits"] + ahead["late_hits"] + ahead["misses"] > 0, ahead
     assert 10 <= accepted < drafted, (accepted, drafted)  # both branches ran (the run is seeded)
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import abc
+import secrets
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,15 +37,41 @@ class Draft:
     q_probs: torch.Tensor | np.ndarray | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(base: int, position: int) -> int:
+    """The seed of a session's draft draw at sequence ``position`` (splitmix64 of the pair): a
+    draw depends on the session's seed and where it lands, never on how many draws came before,
+    so drafting ahead of a request (lookahead) and on request draw alike, and a seeded
+    generation gives the same tokens whatever the timing. Each position's draw decides an
+    output at most once (a position's draft is examined in one round only: kept, or replaced by
+    the target's token), so reusing it across rounds keeps speculative sampling exact."""
+    z = (base * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def session_seed(params: SamplingParams) -> int:
+    """The base of a session's position seeds: its seed, or fresh entropy when it has none."""
+    return int(params.seed) & _MASK64 if params.seed is not None else secrets.randbits(64)
+
+
 class ChainDrafter:
     """Collects a chain of draft tokens: argmax when greedy; otherwise each token is drawn from
     the top-k truncation of q (after the request's temperature / top-k / top-p), and that
-    truncated q is what the target verifies against, so speculative sampling stays exact."""
+    truncated q is what the target verifies against, so speculative sampling stays exact.
+    ``seed``: the session's ``session_seed``; with it, the draw for the token at sequence
+    position ``start + j`` comes from ``position_seed(seed, start + j)`` (the generator is
+    reseeded per draw); without it, from the generator's running stream."""
 
-    def __init__(self, params: SamplingParams, generator: torch.Generator, q_topk: int):
+    def __init__(self, params: SamplingParams, generator: torch.Generator, q_topk: int,
+                 seed: int | None = None, start: int = 0):
         self.params = params
         self.generator = generator
         self.q_topk = q_topk
+        self.seed, self.start = seed, start
         self.tokens: list[int] = []
         self._ids: list[torch.Tensor] = []
         self._probs: list[torch.Tensor] = []
@@ -53,6 +82,8 @@ class ChainDrafter:
         else:
             top = torch.topk(logits_to_probs(logits, self.params), min(self.q_topk, logits.shape[-1]))
             mass = (top.values / top.values.sum()).cpu()
+            if self.seed is not None:
+                self.generator.manual_seed(position_seed(self.seed, self.start + len(self.tokens)))
             tok = int(top.indices[int(torch.multinomial(mass, 1, generator=self.generator))])
             self._ids.append(top.indices.to(torch.int32).cpu())
             self._probs.append(mass)
@@ -98,6 +129,51 @@ class ContextLookup:
         return None
 
 
+class Lookahead:
+    """One session's next round, drafted ahead of its request in small steps (one model
+    forward each) while the draft daemon has nothing queued.
+
+    ``guess`` is the verified sequence the work assumes (known after the first step: the
+    session's sequence, its last drafts all kept, then the draft's own best guess of the
+    target's next token); ``result`` the drafts for it once done. ``step()`` runs one step;
+    ``finish()`` runs the rest at once (a request for exactly ``guess`` arrived); ``close()``
+    drops the work (the session's state stays consistent after every step)."""
+
+    def __init__(self, start: Callable[["Lookahead"], Generator[None, None, Draft]]):
+        """``start(task)``: the steps, as a generator that yields after each forward, sets
+        ``task.guess`` once it is known and returns the drafts."""
+        self.guess: list[int] | None = None
+        self.result: Draft | None = None
+        self.steps = 0
+        self.seconds = 0.0  # the time its steps took
+        self._steps = start(self)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def step(self) -> bool:
+        """Run one step; whether the work is done."""
+        if self.result is None:
+            t0 = time.perf_counter()
+            try:
+                next(self._steps)
+                self.steps += 1
+            except StopIteration as stop:
+                self.result = stop.value
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return self.result is not None
+
+    def finish(self) -> Draft:
+        while not self.step():
+            pass
+        return self.result
+
+    def close(self) -> None:
+        self._steps.close()
+
+
 class DraftBackend(abc.ABC):
     """Per-session state is opaque to the server; the backend creates, uses and frees it."""
 
@@ -126,6 +202,12 @@ class DraftBackend(abc.ABC):
         """Serve several sessions' requests at once. The default serves them one after another;
         backends that can batch the sessions' forwards override it."""
         return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
+
+    def lookahead(self, state: object, sequence: list[int], depth: int) -> Lookahead | None:
+        """Start drafting a session's next round ahead of its request: ``sequence`` is its
+        verified tokens followed by the drafts just sent. None: this backend does not draft
+        ahead (the default)."""
+        return None
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""

@@ -28,7 +28,7 @@ from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, r
                            tokenizer_identity)
 from common.tensors import as_torch
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
 from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
@@ -275,6 +275,7 @@ class EagleSession:
     past: tuple | None = None  # the head's cache: per layer (k, v), [1, kv_heads, positions, head_dim]
     pairs: list[int] = field(default_factory=list)  # t_{i+1} of each pair built from a real feature f_i
     last_hidden: torch.Tensor | None = None  # head output at the last real pair (f^_n), [1, 1, hidden]
+    seed: int = 0  # the base of its draws' position seeds (base.position_seed)
 
     @property
     def features(self) -> int:
@@ -307,7 +308,7 @@ class EagleBackend(DraftBackend):
         return cls(head, head.base_path, q_topk=q_topk)
 
     def new_state(self, params: SamplingParams) -> EagleSession:
-        return EagleSession(params, make_generator(params.seed))
+        return EagleSession(params, make_generator(params.seed), seed=session_seed(params))
 
     def release(self, state: object) -> None:
         st: EagleSession = state  # type: ignore[assignment]
@@ -370,7 +371,8 @@ class EagleBackend(DraftBackend):
         return st.last_hidden
 
     def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int) -> Draft:
-        chain = ChainDrafter(st.params, st.generator, self.q_topk)
+        # the first draft's position: after the verified tokens, one more than the pairs held
+        chain = ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1)
         for j in range(depth):
             tok = chain.pick(self._logits(hidden))
             if j + 1 < depth:
@@ -413,7 +415,7 @@ class EagleBackend(DraftBackend):
                 if news[i]:
                     st.pairs.extend(new_ids)
                     st.last_hidden = out[i:i + 1, news[i] - 1: news[i]].clone()
-        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st, *_ in jobs]
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1) for st, *_ in jobs]
         if any(drafting):
             filler = torch.zeros(1, 1, self.feature_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]

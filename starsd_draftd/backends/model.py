@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
 from common.runner import ModelRunner
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
+                                        session_seed)
 from starsd_draftd.backends.batching import BatchedCaches
 
 
@@ -20,6 +22,7 @@ class ModelSession:
     generator: torch.Generator
     cache: object
     cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds
+    seed: int = 0  # the base of its draws' position seeds (base.position_seed)
 
 
 class ModelBackend(DraftBackend):
@@ -70,7 +73,7 @@ class ModelBackend(DraftBackend):
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
 
     def new_state(self, params: SamplingParams) -> ModelSession:
-        return ModelSession(params, make_generator(params.seed), self.runner.new_cache())
+        return ModelSession(params, make_generator(params.seed), self.runner.new_cache(), seed=session_seed(params))
 
     def _forward(self, st: ModelSession, tokens: list[int]) -> torch.Tensor:
         """Feed tokens after the cached ones; return the last position's logits over the vocabulary."""
@@ -80,7 +83,19 @@ class ModelBackend(DraftBackend):
 
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
-        st: ModelSession = state  # type: ignore[assignment]
+        steps = self._draft_steps(state, verified, depth)  # type: ignore[arg-type]
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def _draft_steps(self, st: ModelSession, verified: list[int], depth: int,
+                     guess: bool = False) -> Generator[None, None, Draft]:
+        """Draft ``depth`` tokens after ``verified``, pausing (a ``yield``) after each model
+        forward; the session's cache and ``cached`` agree at every pause. ``guess``: pick the
+        draft's most likely token even in a sampled session (lookahead's guess of the target's
+        next token, which is not sent as a draft and draws nothing)."""
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
         # Keep the cached prefix that still matches; always re-feed at least one token so the
@@ -88,8 +103,9 @@ class ModelBackend(DraftBackend):
         keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
         crop_cache(st.cache, keep)
         del st.cached[keep:]
-        chain = ChainDrafter(st.params, st.generator, self.q_topk)
-        seq = self._context(st, verified, depth)
+        params = SamplingParams() if guess else st.params
+        chain = ChainDrafter(params, st.generator, self.q_topk, st.seed, len(verified))
+        seq = self._context(params, verified, depth)
         # Tokens reach the model only when it must pick: a run of tokens copied from the context
         # costs no forward, and is fed with the next one the model picks after it (or next time).
         pending, logits = list(verified[keep:]), None
@@ -98,6 +114,7 @@ class ModelBackend(DraftBackend):
             if found is None:
                 if pending:
                     logits, pending = self._forward(st, pending), []
+                    yield
                 tok = chain.pick(logits)
             else:
                 tok = chain.take(found)
@@ -106,9 +123,21 @@ class ModelBackend(DraftBackend):
             pending.append(tok)
         return chain.result()
 
-    def _context(self, st: ModelSession, verified: list[int], depth: int) -> np.ndarray | None:
+    def lookahead(self, state: object, sequence: list[int], depth: int) -> Lookahead:
+        """Draft the next round ahead: guess the target's next token after ``sequence`` (the
+        verified tokens and the drafts just sent, all assumed kept), then draft ``depth``
+        tokens after that guess, one forward per step."""
+        return Lookahead(lambda task: self._lookahead_steps(state, list(sequence), depth, task))  # type: ignore[arg-type]
+
+    def _lookahead_steps(self, st: ModelSession, sequence: list[int], depth: int,
+                         task: Lookahead) -> Generator[None, None, Draft]:
+        nxt = yield from self._draft_steps(st, sequence, 1, guess=True)
+        task.guess = sequence + nxt.tokens
+        return (yield from self._draft_steps(st, task.guess, depth))
+
+    def _context(self, params: SamplingParams, verified: list[int], depth: int) -> np.ndarray | None:
         """The session's tokens with room for its drafts, when lookup applies (greedy sessions)."""
-        if self.lookup is None or not st.params.greedy:
+        if self.lookup is None or not params.greedy:
             return None
         seq = np.empty(len(verified) + depth, dtype=np.int64)
         seq[: len(verified)] = verified
@@ -143,9 +172,10 @@ class ModelBackend(DraftBackend):
         batch = BatchedCaches(self.runner, [st.cache for st in sessions], feeds, self.device,
                               steps=max(r.depth for r in requests))
         logits = batch.first()[:, : self.vocab_size].float()
-        chains = [ChainDrafter(st.params, st.generator, self.q_topk) for st in sessions]
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(r.verified))
+                  for st, r in zip(sessions, requests)]
         greedy = [st.params.greedy for st in sessions]
-        seqs = [self._context(st, r.verified, r.depth) for st, r in zip(sessions, requests)]
+        seqs = [self._context(st.params, r.verified, r.depth) for st, r in zip(sessions, requests)]
         depth = max(r.depth for r in requests)
         for j in range(depth):
             best = logits.argmax(-1).tolist() if any(greedy) else None  # every greedy row in one op

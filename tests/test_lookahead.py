@@ -1,0 +1,203 @@
+"""Lookahead: the draft daemon drafts a session's next round while nothing is queued, and a
+request for exactly the sequence it guessed is answered from that work without a backend call."""
+
+import time
+
+import pytest
+
+from common.models import load_causal_lm
+from common.protocol import Message, MsgType
+from common.verify import SamplingParams
+from fakes import RawPeer, running_server, speculate
+from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, Lookahead, position_seed
+from starsd_draftd.backends.model import ModelBackend
+from starsd_draftd.server import DraftServer
+from starsd_target.client import DraftClient
+from starsd_target.engine import TargetEngine
+
+VOCAB = 259
+
+
+class ScriptedBackend(DraftBackend):
+    """Drafts last+1, last+2, ... and guesses the target's next token as last+1; its lookahead
+    runs one step per drafted token (plus one for the guess), each logged, so the tests can see
+    what ran when."""
+
+    name = "scripted"
+    vocab_size = VOCAB
+    fingerprint = "fake-tok"
+
+    def __init__(self, step_s: float = 0.0):
+        self.step_s = step_s
+        self.events: list[tuple] = []  # ("draft", first token after) / ("step", session) / ("queued", session)
+        self.draft_calls = 0
+
+    def new_state(self, params):
+        return {"sid": None}
+
+    @staticmethod
+    def chain(last: int, depth: int) -> list[int]:
+        return [(last + i + 1) % VOCAB for i in range(depth)]
+
+    def draft(self, state, verified, depth, new_features=None):
+        self.draft_calls += 1
+        self.events.append(("draft", verified[-1]))
+        return Draft(self.chain(verified[-1], depth))
+
+    def lookahead(self, state, sequence, depth):
+        def steps(task):
+            time.sleep(self.step_s)
+            self.events.append(("step", sequence[-1]))
+            yield
+            task.guess = sequence + [(sequence[-1] + 1) % VOCAB]
+            for _ in range(depth):
+                time.sleep(self.step_s)
+                self.events.append(("step", sequence[-1]))
+                yield
+            return Draft(self.chain(task.guess[-1], depth))
+
+        return Lookahead(steps)
+
+
+def _open(peer, sid, prompt):
+    peer.open(sid, prompt)
+
+
+def _hello(peer):
+    assert peer.hello(VOCAB).type is MsgType.WELCOME
+
+
+def _draft(peer, sid, seq, accepted, new, pos, depth=3):
+    peer.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new, "pos": pos,
+                                      "depth": depth}))
+    reply = peer.recv()
+    assert reply is not None and reply.type is MsgType.DRAFTED, reply
+    return reply.header["tokens"]
+
+
+def _wait(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
+    backend = ScriptedBackend()
+    with running_server(backend, max_depth=4) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        _hello(peer)
+        _open(peer, 1, [10, 20])
+        assert _draft(peer, 1, 1, 0, [], 2) == [21, 22, 23]
+        _wait(lambda: server.stats.lookahead["steps"] >= 5)  # the guess and 4 drafts (depth asked + 1)
+        calls = backend.draft_calls
+        # the target kept all three and added 24 (the guess): answered from the work done ahead
+        got = _draft(peer, 1, 2, 3, [24], 6)
+        assert got == [25, 26, 27] and backend.draft_calls == calls
+        assert server.stats.lookahead["hits"] == 1
+        _wait(lambda: server.stats.lookahead["steps"] >= 10)
+        # kept one and added 99: not what was guessed, so drafted on arrival
+        assert _draft(peer, 1, 3, 1, [99], 8) == [100, 101, 102]
+        assert backend.draft_calls == calls + 1 and server.stats.lookahead["misses"] == 1
+        assert server.snapshot()["lookahead"]["started"] == 3
+        peer.sock.close(0)
+
+
+def test_lookahead_off_drafts_every_request():
+    backend = ScriptedBackend()
+    with running_server(backend, max_depth=4, lookahead=False) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        _hello(peer)
+        _open(peer, 1, [10, 20])
+        _draft(peer, 1, 1, 0, [], 2)
+        assert _draft(peer, 1, 2, 3, [24], 6) == [25, 26, 27]
+        assert backend.draft_calls == 2 and server.stats.lookahead["started"] == 0
+        peer.sock.close(0)
+
+
+def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
+    """Session 1's work ahead is long (each step sleeps); session 2's request, once queued, is
+    served after at most one more of those steps: the loop looks at the socket between steps."""
+    backend = ScriptedBackend(step_s=0.03)
+    enqueue = DraftServer._enqueue
+
+    def logged(self, identity, principal, msg, cost, share):
+        backend.events.append(("queued", msg.header["new"][-1] if msg.header["new"] else None))
+        return enqueue(self, identity, principal, msg, cost, share)
+
+    monkeypatch.setattr(DraftServer, "_enqueue", logged)
+    with running_server(backend, max_depth=16) as (server, ctx):
+        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        _hello(a)
+        _hello(b)
+        _open(a, 1, [10, 20])
+        _open(b, 2, [150, 160])
+        _draft(a, 1, 1, 0, [], 2, depth=15)  # session 1's lookahead: 17 steps of 30 ms
+        _wait(lambda: server.stats.lookahead["steps"] >= 2)
+        assert _draft(b, 2, 1, 0, [170], 3) == [171, 172, 173]
+        ev = backend.events
+        queued = ev.index(("queued", 170))
+        served = ev.index(("draft", 170))
+        assert served > queued
+        between = [e for e in ev[queued:served] if e[0] == "step"]
+        assert len(between) <= 1, ev
+        assert server.stats.lookahead["steps"] < 17  # it was still under way
+        a.sock.close(0)
+        b.sock.close(0)
+
+
+def test_closing_a_session_drops_its_work_ahead():
+    backend = ScriptedBackend(step_s=0.02)
+    with running_server(backend, max_depth=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        _hello(peer)
+        _open(peer, 1, [10, 20])
+        _draft(peer, 1, 1, 0, [], 2, depth=7)
+        _wait(lambda: server.stats.lookahead["steps"] >= 1)
+        peer.send(Message(MsgType.CLOSE, {"session": 1}))
+        _wait(lambda: server.stats.lookahead["dropped"] == 1)
+        assert not server._ahead and server.stats.lookahead["hits"] == 0
+        peer.sock.close(0)
+
+
+def test_position_seeds_make_a_draw_depend_on_its_position_only():
+    params = SamplingParams(temperature=1.0, seed=3)
+    logits = __import__("torch").randn(50)
+    import torch
+
+    def draws(start, n, burn=0):
+        g = torch.Generator().manual_seed(123)
+        for _ in range(burn):  # whatever the generator drew before
+            torch.rand(5, generator=g)
+        c = ChainDrafter(params, g, 50, seed=99, start=start)
+        return [c.pick(logits) for _ in range(n)]
+
+    assert draws(10, 4) == draws(10, 4, burn=7)  # the stream's state does not matter
+    assert draws(10, 4)[1:] == draws(11, 3)  # token j of a chain from 10 is token j-1 of one from 11
+    assert position_seed(1, 2) != position_seed(2, 1) and position_seed(5, 0) != position_seed(5, 1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, near_draft, loaded_target):
+    """Greedy equals the target alone; a seeded sampled run gives the same tokens whether its
+    drafts were made ahead or on request (each draw is seeded by its position)."""
+    engine = TargetEngine(loaded_target, depth=4)
+    prompt = engine.encode("def parse(line):\n    ")
+    outs, stats = [], []
+    for lookahead in (False, True):
+        backend = ModelBackend(load_causal_lm(str(near_draft)))
+        with running_server(backend, lookahead=lookahead) as (server, ctx):
+            client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
+            client.handshake(10)
+            r = speculate(engine, client, prompt, 40, params, 30)
+            client.close()
+            stats.append(dict(server.stats.lookahead))
+        assert r.stats.fallback_rounds == 0 and r.stats.accepted > 0
+        outs.append(r.token_ids)
+    assert outs[0] == outs[1]
+    if params.greedy:
+        assert outs[0] == engine.generate(prompt, 40, params).token_ids
+    assert stats[0]["started"] == 0
+    on = stats[1]
+    assert on["started"] > 0 and on["hits"] + on["late_hits"] + on["misses"] > 0  # it was consulted
