@@ -762,12 +762,13 @@ class DraftServer:
             session.ahead = None
             self._ahead.pop(key, None)
             st = self.stats.lookahead
-            if task.guess is None or task.guess != req.verified:
+            guess = task.match(req.verified)
+            if guess is None:
                 task.close()
                 st["misses"] += 1
                 continue
             late = not task.done
-            draft = task.finish()  # a late hit's remaining steps are drafting, on the request's time
+            draft = task.take(guess)  # a late hit's remaining steps are drafting, on the request's time
             st["late_hits" if late else "hits"] += 1
             out[i] = Draft(draft.tokens[: req.depth],
                            None if draft.q_ids is None else draft.q_ids[: req.depth],
@@ -777,12 +778,12 @@ class DraftServer:
     def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
         """Queue the drafting of ``session``'s next round ahead of its request, when its cache
         memory fits in what is free without evicting anyone."""
-        sequence = session.verified + list(draft.tokens)
         try:
-            self.sessions.reserve(session, len(sequence) + 1 + depth, seq, keep=set(self.sessions.sessions))
+            self.sessions.reserve(session, len(session.verified) + len(draft.tokens) + 2 + depth, seq,
+                                  keep=set(self.sessions.sessions))
         except ProtocolError:
             return  # no room: the next request is drafted on arrival
-        task = self.backend.lookahead(session.state, sequence, depth)
+        task = self.backend.lookahead(session.state, session.verified, draft, depth)
         if task is None:
             return
         session.ahead = task

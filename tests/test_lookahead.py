@@ -44,19 +44,21 @@ class ScriptedBackend(DraftBackend):
         self.events.append(("draft", verified[-1]))
         return Draft(self.chain(verified[-1], depth))
 
-    def lookahead(self, state, sequence, depth):
+    def lookahead(self, state, verified, draft, depth):
+        sequence = verified + draft.tokens
+
         def steps(task):
             time.sleep(self.step_s)
             self.events.append(("step", sequence[-1]))
             yield
-            task.guess = sequence + [(sequence[-1] + 1) % VOCAB]
+            task.guesses[0] = sequence + [(sequence[-1] + 1) % VOCAB]
             for _ in range(depth):
                 time.sleep(self.step_s)
                 self.events.append(("step", sequence[-1]))
                 yield
-            return Draft(self.chain(task.guess[-1], depth))
+            return [Draft(self.chain(task.guesses[0][-1], depth))]
 
-        return Lookahead(steps)
+        return Lookahead(steps, [None])
 
 
 def _open(peer, sid, prompt):
@@ -201,3 +203,31 @@ def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, nea
     assert stats[0]["started"] == 0
     on = stats[1]
     assert on["started"] > 0 and on["hits"] + on["late_hits"] + on["misses"] > 0  # it was consulted
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
+def test_model_lookahead_drafts_each_guess_as_a_request_would(params, near_draft):
+    """Every guess (the drafts all kept plus the draft's next token; kept up to a position plus
+    its alternative there) is drafted ahead exactly as a request for it would be drafted, and
+    taking one leaves the session as if it had been: its next drafts are a fresh session's."""
+    ahead, fresh = (ModelBackend(load_causal_lm(str(near_draft))) for _ in range(2))
+    st, ref = ahead.new_state(params), fresh.new_state(params)
+    verified = [1, 5, 9, 30, 2, 77, 8]
+    sent = ahead.draft(st, verified, 4)
+    assert len(sent.alternatives) == 4 and all(a is not None and a != t for a, t in zip(sent.alternatives, sent.tokens))
+    task = ahead.lookahead(st, verified, sent, 4)
+    assert task.guesses[-1] is None  # the all-kept guess needs the first forward
+    steps = 0
+    while not task.step():
+        steps += 1
+    assert steps == 5  # the first forward and one per token drafted after it (depth + 1 in all)
+    guesses = task.guesses
+    assert guesses[-1][:-1] == verified + sent.tokens
+    assert [g[len(verified):] for g in guesses[:-1]] == [sent.tokens[:j] + [sent.alternatives[j]] for j in range(4)]
+    for g, d in zip(guesses, task.result):
+        assert d.tokens == fresh.draft(ref, g, len(d.tokens)).tokens
+    pick = 2
+    got = task.take(pick)
+    assert task.match(guesses[pick]) == pick and task.match(verified) is None
+    nxt = guesses[pick] + got.tokens[:2] + [3]
+    assert ahead.draft(st, nxt, 4).tokens == fresh.draft(ref, nxt, 4).tokens

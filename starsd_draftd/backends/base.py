@@ -35,6 +35,10 @@ class Draft:
     tokens: list[int]
     q_ids: torch.Tensor | np.ndarray | None = None
     q_probs: torch.Tensor | np.ndarray | None = None
+    # per token, the draft's most likely other token there (None: not known, e.g. copied from
+    # the context): lookahead's guess of what the target puts there when it rejects the draft
+    # (kept on this side; never sent)
+    alternatives: list[int | None] | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -73,32 +77,39 @@ class ChainDrafter:
         self.q_topk = q_topk
         self.seed, self.start = seed, start
         self.tokens: list[int] = []
+        self.alternatives: list[int | None] = []
         self._ids: list[torch.Tensor] = []
         self._probs: list[torch.Tensor] = []
 
     def pick(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
-            tok = int(torch.argmax(logits))
+            best = torch.topk(logits, 2).indices.tolist() if logits.shape[-1] > 1 else [int(torch.argmax(logits))] * 2
+            tok = best[0]
+            self.alternatives.append(best[1])
         else:
             top = torch.topk(logits_to_probs(logits, self.params), min(self.q_topk, logits.shape[-1]))
             mass = (top.values / top.values.sum()).cpu()
             if self.seed is not None:
                 self.generator.manual_seed(position_seed(self.seed, self.start + len(self.tokens)))
             tok = int(top.indices[int(torch.multinomial(mass, 1, generator=self.generator))])
+            first = top.indices[:2].tolist()
+            self.alternatives.append(first[0] if first[0] != tok or len(first) < 2 else first[1])
             self._ids.append(top.indices.to(torch.int32).cpu())
             self._probs.append(mass)
         self.tokens.append(tok)
         return tok
 
-    def take(self, tok: int) -> int:
-        """Record a greedy pick made outside (e.g. one argmax over a whole batch)."""
+    def take(self, tok: int, alternative: int | None = None) -> int:
+        """Record a greedy pick made outside (one argmax over a whole batch, a token copied from
+        the context), with the model's most likely other token there if known."""
         self.tokens.append(tok)
+        self.alternatives.append(alternative)
         return tok
 
     def result(self) -> Draft:
         if not self._ids:
-            return Draft(self.tokens)
-        return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs))
+            return Draft(self.tokens, alternatives=list(self.alternatives))
+        return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs), list(self.alternatives))
 
 
 class ContextLookup:
@@ -130,27 +141,39 @@ class ContextLookup:
 
 
 class Lookahead:
-    """One session's next round, drafted ahead of its request in small steps (one model
-    forward each) while the draft daemon has nothing queued.
+    """A session's next round drafted ahead of its request, in small steps (one model forward
+    each) while the draft daemon has nothing queued, for one or more guesses of the sequence
+    its next request brings (the drafts just sent all kept and the draft's guess of the
+    target's next token; or kept up to a position and the draft's second choice there).
 
-    ``guess`` is the verified sequence the work assumes (known after the first step: the
-    session's sequence, its last drafts all kept, then the draft's own best guess of the
-    target's next token); ``result`` the drafts for it once done. ``step()`` runs one step;
-    ``finish()`` runs the rest at once (a request for exactly ``guess`` arrived); ``close()``
-    drops the work (the session's state stays consistent after every step)."""
+    ``guesses`` holds each guessed sequence once known (None until then: the all-kept guess
+    needs the first forward); ``result`` the drafts for each once done. ``step()`` runs one
+    step; ``take(i)`` finishes the work (a request for exactly ``guesses[i]`` came) and returns
+    guess i's drafts, leaving the session's state as if drafted for it on request; ``close()``
+    drops the work (the session's state is untouched, or consistent, after every step)."""
 
-    def __init__(self, start: Callable[["Lookahead"], Generator[None, None, Draft]]):
-        """``start(task)``: the steps, as a generator that yields after each forward, sets
-        ``task.guess`` once it is known and returns the drafts."""
-        self.guess: list[int] | None = None
-        self.result: Draft | None = None
+    def __init__(self, start: Callable[["Lookahead"], Generator[None, None, list[Draft]]],
+                 guesses: list[list[int] | None], adopt: Callable[[int], None] | None = None):
+        """``start(task)``: the steps, a generator that yields after each forward, fills in
+        ``task.guesses`` as they become known and returns one Draft per guess. ``adopt(i)``:
+        make the session's state that of guess i's drafting (None: nothing to do)."""
+        self.guesses = guesses
+        self.result: list[Draft] | None = None
         self.steps = 0
         self.seconds = 0.0  # the time its steps took
+        self._adopt = adopt
         self._steps = start(self)
 
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    def match(self, sequence: list[int]) -> int | None:
+        """Which guess ``sequence`` is, if any."""
+        for i, g in enumerate(self.guesses):
+            if g is not None and len(g) == len(sequence) and g == sequence:
+                return i
+        return None
 
     def step(self) -> bool:
         """Run one step; whether the work is done."""
@@ -165,10 +188,12 @@ class Lookahead:
                 self.seconds += time.perf_counter() - t0
         return self.result is not None
 
-    def finish(self) -> Draft:
+    def take(self, i: int) -> Draft:
         while not self.step():
             pass
-        return self.result
+        if self._adopt is not None:
+            self._adopt(i)
+        return self.result[i]
 
     def close(self) -> None:
         self._steps.close()
@@ -203,10 +228,10 @@ class DraftBackend(abc.ABC):
         backends that can batch the sessions' forwards override it."""
         return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
 
-    def lookahead(self, state: object, sequence: list[int], depth: int) -> Lookahead | None:
-        """Start drafting a session's next round ahead of its request: ``sequence`` is its
-        verified tokens followed by the drafts just sent. None: this backend does not draft
-        ahead (the default)."""
+    def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:
+        """Start drafting a session's next round (``depth`` tokens) ahead of its request:
+        ``verified`` is its verified sequence and ``draft`` the drafts just sent for it. None:
+        this backend does not draft ahead (the default)."""
         return None
 
     def release(self, state: object) -> None:

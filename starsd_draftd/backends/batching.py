@@ -68,6 +68,27 @@ def _set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer.update(keys, values)
 
 
+class _ViewLayer:
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+class CacheView:
+    """The first ``length`` positions of a cache as a batch row, read only: what
+    ``BatchedCaches`` reads of a row's cache (each layer's keys and values, and the length),
+    without copying or cropping it. Lookahead batches several guesses over one session's
+    cache this way, each row copied into the batch, the session's own cache left as it is."""
+
+    def __init__(self, cache, length: int):
+        self.length = length
+        self.layers = [_ViewLayer(None if layer.keys is None else layer.keys[:, :, :length],
+                                  None if layer.values is None else layer.values[:, :, :length])
+                       for layer in cache.layers]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
 class BatchedCaches:
     def __init__(self, runner, caches: list, feeds: list[list[int]], device: torch.device, steps: int = 0):
         """``runner``: a ``common.runner.ModelRunner``; ``steps``: single-token steps to come

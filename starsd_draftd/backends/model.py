@@ -13,7 +13,7 @@ from common.runner import ModelRunner
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
-from starsd_draftd.backends.batching import BatchedCaches
+from starsd_draftd.backends.batching import BatchedCaches, CacheView
 
 
 @dataclass
@@ -83,19 +83,7 @@ class ModelBackend(DraftBackend):
 
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
-        steps = self._draft_steps(state, verified, depth)  # type: ignore[arg-type]
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
-
-    def _draft_steps(self, st: ModelSession, verified: list[int], depth: int,
-                     guess: bool = False) -> Generator[None, None, Draft]:
-        """Draft ``depth`` tokens after ``verified``, pausing (a ``yield``) after each model
-        forward; the session's cache and ``cached`` agree at every pause. ``guess``: pick the
-        draft's most likely token even in a sampled session (lookahead's guess of the target's
-        next token, which is not sent as a draft and draws nothing)."""
+        st: ModelSession = state  # type: ignore[assignment]
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
         # Keep the cached prefix that still matches; always re-feed at least one token so the
@@ -103,9 +91,8 @@ class ModelBackend(DraftBackend):
         keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
         crop_cache(st.cache, keep)
         del st.cached[keep:]
-        params = SamplingParams() if guess else st.params
-        chain = ChainDrafter(params, st.generator, self.q_topk, st.seed, len(verified))
-        seq = self._context(params, verified, depth)
+        chain = ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified))
+        seq = self._context(st.params, verified, depth)
         # Tokens reach the model only when it must pick: a run of tokens copied from the context
         # costs no forward, and is fed with the next one the model picks after it (or next time).
         pending, logits = list(verified[keep:]), None
@@ -114,7 +101,6 @@ class ModelBackend(DraftBackend):
             if found is None:
                 if pending:
                     logits, pending = self._forward(st, pending), []
-                    yield
                 tok = chain.pick(logits)
             else:
                 tok = chain.take(found)
@@ -123,17 +109,77 @@ class ModelBackend(DraftBackend):
             pending.append(tok)
         return chain.result()
 
-    def lookahead(self, state: object, sequence: list[int], depth: int) -> Lookahead:
-        """Draft the next round ahead: guess the target's next token after ``sequence`` (the
-        verified tokens and the drafts just sent, all assumed kept), then draft ``depth``
-        tokens after that guess, one forward per step."""
-        return Lookahead(lambda task: self._lookahead_steps(state, list(sequence), depth, task))  # type: ignore[arg-type]
+    def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead:
+        """Draft the next round ahead for every outcome the draft can guess, as one batch:
+        the drafts just sent all kept, followed by the draft's own next token (known after the
+        batch's first forward); and for each draft position with an alternative, the drafts
+        kept up to it and the alternative in its place (what the target most likely puts there
+        if it rejects the draft). ``depth`` + 1 tokens each, one batched forward per step,
+        over copies of the session's cache, which stays as it is until a guess is taken."""
+        st: ModelSession = state  # type: ignore[assignment]
+        seq = list(verified) + list(draft.tokens)
+        alts = draft.alternatives or [None] * len(draft.tokens)
+        branches = [(list(verified) + list(draft.tokens[:j]), alt) for j, alt in enumerate(alts)
+                    if alt is not None and alt < self.vocab_size]
+        branches.append((seq, None))  # all kept: its token is the first forward's pick
+        guesses = [prefix + [tok] if tok is not None else None for prefix, tok in branches]
+        box: dict = {}
 
-    def _lookahead_steps(self, st: ModelSession, sequence: list[int], depth: int,
-                         task: Lookahead) -> Generator[None, None, Draft]:
-        nxt = yield from self._draft_steps(st, sequence, 1, guess=True)
-        task.guess = sequence + nxt.tokens
-        return (yield from self._draft_steps(st, task.guess, depth))
+        def adopt(i: int) -> None:
+            batch, fed = box["batch"], box["fed"]
+            with torch.inference_mode():
+                batch.split(i, st.cache)
+            st.cached = fed[i]
+
+        return Lookahead(lambda task: self._branch_steps(st, branches, depth, task, box), guesses, adopt)
+
+    def _branch_steps(self, st: ModelSession, branches: list[tuple[list[int], int | None]], depth: int,
+                      task: Lookahead, box: dict) -> Generator[None, None, list[Draft]]:
+        views, feeds, fed = [], [], []
+        for prefix, tok in branches:
+            hold = min(common_prefix_len(st.cached, prefix), len(prefix) - (1 if tok is None else 0))
+            views.append(CacheView(st.cache, hold))
+            feeds.append(prefix[hold:] + ([] if tok is None else [tok]))
+            fed.append(prefix[:hold] + feeds[-1])  # what each row's cache holds, growing per step
+        with torch.inference_mode():
+            batch = BatchedCaches(self.runner, views, feeds, self.device, steps=depth + 1)
+            logits = batch.first()[:, : self.vocab_size].float()
+        yield
+        rows = len(branches)
+        last = rows - 1  # the all-kept row: its first pick is the guess, not a draft
+        guess = int(torch.argmax(logits[last]))
+        task.guesses[last] = branches[last][0] + [guess]
+        chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(task.guesses[b])) for b in range(rows)]
+        greedy = st.params.greedy
+        seqs = [self._context(st.params, task.guesses[b], depth + 1) for b in range(rows)]
+        picks = [0] * rows
+        picks[last] = guess
+        for j in range(depth + 1):
+            if j > 0 or rows > 1:
+                top = torch.topk(logits, 2, dim=-1).indices.tolist() if greedy else None
+                for b in range(rows):
+                    if b == last and j == 0:
+                        continue
+                    chain = chains[b]
+                    n = len(task.guesses[b]) + len(chain.tokens)
+                    if greedy:
+                        found = self._look(seqs[b], n)
+                        best, second = top[b]
+                        tok = chain.take(best if found is None else found, second if found in (None, best) else best)
+                        if seqs[b] is not None:
+                            seqs[b][n] = tok
+                    else:
+                        tok = chain.pick(logits[b])
+                    picks[b] = tok
+            if j == depth:
+                break
+            with torch.inference_mode():
+                logits = batch.step(picks, [True] * rows)[:, : self.vocab_size].float()
+            for b in range(rows):
+                fed[b].append(picks[b])
+            yield
+        box["batch"], box["fed"] = batch, fed
+        return [c.result() for c in chains]
 
     def _context(self, params: SamplingParams, verified: list[int], depth: int) -> np.ndarray | None:
         """The session's tokens with room for its drafts, when lookup applies (greedy sessions)."""
@@ -178,14 +224,17 @@ class ModelBackend(DraftBackend):
         seqs = [self._context(st.params, r.verified, r.depth) for st, r in zip(sessions, requests)]
         depth = max(r.depth for r in requests)
         for j in range(depth):
-            best = logits.argmax(-1).tolist() if any(greedy) else None  # every greedy row in one op
+            # every greedy row's best two in one op (the second is lookahead's guess on a rejection)
+            top = torch.topk(logits, 2, dim=-1).indices.tolist() if any(greedy) else None
             picks = []
             for b, (chain, r) in enumerate(zip(chains, requests)):
                 if j >= r.depth:
                     picks.append(0)
                 elif greedy[b]:
                     found = self._look(seqs[b], len(r.verified) + j)
-                    picks.append(chain.take(best[b] if found is None else found))
+                    best, second = top[b]
+                    picks.append(chain.take(best if found is None else found,
+                                            second if found in (None, best) else best))
                     if seqs[b] is not None:
                         seqs[b][len(r.verified) + j] = picks[-1]
                 else:
