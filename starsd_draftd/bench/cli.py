@@ -84,21 +84,32 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
 @option("--draft-per-token-ms", type=click.FloatRange(0), default=0.0, help="S(d): the part per drafted token.")
 @option("--verify-ms", type=click.FloatRange(0), required=True, help="V: one verification forward on a target.")
 @option("--rtt-ms", type=click.FloatRange(0), default=0.0, help="R: network round trip and serialization per round.")
-@option("--depth", type=click.IntRange(1, 64), default=4, help="d: draft tokens per round.")
+@option("--depth", type=click.IntRange(1, 64), default=4,
+        help="d: draft tokens per round (with --adaptive-depth, the largest depth allowed).")
 @option("--acceptance", type=click.FloatRange(0, 1), required=True,
         help="a: acceptance probability of each draft token (i.i.d. assumed).")
 @option("--single-ms", type=click.FloatRange(0, min_open=True), default=None,
         help="V1: the target's single-token forward, for the standalone baseline [default: V].")
+@option("--hit-rate", type=click.FloatRange(0, 1), default=0.0,
+        help="h: lookahead drafting. Probability that a target's next request matches the round the draft "
+             "server pre-drafted in its idle time (all d drafts kept and the bonus token guessed right; for i.i.d. "
+             "acceptance about a^d * g, g the chance the draft guesses the bonus token). 0: no lookahead, "
+             "today's design.")
+@option("--adaptive-depth/--no-adaptive-depth", default=False,
+        help="Also show, per N, the depth in 1..--depth that maximises a target's tokens per second, and its "
+             "throughput (needs --draft-base-ms/--draft-per-token-ms, not --draft-ms).")
 @option("--n-max", type=click.IntRange(1, 1024), default=16, help="Largest N in the table.")
 @option("--json", "as_json", is_flag=True, help="Print the model as JSON.")
 @fail_cleanly(ValueError)
-def plan(draft_ms, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms, depth, acceptance, single_ms, n_max,
-         as_json) -> None:
+def plan(draft_ms, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms, depth, acceptance, single_ms, hit_rate,
+         adaptive_depth, n_max, as_json) -> None:
     """The analytic model: round time T = N * S(d) + T_idle, N_full, and per-target and system
-    throughput versus N, beside the target alone."""
+    throughput versus N, beside the target alone; with --hit-rate and --adaptive-depth, lookahead
+    drafting and the best depth per N beside the fixed-depth design."""
     p = Plan(verify_ms=verify_ms, rtt_ms=rtt_ms, depth=depth, acceptance=acceptance, draft_ms=draft_ms,
-             draft_base_ms=draft_base_ms, draft_per_token_ms=draft_per_token_ms, single_ms=single_ms)
+             draft_base_ms=draft_base_ms, draft_per_token_ms=draft_per_token_ms, single_ms=single_ms,
+             hit_rate=hit_rate)
     if as_json:
-        click.echo(json.dumps(dict(p.summary(), table=p.table(n_max)), indent=2))
+        click.echo(json.dumps(dict(p.summary(), table=p.table(n_max, adaptive_depth)), indent=2))
     else:
-        click.echo(format_plan(p, n_max))
+        click.echo(format_plan(p, n_max, adaptive_depth))
