@@ -58,6 +58,21 @@ class DraftMetrics:
         self.service_seconds.observe(seconds)
         self.batch_size.observe(requests)
 
+    @staticmethod
+    def _lookahead(la: dict | None) -> Iterator[Metric]:
+        if la is None:
+            return
+        ahead = CounterMetricFamily("starsd_draftd_lookahead",
+                                    "Rounds drafted ahead of their request, by outcome: hit (answered from it), "
+                                    "late_hit (finished on the request's arrival), miss (another sequence came), "
+                                    "dropped (its session went first)", labels=["outcome"])
+        for key, outcome in (("hits", "hit"), ("late_hits", "late_hit"), ("misses", "miss"), ("dropped", "dropped")):
+            ahead.add_metric([outcome], la[key])
+        yield ahead
+        yield CounterMetricFamily("starsd_draftd_lookahead_idle_seconds",
+                                  "Idle time spent drafting ahead (forwards run with no request queued)",
+                                  value=la["idle_s"])
+
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         yield GaugeMetricFamily("starsd_draftd_live_sessions", "Draft sessions held", value=s["live_sessions"])
@@ -75,17 +90,7 @@ class DraftMetrics:
                                 "Share of the last interval spent drafting (1.0 = never idle)",
                                 value=self.busy_fraction)
         yield CounterMetricFamily("starsd_draftd_requests", "Draft requests served", value=s["requests"])
-        la = s["lookahead"]
-        ahead = CounterMetricFamily("starsd_draftd_lookahead",
-                                    "Rounds drafted ahead of their request, by outcome: hit (answered from it), "
-                                    "late_hit (finished on the request's arrival), miss (another sequence came), "
-                                    "dropped (its session went first)", labels=["outcome"])
-        for key, outcome in (("hits", "hit"), ("late_hits", "late_hit"), ("misses", "miss"), ("dropped", "dropped")):
-            ahead.add_metric([outcome], la[key])
-        yield ahead
-        yield CounterMetricFamily("starsd_draftd_lookahead_idle_seconds",
-                                  "Idle time spent drafting ahead (forwards run with no request queued)",
-                                  value=la["idle_s"])
+        yield from self._lookahead(s.get("lookahead"))
         yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
         parts = CounterMetricFamily("starsd_draftd_request_seconds",
                                     "Time of the draft requests served, by part: queue (waiting for its batch), "

@@ -29,7 +29,11 @@ def model_options(f):
         option("--device", default=_d.device, help="cpu, cuda or cuda:N."),
         option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_d.dtype, help=DTYPE_HELP),
         option("--depth", type=click.IntRange(1, 64), default=_d.depth,
-               help="Draft tokens asked for per round (capped by the draft daemon's maximum)."),
+               help="Most draft tokens asked for per round (capped by the draft daemon's maximum)."),
+        option("--adaptive-depth/--no-adaptive-depth", default=_d.adaptive_depth,
+               help="Per generation, ask for the number of drafts (1..--depth) that maximises expected tokens "
+                    "per second, from its measured acceptance and costs (drafting and queueing per token, "
+                    "the rest of a round); off: --depth every round."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
                help="Most seconds to wait for drafts before verifying a round with the target alone "
                     "(the wait adapts to the measured round trip, up to this)."),
@@ -60,7 +64,8 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
                         curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
-                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"])
+                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"],
+                        adaptive_depth=kw["adaptive_depth"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

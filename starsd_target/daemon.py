@@ -60,6 +60,7 @@ class TargetConfig:
     listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
+    adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
 
 
 class ServiceFailed(RuntimeError):
@@ -148,7 +149,8 @@ class TargetDaemon:
         if self._scheduler is None:
             self._scheduler = Scheduler(self.engine, self._scheduler_link, self.config.draft_timeout_s,
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
-                                        heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s)
+                                        heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s,
+                                        adaptive_depth=self.config.adaptive_depth)
             self._scheduler.metrics = self.metrics
             self.metrics.watch(self._scheduler.profile)
         return self._scheduler

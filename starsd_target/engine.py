@@ -99,6 +99,7 @@ class GenerationStats:
     wall_s: float = 0.0
     accepted_by_position: list[int] = field(default_factory=list)
     max_draft_tokens: int = 0  # the draft length a round asks for at most (0: this generation speculates not)
+    asked_tokens: int = 0  # drafts its rounds' requests asked for, in all (adaptive depth: at most the cap each)
     profile: RoundProfile = field(default_factory=RoundProfile)  # where its rounds' time went (the scheduler's)
 
     @property

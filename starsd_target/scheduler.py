@@ -25,9 +25,10 @@ from typing import Callable
 
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
+from starsd_target.depth import AdaptiveDepth
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
-from starsd_target.profile import RoundProfile, split_round
+from starsd_target.profile import RoundProfile, RoundTimes, split_round
 
 log = logging.getLogger("starsd.target.scheduler")
 
@@ -87,6 +88,8 @@ class _Active:
     round_start: float = field(default_factory=time.perf_counter)
     resolved_at: float | None = None
     reported: tuple[float, float] | None = None  # the draft daemon's (queued, drafting) for that request
+    depth: AdaptiveDepth | None = None  # its draft-length controller (None: the cap every round)
+    asked: int = 0  # drafts the request in flight (or the last one) asked for
 
     @property
     def verifiable(self) -> bool:
@@ -96,8 +99,10 @@ class _Active:
 
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
-                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0):
+                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0,
+                 adaptive_depth: bool = True):
         self.engine = engine
+        self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -273,7 +278,11 @@ class Scheduler:
         except Exception as exc:  # a bad job fails alone
             self._settle(job, exc=exc)
             return
-        self.active.append(_Active(job, gen, drafts))
+        # A seeded sampled generation keeps its draft length: the target's random draws follow its
+        # rounds, so a length that followed measured times would make the same seed give other
+        # tokens at another speed. Greedy output does not depend on the length at all.
+        adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
+        self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
 
     def _request_drafts(self) -> None:
         """Draft requests for the generations that want one. One whose drafter needs features
@@ -292,8 +301,12 @@ class Scheduler:
         a.wanted = a.drafts is not None and depth > 0
         a.resolved_at, a.reported = None, None
         if a.wanted:
+            if a.depth is not None:
+                depth = a.depth.choose(depth)
+            a.asked = depth
             a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
             if a.seq is not None:
+                a.gen.stats.asked_tokens += depth
                 a.sent_at = time.perf_counter()
                 return
         a.ready, a.proposal, a.ready_at = True, None, now
@@ -397,7 +410,9 @@ class Scheduler:
         s = a.gen.stats
         if a.proposal is not None and n is not None:
             a.drafts.kept(n)
-        self._profile(a, end)
+        times = self._profile(a, end)
+        if a.depth is not None and a.proposal is not None and n is not None:
+            a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
@@ -411,7 +426,7 @@ class Scheduler:
         if a.gen.done:
             self._finish(a, None)
 
-    def _profile(self, a: _Active, end: float) -> None:
+    def _profile(self, a: _Active, end: float) -> RoundTimes:
         """Split the round that just ended into its parts (starsd_target.profile), for the
         generation and daemon-wide. The draft wait counts from the request's send or the round's
         start, whichever is later (a request sent during the prefill waited beside it)."""
@@ -423,6 +438,7 @@ class Scheduler:
         a.gen.stats.profile.add(times)
         self.profile.add(times)
         a.round_start, a.resolved_at, a.reported = end, None, None
+        return times
 
     def _finish(self, a: _Active, exc: BaseException | None) -> None:
         """Take ``a`` off the model (its cache goes with it), close its draft session, settle its job."""

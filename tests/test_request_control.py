@@ -291,9 +291,17 @@ def test_streamed_logprobs_come_with_their_chunks_and_add_up_to_the_whole(served
     assert "".join(c.text for c in chunks) == whole.text
     with_lp = [c for c in chunks if c.logprobs is not None]
     assert len(with_lp) > 2  # the log-probabilities arrive as the text does, not all at the end
-    for field_name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+    # the two runs' rounds may differ in length (adaptive depth follows measured times), so their
+    # verification forwards round differently: log-probabilities agree to float rounding
+    for field_name in ("tokens", "text_offset"):
         streamed = [x for c in with_lp for x in getattr(c.logprobs, field_name)]
         assert streamed == getattr(whole.logprobs, field_name), field_name
+    streamed = [x for c in with_lp for x in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
+    streamed = [x for c in with_lp for x in c.logprobs.top_logprobs]
+    assert [sorted(t) for t in streamed] == [sorted(t) for t in whole.logprobs.top_logprobs]
+    assert [t[k] for t in streamed for k in sorted(t)] == pytest.approx(
+        [t[k] for t in whole.logprobs.top_logprobs for k in sorted(t)], abs=1e-4)
     for c in with_lp:  # each chunk's tokens are those of its text
         if c.text:
             assert c.logprobs.tokens
@@ -303,8 +311,8 @@ def test_streamed_logprobs_come_with_their_chunks_and_add_up_to_the_whole(served
     chat_whole = openai_client.chat.completions.create(**ckw).choices[0]
     chat_chunks = [c.choices[0] for c in openai_client.chat.completions.create(stream=True, **ckw)]
     streamed = [e for c in chat_chunks if c.logprobs is not None for e in c.logprobs.content]
-    assert [(e.token, e.logprob, e.bytes) for e in streamed] == \
-        [(e.token, e.logprob, e.bytes) for e in chat_whole.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in chat_whole.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in chat_whole.logprobs.content], abs=1e-4)
     assert "".join(c.delta.content or "" for c in chat_chunks) == chat_whole.message.content
 
 
