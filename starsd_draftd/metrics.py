@@ -65,9 +65,11 @@ class DraftMetrics:
         ahead = CounterMetricFamily("starsd_draftd_lookahead",
                                     "Rounds drafted ahead of their request, by outcome: hit (answered from it), "
                                     "late_hit (finished on the request's arrival), miss (another sequence came), "
-                                    "dropped (its session went first)", labels=["outcome"])
-        for key, outcome in (("hits", "hit"), ("late_hits", "late_hit"), ("misses", "miss"), ("dropped", "dropped")):
-            ahead.add_metric([outcome], la[key])
+                                    "dropped (its session went first), skipped (not drafted ahead: it rarely "
+                                    "answers that session's requests)", labels=["outcome"])
+        for key, outcome in (("hits", "hit"), ("late_hits", "late_hit"), ("misses", "miss"), ("dropped", "dropped"),
+                             ("skipped", "skipped")):
+            ahead.add_metric([outcome], la.get(key, 0))
         yield ahead
         yield CounterMetricFamily("starsd_draftd_lookahead_idle_seconds",
                                   "Idle time spent drafting ahead (forwards run with no request queued)",

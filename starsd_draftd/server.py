@@ -40,6 +40,12 @@ FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16",
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
 REQUEST_PARTS = ("queue", "draft_forward", "rest")  # where a served draft request's time goes (Stats.request_s)
+# Lookahead's gate under concurrency: a session's share of requests answered from work ahead is
+# smoothed with this weight per request; below the minimum, with other sessions live, it is
+# drafted ahead only every PROBE_EVERY rounds (enough to notice when its text gets predictable).
+LOOKAHEAD_SMOOTHING = 0.25
+LOOKAHEAD_MIN_SCORE = 0.25
+LOOKAHEAD_PROBE_EVERY = 8
 
 
 @dataclass
@@ -151,10 +157,11 @@ class Stats:
         self.request_s = {part: 0.0 for part in REQUEST_PARTS}
         # Lookahead: requests answered from work done ahead (hit: it was done; late_hit: it was
         # finished on arrival), requests whose sequence it had not guessed (miss), work dropped
-        # unused with its session (dropped); the forward steps it ran and their seconds (idle time
+        # unused with its session (dropped), rounds not drafted ahead for a session it rarely
+        # answers (skipped); the forward steps it ran and their seconds (idle time
         # used: steps run only with nothing queued; finishing a late hit counts as drafting)
-        self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "steps": 0,
-                          "idle_s": 0.0}
+        self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "skipped": 0,
+                          "steps": 0, "idle_s": 0.0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -763,6 +770,7 @@ class DraftServer:
             self._ahead.pop(key, None)
             st = self.stats.lookahead
             guess = task.match(req.verified)
+            session.ahead_score += LOOKAHEAD_SMOOTHING * ((guess is not None) - session.ahead_score)
             if guess is None:
                 task.close()
                 st["misses"] += 1
@@ -777,7 +785,16 @@ class DraftServer:
 
     def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
         """Queue the drafting of ``session``'s next round ahead of its request, when its cache
-        memory fits in what is free without evicting anyone."""
+        memory fits in what is free without evicting anyone. With other sessions live, a
+        session whose requests work ahead rarely answers (score below LOOKAHEAD_MIN_SCORE) is
+        drafted ahead only every LOOKAHEAD_PROBE_EVERY rounds: each step ahead can hold back
+        another target's request by one forward, which its few hits would not repay."""
+        if (session.ahead_score < LOOKAHEAD_MIN_SCORE and len(self.sessions.sessions) > 1
+                and session.ahead_skipped + 1 < LOOKAHEAD_PROBE_EVERY):
+            session.ahead_skipped += 1
+            self.stats.lookahead["skipped"] += 1
+            return
+        session.ahead_skipped = 0
         try:
             self.sessions.reserve(session, len(session.verified) + len(draft.tokens) + 2 + depth, seq,
                                   keep=set(self.sessions.sessions))

@@ -35,6 +35,8 @@ class Session:
     replied_at: float | None = None  # when its last draft went out, until its next request arrives
     turnaround_s: float | None = None  # smoothed time from a reply to the session's next request
     ahead: object | None = None  # its next round drafted ahead (a backends.base.Lookahead), done or not
+    ahead_score: float = 0.5  # smoothed share of its requests that work ahead answered (hit 1, miss 0)
+    ahead_skipped: int = 0  # rounds in a row not drafted ahead for it (its score too low)
 
     def returned(self, now: float) -> None:
         """A request of this session arrived: learn how long the target took to come back."""

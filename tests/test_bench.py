@@ -457,6 +457,27 @@ def test_quick_bench_batched_verification_fields(quick_report):
 
 
 @pytest.mark.slow
+def test_quick_bench_lookahead_fields(quick_report):
+    _, r = quick_report
+    v = r["lookahead"]
+    assert [row["streams"] for row in v["rows"]] == [1]
+    row = v["rows"][0]
+    assert _num(row["alone_tps"]) and row["alone_same"] is True
+    assert set(row["configs"]) == {"fixed", "adaptive", "lookahead", "lookahead+adaptive"}
+    for name, c in row["configs"].items():
+        assert _num(c["tps"]) and _num(c["speedup"]) and _num(c["speedup_vs_fixed"]), name
+        assert c["fallback_rounds"] == 0 and c["rounds"] > 0 and c["kept_per_round"] > 1.0, name
+        assert c["same_as_alone"] == c["of"] > 0, name  # exact with every combination
+        assert 0 < c["asked_per_round"] <= r["config"]["depth"], name
+        if c["lookahead"]:  # drafted ahead, and requests were checked against it
+            assert c["hit_rate"] is not None and 0.0 <= c["hit_rate"] <= 1.0 and c["idle_s"] > 0, name
+        else:
+            assert c["hit_rate"] is None, name
+    assert row["configs"]["fixed"]["speedup_vs_fixed"] == 1.0
+    assert "Lookahead and adaptive depth" in format_report(r)
+
+
+@pytest.mark.slow
 def test_quick_bench_batched_fields(quick_report):
     _, r = quick_report
     b = r["batched"]

@@ -148,6 +148,26 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
         b.sock.close(0)
 
 
+def test_with_other_sessions_live_a_session_it_rarely_answers_is_drafted_ahead_less():
+    backend = ScriptedBackend()
+    with running_server(backend, max_depth=4) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        _hello(peer)
+        _open(peer, 1, [10, 20])
+        _open(peer, 2, [30, 40])  # a second live session: lookahead now competes with other work
+        _draft(peer, 1, 1, 0, [], 2)
+        pos = 2
+        for seq in range(2, 22):  # every round: one draft kept, then a token no guess had
+            pos += 2
+            _draft(peer, 1, seq, 1, [200 + seq], pos)
+        la = server.stats.lookahead
+        assert la["misses"] >= 4 and la["hits"] == 0
+        # three misses bring its score below the gate; then it skips 7 rounds and probes the 8th
+        assert la["skipped"] >= 7 and la["started"] + la["skipped"] == 21
+        assert la["started"] >= 4  # a probe: it would notice the text getting predictable
+        peer.sock.close(0)
+
+
 def test_closing_a_session_drops_its_work_ahead():
     backend = ScriptedBackend(step_s=0.02)
     with running_server(backend, max_depth=8) as (server, ctx):

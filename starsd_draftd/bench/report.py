@@ -168,6 +168,10 @@ def format_report(report: dict) -> str:
                          f"{pl['tokens_per_round']:.2f}): N_full = {pl['n_full']}, saturated "
                          f"{pl['saturated_system_tps']:.0f} tok/s.")
         lines.append("")
+    if "lookahead" in report:
+        from starsd_draftd.bench.lookahead import format_lookahead
+
+        lines += format_lookahead(report["lookahead"])
     if "verify" in report:
         from starsd_draftd.bench.verify_batch import format_verify
 

@@ -18,6 +18,8 @@ Sections (each with real daemons as separate processes, real sockets on loopback
   model, one session at a time versus batched drafting.
 * ``verify``: one target daemon with 1, 2, 4 and 8 generations at once, verified together in one
   forward versus one per forward, with drafts and alone (``starsd_draftd.bench.verify_batch``).
+* ``lookahead``: lookahead off/on x adaptive depth off/on with 1 and 2 streams on one target,
+  beside the target alone (``starsd_draftd.bench.lookahead``).
 
 Output: ``bench.json``, ``bench.png`` and ``bench.md`` in the results folder.
 """
@@ -46,6 +48,7 @@ from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_
                                       real_measure, start_real)
 from starsd_draftd.bench.report import _derive, format_report, plot_report
 from starsd_draftd.bench.star import emulation_section, start_emulation
+from starsd_draftd.bench.lookahead import lookahead_section, lookahead_streams, start_lookahead
 from starsd_draftd.bench.verify_batch import start_verify, verify_section, verify_streams
 from starsd_draftd.bench.wire import WIRE_CASES, start_wire, wire_section
 
@@ -69,7 +72,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
-               "verify": len(verify_streams(cfg)) + 1}
+               "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -102,7 +105,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     try:
         models = None
-        if {"real", "batched", "verify"} & set(cfg.sections):
+        if {"real", "batched", "verify", "lookahead"} & set(cfg.sections):
             if cfg.models == "tiny":
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
@@ -123,6 +126,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 start_batched(cfg, pool, models[1])
             if "verify" in sel:
                 start_verify(cfg, pool, models)
+            if "lookahead" in sel:
+                start_lookahead(cfg, pool, models)
         if "wire" in cfg.sections:
             report["wire"] = timed("wire", lambda: wire_section(cfg, pool, step))
         if "emulation" in cfg.sections:
@@ -136,6 +141,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["real"] = timed("real", lambda: real_finish(cfg, pool, real_raw, step))
         if "verify" in cfg.sections:  # after the real section (unless prestarted, as quick runs are): cores free
             report["verify"] = timed("verify", lambda: verify_section(cfg, pool, step, models))
+        if "lookahead" in cfg.sections:
+            report["lookahead"] = timed("lookahead", lambda: lookahead_section(cfg, pool, step, models))
     finally:
         bar.close()
         pool.stop_all()
