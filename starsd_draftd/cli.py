@@ -54,10 +54,12 @@ def main() -> None:
              "usually answer within it (learned per session); 0 never waits (strictly work-conserving). "
              "Millisecond granularity.")
 @option("--lookahead/--no-lookahead", default=_s.lookahead,
-        help="With no request waiting, draft each served session's next round ahead of its request (its drafts "
-             "all kept, then the draft's guess of the target's next token), one forward at a time so a request "
-             "that comes waits one forward at most; a request for exactly that sequence is answered at once. "
-             "Lossless like every draft (--backend model; other backends draft on request).")
+        help="With no request waiting, draft each served session's next round ahead for the outcomes the draft "
+             "can guess (its drafts all kept, then its next token; kept up to one of the first positions, then "
+             "its second choice there), one batched forward at a time, so a request that comes waits one forward; "
+             "a request that brings one of those sequences is answered at once. Sessions it rarely answers are "
+             "drafted ahead every 8th round only; seeded sampled sessions are not. Lossless like every "
+             "draft (--backend model; an EAGLE head drafts on request).")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")

@@ -40,9 +40,9 @@ FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16",
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
 REQUEST_PARTS = ("queue", "draft_forward", "rest")  # where a served draft request's time goes (Stats.request_s)
-# Lookahead's gate under concurrency: a session's share of requests answered from work ahead is
-# smoothed with this weight per request; below the minimum, with other sessions live, it is
-# drafted ahead only every PROBE_EVERY rounds (enough to notice when its text gets predictable).
+# Lookahead's gate: a session's share of requests answered from work ahead is smoothed with this
+# weight per request; below the minimum it is drafted ahead only every PROBE_EVERY rounds (enough
+# to notice when its text gets predictable).
 LOOKAHEAD_SMOOTHING = 0.25
 LOOKAHEAD_MIN_SCORE = 0.25
 LOOKAHEAD_PROBE_EVERY = 8
@@ -57,9 +57,10 @@ class ServerConfig:
     # it (each session's reply-to-request turnaround is tracked). 0 keeps the loop strictly
     # work-conserving; a few ms fills batches when targets answer fast (many targets, short V).
     batch_window_s: float = 0.0
-    # With nothing queued, draft each served session's next round ahead (its drafts all kept,
-    # then the draft's guess of the target's next token), one forward per loop pass; a request
-    # that comes for exactly that sequence is answered from it at once.
+    # With nothing queued, draft each served session's next round ahead for the outcomes the
+    # draft can guess (its drafts all kept then its next token; kept up to a position then its
+    # second choice there), one batched forward per loop pass; a request that brings one of
+    # those sequences is answered from it at once.
     lookahead: bool = True
     # The session table's bounds (TableLimits, fields of the same names)
     max_sessions: int = _TABLE.max_sessions
@@ -161,7 +162,7 @@ class Stats:
         # answers (skipped); the forward steps it ran and their seconds (idle time
         # used: steps run only with nothing queued; finishing a late hit counts as drafting)
         self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "skipped": 0,
-                          "steps": 0, "idle_s": 0.0}
+                          "failed": 0, "steps": 0, "idle_s": 0.0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -703,48 +704,57 @@ class DraftServer:
             self._free_dropped()
         if not admitted:
             return
+        stats = self.stats
+        drafts: list[Draft | None] = [None] * len(admitted)
+        spent = [0.0] * len(admitted)  # each request's drafting time (what its reply reports)
+        # requests answered from work done ahead go out at once, before the others are drafted
+        ahead = self._answered_ahead(admitted)
+        for i, (draft, seconds) in ahead.items():
+            drafts[i], spent[i] = draft, seconds
+            self._reply(admitted[i], draft, start, seconds)
+        if ahead:
+            self._flush_out()
+        todo = [i for i in range(len(admitted)) if i not in ahead]
         t0 = time.perf_counter()
-        ahead = self._answered_ahead(admitted)  # index -> drafts done ahead for exactly its sequence
         try:
-            todo = [a[3] for i, a in enumerate(admitted) if i not in ahead]
-            drafted = iter(self.backend.draft_many(todo) if todo else [])
-            drafts = [ahead[i] if i in ahead else next(drafted) for i in range(len(admitted))]
+            if todo:
+                for i, d in zip(todo, self.backend.draft_many([admitted[i][3] for i in todo])):
+                    drafts[i] = d
         except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
-            log.exception("drafting failed for %d session(s)", len(admitted))
-            for identity, h, *_ in admitted:
+            log.exception("drafting failed for %d session(s)", len(todo))
+            for i in todo:
+                identity, h = admitted[i][0], admitted[i][1]
                 self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
                                                     MsgType.DRAFT))
-            return
+            todo = []  # answered (with an error); the hits above still need their bookkeeping
         finally:
             elapsed = time.perf_counter() - t0
-            self.stats.busy_s += elapsed
-        stats = self.stats  # counted before the replies leave, so a target that saw its reply sees it counted
-        stats.requests += len(admitted)
-        stats.drafted_tokens += sum(len(d.tokens) for d in drafts)
+            stats.busy_s += elapsed + sum(spent)
+        served = [i for i in range(len(admitted)) if drafts[i] is not None]
+        # counted before the replies leave, so a target that saw its reply sees it counted
+        stats.requests += len(served)
+        stats.drafted_tokens += sum(len(drafts[i].tokens) for i in served)
         stats.batches += 1
-        stats.batched_requests += len(admitted)
-        draft_us = min(P.MAX_REPORTED_US, round(1e6 * elapsed))
-        for (identity, h, _, _, (_, queued_at)), draft in zip(admitted, drafts):
-            reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
-                     "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - queued_at))),
-                     "draft_us": draft_us}
-            if draft.q_ids is None:
-                self._send(identity, Message(MsgType.DRAFTED, reply))
-            else:
-                self._send(identity, Message(MsgType.DRAFTED, reply, {"q_ids": draft.q_ids, "q_probs": draft.q_probs}))
+        stats.batched_requests += len(served)
+        for i in todo:
+            spent[i] = elapsed
+            self._reply(admitted[i], drafts[i], start, elapsed)
         self._flush_out()
         # the rest of the bookkeeping is off the targets' critical path
         done = time.perf_counter()
         parts = stats.request_s
-        for *_, (read_at, queued_at) in admitted:
+        for i in served:
+            read_at, queued_at = admitted[i][4]
             queued = start - queued_at
             parts["queue"] += queued
-            parts["draft_forward"] += elapsed
-            parts["rest"] += (done - read_at) - queued - elapsed
-        stats.profiled += len(admitted)
+            parts["draft_forward"] += spent[i]
+            parts["rest"] += (done - read_at) - queued - spent[i]
+        stats.profiled += len(served)
         window = self.config.batch_window_s > 0
         sent = time.monotonic()
-        for (_, h, key, req, _), draft in zip(admitted, drafts):
+        for i in served:
+            _, h, key, req, _ = admitted[i]
+            draft = drafts[i]
             session = self.sessions.sessions.get(key)
             if session is not None:
                 session.last_draft = list(draft.tokens)
@@ -753,14 +763,30 @@ class DraftServer:
                     self._awaited[key] = session
                 if self.config.lookahead and not self.draining:
                     self._start_lookahead(session, draft, min(self.config.max_depth, req.depth + 1), h["seq"])
-        self.metrics.on_batch(len(admitted), elapsed)
+        if served:
+            self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
+
+    def _reply(self, item: tuple, draft: Draft, start: float, seconds: float) -> None:
+        """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its
+        batch began) and the drafting time it reports."""
+        identity, h, _, _, (_, queued_at) = item
+        reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
+                 "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - queued_at))),
+                 "draft_us": min(P.MAX_REPORTED_US, round(1e6 * seconds))}
+        if draft.q_ids is None:
+            self._send(identity, Message(MsgType.DRAFTED, reply))
+        else:
+            self._send(identity, Message(MsgType.DRAFTED, reply, {"q_ids": draft.q_ids, "q_probs": draft.q_probs}))
 
     # ------------------------------------------------------------ lookahead
-    def _answered_ahead(self, admitted: list) -> dict[int, Draft]:
-        """The admitted requests lookahead answers: those whose session drafted ahead for exactly
-        the sequence the request brings (finished now if it was still under way: a late hit),
-        as their drafts (at most the depth asked). The other sessions' work ahead is dropped."""
-        out: dict[int, Draft] = {}
+    def _answered_ahead(self, admitted: list) -> dict[int, tuple[Draft, float]]:
+        """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
+        session drafted ahead for exactly the sequence the request brings, done, or nearly done
+        (a late hit: finished now, when what is left is at most half the forwards drafting it
+        afresh would take); at most the depth asked. Any other work ahead is dropped, and its
+        request drafted as without lookahead."""
+        out: dict[int, tuple[Draft, float]] = {}
+        st = self.stats.lookahead
         for i, (_, _, key, req, _) in enumerate(admitted):
             session = self.sessions.sessions.get(key)
             task = session.ahead if session is not None else None
@@ -768,35 +794,50 @@ class DraftServer:
                 continue
             session.ahead = None
             self._ahead.pop(key, None)
-            st = self.stats.lookahead
             guess = task.match(req.verified)
+            late = not task.done
+            if guess is not None and late and task.steps_left is not None and 2 * task.steps_left > req.depth:
+                guess = None  # too far from done: drafting afresh is quicker
             session.ahead_score += LOOKAHEAD_SMOOTHING * ((guess is not None) - session.ahead_score)
             if guess is None:
                 task.close()
                 st["misses"] += 1
                 continue
-            late = not task.done
-            draft = task.take(guess)  # a late hit's remaining steps are drafting, on the request's time
+            t0 = time.perf_counter()
+            try:
+                draft = task.take(guess)  # a late hit's remaining steps are drafting, on the request's time
+            except Exception:  # work ahead is optional: drafted afresh instead
+                log.exception("finishing the work ahead failed for session %d", key[1])
+                task.close()
+                st["failed"] += 1
+                continue
             st["late_hits" if late else "hits"] += 1
-            out[i] = Draft(draft.tokens[: req.depth],
-                           None if draft.q_ids is None else draft.q_ids[: req.depth],
-                           None if draft.q_probs is None else draft.q_probs[: req.depth])
+            n = req.depth
+            out[i] = (Draft(draft.tokens[:n], None if draft.q_ids is None else draft.q_ids[:n],
+                            None if draft.q_probs is None else draft.q_probs[:n],
+                            None if draft.alternatives is None else draft.alternatives[:n]),
+                      time.perf_counter() - t0)
         return out
 
     def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
         """Queue the drafting of ``session``'s next round ahead of its request, when its cache
-        memory fits in what is free without evicting anyone. With other sessions live, a
-        session whose requests work ahead rarely answers (score below LOOKAHEAD_MIN_SCORE) is
-        drafted ahead only every LOOKAHEAD_PROBE_EVERY rounds: each step ahead can hold back
-        another target's request by one forward, which its few hits would not repay."""
-        if (session.ahead_score < LOOKAHEAD_MIN_SCORE and len(self.sessions.sessions) > 1
-                and session.ahead_skipped + 1 < LOOKAHEAD_PROBE_EVERY):
+        memory fits in what is free without evicting anyone. A session whose requests work
+        ahead rarely answers (score below LOOKAHEAD_MIN_SCORE) is drafted ahead only every
+        LOOKAHEAD_PROBE_EVERY rounds: a request that comes during a step waits for it, and on
+        shared hardware the steps compete with the target's verification for memory bandwidth;
+        a few hits would not repay that (measured on the demo pair: 14% hits, no gain)."""
+        if session.ahead_score < LOOKAHEAD_MIN_SCORE and session.ahead_skipped + 1 < LOOKAHEAD_PROBE_EVERY:
             session.ahead_skipped += 1
             self.stats.lookahead["skipped"] += 1
             return
         session.ahead_skipped = 0
-        try:
-            self.sessions.reserve(session, len(session.verified) + len(draft.tokens) + 2 + depth, seq,
+        if not self.backend.drafts_ahead or (not session.params.greedy and session.params.seed is not None):
+            return  # a seeded sampled session's drafts come from one kind of forward: its output stays put
+        length = len(session.verified) + len(draft.tokens) + 2 + depth  # the furthest position a guess drafts
+        if self.backend.max_len is not None and length > self.backend.max_len:
+            return  # near the end of the drafter's context: drafted on request, within its bounds
+        try:  # every guess is a copy of the session's cache: its memory is the session's too
+            self.sessions.reserve(session, length * self.backend.lookahead_rows(len(draft.tokens)), seq,
                                   keep=set(self.sessions.sessions))
         except ProtocolError:
             return  # no room: the next request is drafted on arrival
@@ -816,6 +857,7 @@ class DraftServer:
             done = task.step()
         except Exception:  # work ahead is optional: a failure costs it, not the session
             log.exception("drafting ahead failed for session %d", key[1])
+            self.stats.lookahead["failed"] += 1
             session.ahead = None
             self._ahead.pop(key, None)
             task.close()

@@ -33,7 +33,8 @@ def model_options(f):
         option("--adaptive-depth/--no-adaptive-depth", default=_d.adaptive_depth,
                help="Per generation, ask for the number of drafts (1..--depth) that maximises expected tokens "
                     "per second, from its measured acceptance and costs (drafting and queueing per token, "
-                    "the rest of a round); off: --depth every round."),
+                    "the rest of a round); off: --depth every round. Seeded sampled generations keep --depth, so that "
+                    "a seed gives the same tokens at any speed."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
                help="Most seconds to wait for drafts before verifying a round with the target alone "
                     "(the wait adapts to the measured round trip, up to this)."),

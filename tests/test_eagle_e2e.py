@@ -92,7 +92,8 @@ def _exact_joint(model, prompt: list[int], params: SamplingParams, length: int) 
 
 
 @pytest.mark.parametrize("kind", ["eagle", "model"])
-def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle_head, loaded_target, tmp_path):
+def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle_head, loaded_target, tmp_path,
+                                                       monkeypatch):
     if kind == "eagle":
         backend = EagleBackend.from_dirs(eagle_head, tiny_target, dtype="float32")
     else:
@@ -114,7 +115,10 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
         client.handshake(10)
         for i in range(samples):
             p = SamplingParams(params.temperature, params.top_k, seed=10_000 + i)
-            q = SamplingParams(draft_params.temperature, seed=20_000 + i)
+            # the model backend's draft sessions are unseeded, so that they are drafted ahead (a
+            # seeded one is not); their seeds then come from here, to keep the run repeatable
+            q = SamplingParams(draft_params.temperature, seed=None if kind == "model" else 20_000 + i)
+            monkeypatch.setattr("starsd_draftd.backends.base.secrets.randbits", lambda bits, i=i: 20_000 + i)
             r = speculate(engine, client, prompt, length, p, 30, draft_params=q)
             assert r.stats.fallback_rounds == 0
             counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
@@ -123,7 +127,7 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
         client.close()
         ahead = server.stats.lookahead
     if kind == "model":  # drafted ahead by default, and the exactness holds with it
-        assert ahead["started"] > 0 and ahead["hits"] + ahead["late_hits"] + ahead["misses"] > 0, ahead
+        assert ahead["started"] > 0 and ahead["hits"] + ahead["late_hits"] > 0, ahead
     assert 10 <= accepted < drafted, (accepted, drafted)  # both branches ran (the run is seeded)
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())

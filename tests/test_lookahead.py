@@ -24,6 +24,7 @@ class ScriptedBackend(DraftBackend):
     what ran when."""
 
     name = "scripted"
+    drafts_ahead = True
     vocab_size = VOCAB
     fingerprint = "fake-tok"
 
@@ -91,7 +92,7 @@ def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
         _hello(peer)
         _open(peer, 1, [10, 20])
         assert _draft(peer, 1, 1, 0, [], 2) == [21, 22, 23]
-        _wait(lambda: server.stats.lookahead["steps"] >= 5)  # the guess and 4 drafts (depth asked + 1)
+        _wait(lambda: server.stats.lookahead["steps"] >= 5 and not server._ahead)  # the guess, 4 drafts: done
         calls = backend.draft_calls
         # the target kept all three and added 24 (the guess): answered from the work done ahead
         got = _draft(peer, 1, 2, 3, [24], 6)
@@ -101,7 +102,7 @@ def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
         # kept one and added 99: not what was guessed, so drafted on arrival
         assert _draft(peer, 1, 3, 1, [99], 8) == [100, 101, 102]
         assert backend.draft_calls == calls + 1 and server.stats.lookahead["misses"] == 1
-        assert server.snapshot()["lookahead"]["started"] == 3
+        _wait(lambda: server.snapshot()["lookahead"]["started"] == 3)  # counted once its reply went out
         peer.sock.close(0)
 
 
@@ -148,22 +149,22 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
         b.sock.close(0)
 
 
-def test_with_other_sessions_live_a_session_it_rarely_answers_is_drafted_ahead_less():
+def test_a_session_it_rarely_answers_is_drafted_ahead_less():
     backend = ScriptedBackend()
     with running_server(backend, max_depth=4) as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
         _hello(peer)
         _open(peer, 1, [10, 20])
-        _open(peer, 2, [30, 40])  # a second live session: lookahead now competes with other work
         _draft(peer, 1, 1, 0, [], 2)
         pos = 2
         for seq in range(2, 22):  # every round: one draft kept, then a token no guess had
             pos += 2
             _draft(peer, 1, seq, 1, [200 + seq], pos)
         la = server.stats.lookahead
+        _wait(lambda: la["started"] + la["skipped"] == 21)  # the last reply's bookkeeping follows its send
         assert la["misses"] >= 4 and la["hits"] == 0
         # three misses bring its score below the gate; then it skips 7 rounds and probes the 8th
-        assert la["skipped"] >= 7 and la["started"] + la["skipped"] == 21
+        assert la["skipped"] >= 7
         assert la["started"] >= 4  # a probe: it would notice the text getting predictable
         peer.sock.close(0)
 
@@ -202,8 +203,9 @@ def test_position_seeds_make_a_draw_depend_on_its_position_only():
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=11)],
                          ids=["greedy", "seeded"])
 def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, near_draft, loaded_target):
-    """Greedy equals the target alone; a seeded sampled run gives the same tokens whether its
-    drafts were made ahead or on request (each draw is seeded by its position)."""
+    """Greedy equals the target alone, and is answered from work ahead; a seeded sampled
+    session is not drafted ahead (a batched forward's q rounds apart from a single one's, which
+    could move a draw at a boundary), so its tokens are those of lookahead off."""
     engine = TargetEngine(loaded_target, depth=4)
     prompt = engine.encode("def parse(line):\n    ")
     outs, stats = [], []
@@ -212,7 +214,9 @@ def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, nea
         with running_server(backend, lookahead=lookahead) as (server, ctx):
             client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
             client.handshake(10)
-            r = speculate(engine, client, prompt, 40, params, 30)
+            # a pause after each round stands for a target slower than its drafter: the work ahead
+            # is done when the next request comes (in-process, the two share one interpreter)
+            r = speculate(engine, client, prompt, 40, params, 30, on_round=lambda *_: time.sleep(0.03))
             client.close()
             stats.append(dict(server.stats.lookahead))
         assert r.stats.fallback_rounds == 0 and r.stats.accepted > 0
@@ -222,7 +226,10 @@ def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, nea
         assert outs[0] == engine.generate(prompt, 40, params).token_ids
     assert stats[0]["started"] == 0
     on = stats[1]
-    assert on["started"] > 0 and on["hits"] + on["late_hits"] + on["misses"] > 0  # it was consulted
+    if params.greedy:
+        assert on["started"] > 0 and on["hits"] + on["late_hits"] > 0  # requests answered from work ahead
+    else:
+        assert on["started"] == 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
@@ -243,7 +250,9 @@ def test_model_lookahead_drafts_each_guess_as_a_request_would(params, near_draft
     assert steps == 5  # the first forward and one per token drafted after it (depth + 1 in all)
     guesses = task.guesses
     assert guesses[-1][:-1] == verified + sent.tokens
-    assert [g[len(verified):] for g in guesses[:-1]] == [sent.tokens[:j] + [sent.alternatives[j]] for j in range(4)]
+    rows = ahead.MAX_ALTERNATIVE_ROWS  # rejections guessed at the first positions only
+    assert len(guesses) == rows + 1 == ahead.lookahead_rows(4)
+    assert [g[len(verified):] for g in guesses[:-1]] == [sent.tokens[:j] + [sent.alternatives[j]] for j in range(rows)]
     for g, d in zip(guesses, task.result):
         assert d.tokens == fresh.draft(ref, g, len(d.tokens)).tokens
     pick = 2

@@ -67,8 +67,8 @@ class ChainDrafter:
     the top-k truncation of q (after the request's temperature / top-k / top-p), and that
     truncated q is what the target verifies against, so speculative sampling stays exact.
     ``seed``: the session's ``session_seed``; with it, the draw for the token at sequence
-    position ``start + j`` comes from ``position_seed(seed, start + j)`` (the generator is
-    reseeded per draw); without it, from the generator's running stream."""
+    position ``start + j`` is the inverse CDF of q at the uniform ``position_seed(seed, start + j)``
+    makes (its top 53 bits); without it, a draw from the generator's running stream."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator, q_topk: int,
                  seed: int | None = None, start: int = 0):
@@ -89,9 +89,13 @@ class ChainDrafter:
         else:
             top = torch.topk(logits_to_probs(logits, self.params), min(self.q_topk, logits.shape[-1]))
             mass = (top.values / top.values.sum()).cpu()
-            if self.seed is not None:
-                self.generator.manual_seed(position_seed(self.seed, self.start + len(self.tokens)))
-            tok = int(top.indices[int(torch.multinomial(mass, 1, generator=self.generator))])
+            if self.seed is not None:  # inverse CDF at a uniform taken from all 64 bits of the position's seed
+                u = (position_seed(self.seed, self.start + len(self.tokens)) >> 11) * 2.0 ** -53
+                cdf = torch.cumsum(mass.double(), 0)
+                at = torch.tensor([u * float(cdf[-1])], dtype=torch.float64)
+                tok = int(top.indices[min(int(torch.searchsorted(cdf, at, right=True)), mass.shape[0] - 1)])
+            else:
+                tok = int(top.indices[int(torch.multinomial(mass, 1, generator=self.generator))])
             first = top.indices[:2].tolist()
             self.alternatives.append(first[0] if first[0] != tok or len(first) < 2 else first[1])
             self._ids.append(top.indices.to(torch.int32).cpu())
@@ -153,12 +157,15 @@ class Lookahead:
     drops the work (the session's state is untouched, or consistent, after every step)."""
 
     def __init__(self, start: Callable[["Lookahead"], Generator[None, None, list[Draft]]],
-                 guesses: list[list[int] | None], adopt: Callable[[int], None] | None = None):
+                 guesses: list[list[int] | None], adopt: Callable[[int], None] | None = None,
+                 steps: int | None = None):
         """``start(task)``: the steps, a generator that yields after each forward, fills in
         ``task.guesses`` as they become known and returns one Draft per guess. ``adopt(i)``:
-        make the session's state that of guess i's drafting (None: nothing to do)."""
+        make the session's state that of guess i's drafting (None: nothing to do). ``steps``:
+        how many forwards the work takes in all, if known."""
         self.guesses = guesses
         self.result: list[Draft] | None = None
+        self.total_steps = steps
         self.steps = 0
         self.seconds = 0.0  # the time its steps took
         self._adopt = adopt
@@ -167,6 +174,10 @@ class Lookahead:
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    @property
+    def steps_left(self) -> int | None:
+        return None if self.total_steps is None else max(self.total_steps - self.steps, 0)
 
     def match(self, sequence: list[int]) -> int | None:
         """Which guess ``sequence`` is, if any."""
@@ -183,6 +194,8 @@ class Lookahead:
                 next(self._steps)
                 self.steps += 1
             except StopIteration as stop:
+                if stop.value is None:
+                    raise RuntimeError("drafting ahead ended without drafts") from None
                 self.result = stop.value
             finally:
                 self.seconds += time.perf_counter() - t0
@@ -227,6 +240,12 @@ class DraftBackend(abc.ABC):
         """Serve several sessions' requests at once. The default serves them one after another;
         backends that can batch the sessions' forwards override it."""
         return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
+
+    drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
+
+    def lookahead_rows(self, drafts: int) -> int:
+        """How many copies of a session's cache its work ahead holds after ``drafts`` drafts."""
+        return 1
 
     def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:
         """Start drafting a session's next round (``depth`` tokens) ahead of its request:

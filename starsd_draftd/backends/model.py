@@ -109,16 +109,27 @@ class ModelBackend(DraftBackend):
             pending.append(tok)
         return chain.result()
 
-    def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead:
+    drafts_ahead = True
+    MAX_ALTERNATIVE_ROWS = 3  # guesses of a rejection: at the first positions, where rejections are likeliest
+
+    def lookahead_rows(self, drafts: int) -> int:
+        return min(drafts, self.MAX_ALTERNATIVE_ROWS) + 1
+
+    def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:
         """Draft the next round ahead for every outcome the draft can guess, as one batch:
         the drafts just sent all kept, followed by the draft's own next token (known after the
         batch's first forward); and for each draft position with an alternative, the drafts
         kept up to it and the alternative in its place (what the target most likely puts there
-        if it rejects the draft). ``depth`` + 1 tokens each, one batched forward per step,
-        over copies of the session's cache, which stays as it is until a guess is taken."""
+        if it rejects the draft), at the first MAX_ALTERNATIVE_ROWS positions. ``depth`` tokens
+        after the all-kept guess, ``depth`` + 1 after the others, ``depth`` + 1 batched forwards,
+        over copies of the session's cache, which stays as it is until a guess is taken. None
+        when the session's cache lags its sequence by much (lookup-copied tokens not fed yet):
+        the first step would feed them once per row."""
         st: ModelSession = state  # type: ignore[assignment]
         seq = list(verified) + list(draft.tokens)
-        alts = draft.alternatives or [None] * len(draft.tokens)
+        if len(seq) - common_prefix_len(st.cached, seq) > 2 * depth + 2:
+            return None
+        alts = (draft.alternatives or [None] * len(draft.tokens))[: self.MAX_ALTERNATIVE_ROWS]
         branches = [(list(verified) + list(draft.tokens[:j]), alt) for j, alt in enumerate(alts)
                     if alt is not None and alt < self.vocab_size]
         branches.append((seq, None))  # all kept: its token is the first forward's pick
@@ -131,7 +142,8 @@ class ModelBackend(DraftBackend):
                 batch.split(i, st.cache)
             st.cached = fed[i]
 
-        return Lookahead(lambda task: self._branch_steps(st, branches, depth, task, box), guesses, adopt)
+        return Lookahead(lambda task: self._branch_steps(st, branches, depth, task, box), guesses, adopt,
+                         steps=depth + 1)
 
     def _branch_steps(self, st: ModelSession, branches: list[tuple[list[int], int | None]], depth: int,
                       task: Lookahead, box: dict) -> Generator[None, None, list[Draft]]:

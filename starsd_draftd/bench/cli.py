@@ -91,10 +91,10 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
 @option("--single-ms", type=click.FloatRange(0, min_open=True), default=None,
         help="V1: the target's single-token forward, for the standalone baseline [default: V].")
 @option("--hit-rate", type=click.FloatRange(0, 1), default=0.0,
-        help="h: lookahead drafting. Probability that a target's next request matches the round the draft "
-             "server pre-drafted in its idle time (all d drafts kept and the bonus token guessed right; for i.i.d. "
-             "acceptance about a^d * g, g the chance the draft guesses the bonus token). 0: no lookahead, "
-             "today's design.")
+        help="h: lookahead drafting. Probability that a target's next request matches one of the rounds the "
+             "draft server pre-drafted in its idle time (the daemon guesses several outcomes: all d drafts kept "
+             "and the next token guessed, or a rejection at an early position and the draft's second choice "
+             "there; `starsd-draftd status` reports the measured rate). 0: no lookahead, today's design.")
 @option("--adaptive-depth/--no-adaptive-depth", default=False,
         help="Also show, per N, the depth in 1..--depth that maximises a target's tokens per second, and its "
              "throughput (needs --draft-base-ms/--draft-per-token-ms, not --draft-ms).")

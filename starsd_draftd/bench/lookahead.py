@@ -43,7 +43,7 @@ def start_lookahead(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> 
     for on in (True, False):
         drafts[on] = pool.start(f"la-draftd-{'on' if on else 'off'}", lambda ep, on=on: [
             "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
-            "--depth", str(cfg.depth + 1), "--q-topk", str(cfg.q_topk), "--threads", "1", "--dtype", dtype,
+            "--depth", str(cfg.depth), "--q-topk", str(cfg.q_topk), "--threads", "1", "--dtype", dtype,
             "--lookahead" if on else "--no-lookahead", "--log-level", "warning"], cpus=topo.draft)
     eps = {}
     for name, la, adaptive in CONFIGS:
@@ -110,7 +110,8 @@ def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Pa
             tried = sum((r["lookahead"]["hits"] + r["lookahead"]["late_hits"] + r["lookahead"]["misses"]) for r in rs)
             row["configs"][name] = {
                 "lookahead": la, "adaptive_depth": adaptive, "tps": tps, "speedup": tps / alone_tps,
-                "tps_runs": [r["tps"] for r in rs], "kept_per_round": rs[-1]["kept_per_round"],
+                "tps_runs": [r["tps"] for r in rs],
+                "kept_per_round": sum(r["tokens"] for r in rs) / max(1, sum(r["rounds"] for r in rs)),
                 "asked_per_round": sum(r["asked_per_round"] for r in rs) / len(rs),
                 "fallback_rounds": sum(r["fallback_rounds"] for r in rs), "rounds": sum(r["rounds"] for r in rs),
                 "hit_rate": hits / tried if tried else None,

@@ -64,12 +64,15 @@ the guess, then d drafts after it, so the work ahead is
     S_a = S(d + 1)     (with S given directly rather than as s0 + s1 d: S_a = S (d + 1) / d,
                         the s0 = 0 extension, an upper bound on S(d + 1) for any s0 >= 0)
 
-The session's next request is a *hit* with probability h: all d drafts kept and the bonus token
-equal to the guess, so the pre-drafted round is exactly the one it asks for. For i.i.d. acceptance
-h = alpha^d g, with g the probability that the draft's guess of the bonus token is right
-(``lookahead_hit_rate``); the model takes h as an input, since g is a property of the draft-target
-pair to measure. h = 0 is today's design (no lookahead: all of it would be wasted), and h <=
-alpha^d is the most the i.i.d. model allows. Write W = V + R for a session's return time.
+The session's next request is a *hit* with probability h: it brings one of the sequences drafted
+ahead, so a pre-drafted round is exactly the one it asks for. With only the all-kept guess, i.i.d.
+acceptance gives h = alpha^d g, with g the probability that the draft's guess of the next token is
+right (``lookahead_hit_rate``); the daemon also guesses rejections at early positions (the draft's
+second choice there), so measured rates can exceed alpha^d. The model takes h as an input, since
+it is a property of the draft-target pair to measure (`starsd-draftd status` reports it). h = 0 is
+today's design (no lookahead: all of it would be wasted). Its S_a counts one row: the daemon's
+guesses share a batched forward, which on a CPU costs somewhat more than one row (more on the
+guesses in README, "Lookahead and adaptive draft length"). Write W = V + R for a session's return time.
 Assumptions: (a) real requests come first: the lookahead runs only while no request waits, and a
 request that misses cancels its session's lookahead at once (the work is dropped; cancelling at the
 next step boundary instead costs at most one step, ignored); (b) on a hit, a lookahead that has not
@@ -529,7 +532,8 @@ def format_plan(plan: Plan, n_max: int, adaptive: bool = False) -> str:
             "LA = lookahead at depth d",
         ]
         if plan.hit_rate > la["hit_rate_ceiling"] + _EPS:
-            lines.insert(-1, "  note: h exceeds alpha^d, the most i.i.d. acceptance allows (a hit keeps all d drafts)")
+            lines.insert(-1, "  note: h exceeds alpha^d, the most the all-kept guess allows under i.i.d. acceptance "
+                             "(guesses of a rejection can hit too)")
     if adaptive:
         lines.insert(-1, f"adaptive depth: AD = per N the d in 1..{plan.depth} maximising E(a, d) / T(N; d)"
                          + (", lookahead included" if lookahead else "") + "; x = tok/s over the fixed-depth design")
