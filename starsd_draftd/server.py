@@ -709,10 +709,12 @@ class DraftServer:
         spent = [0.0] * len(admitted)  # each request's drafting time (what its reply reports)
         # requests answered from work done ahead go out at once, before the others are drafted
         ahead = self._answered_ahead(admitted)
-        for i, (draft, seconds) in ahead.items():
-            drafts[i], spent[i] = draft, seconds
-            self._reply(admitted[i], draft, start, seconds)
-        if ahead:
+        if ahead:  # counted before their replies leave, as the others below
+            stats.requests += len(ahead)
+            stats.drafted_tokens += sum(len(d.tokens) for d, _ in ahead.values())
+            for i, (draft, seconds) in ahead.items():
+                drafts[i], spent[i] = draft, seconds
+                self._reply(admitted[i], draft, start, seconds)
             self._flush_out()
         todo = [i for i in range(len(admitted)) if i not in ahead]
         t0 = time.perf_counter()
@@ -732,10 +734,11 @@ class DraftServer:
             stats.busy_s += elapsed + sum(spent)
         served = [i for i in range(len(admitted)) if drafts[i] is not None]
         # counted before the replies leave, so a target that saw its reply sees it counted
-        stats.requests += len(served)
-        stats.drafted_tokens += sum(len(drafts[i].tokens) for i in served)
-        stats.batches += 1
-        stats.batched_requests += len(served)
+        stats.requests += len(todo)
+        stats.drafted_tokens += sum(len(drafts[i].tokens) for i in todo)
+        if served:
+            stats.batches += 1
+            stats.batched_requests += len(served)
         for i in todo:
             spent[i] = elapsed
             self._reply(admitted[i], drafts[i], start, elapsed)
