@@ -1,0 +1,131 @@
+"""The draft daemon's lookahead: drafting a served session's next round ahead of its request.
+
+``DraftServer`` (``starsd_draftd.server``) takes these methods: after its replies it queues the
+work ahead (``_start_lookahead``), runs one forward of it per loop pass while nothing is queued
+(``_lookahead_step``), answers the requests that bring a guessed sequence from it
+(``_answered_ahead``) and drops it with its session (``_release``). The backend drafts the
+guesses (``DraftBackend.lookahead``; README, "Lookahead and adaptive draft length").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from common.protocol import ProtocolError
+from starsd_draftd.backends.base import Draft
+from starsd_draftd.sessions import Session
+
+log = logging.getLogger("starsd.draftd")
+
+# Lookahead's gate: a session's share of requests answered from work ahead is smoothed with this
+# weight per request; below the minimum it is drafted ahead only every PROBE_EVERY rounds (enough
+# to notice when its text gets predictable).
+LOOKAHEAD_SMOOTHING = 0.25
+LOOKAHEAD_MIN_SCORE = 0.25
+LOOKAHEAD_PROBE_EVERY = 8
+
+
+class LookaheadServing:
+    """Lookahead's part of the draft daemon's loop (a mixin of ``DraftServer``, whose state it uses:
+    ``backend``, ``sessions``, ``stats``, ``_ahead``)."""
+
+    def _answered_ahead(self, admitted: list) -> dict[int, tuple[Draft, float]]:
+        """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
+        session drafted ahead for exactly the sequence the request brings, done, or nearly done
+        (a late hit: finished now, when what is left is at most half the forwards drafting it
+        afresh would take); at most the depth asked. Any other work ahead is dropped, and its
+        request drafted as without lookahead."""
+        out: dict[int, tuple[Draft, float]] = {}
+        st = self.stats.lookahead
+        for i, (_, _, key, req, _) in enumerate(admitted):
+            session = self.sessions.sessions.get(key)
+            task = session.ahead if session is not None else None
+            if task is None:
+                continue
+            session.ahead = None
+            self._ahead.pop(key, None)
+            guess = task.match(req.verified)
+            late = not task.done
+            if guess is not None and late and task.steps_left is not None and 2 * task.steps_left > req.depth:
+                guess = None  # too far from done: drafting afresh is quicker
+            session.ahead_score += LOOKAHEAD_SMOOTHING * ((guess is not None) - session.ahead_score)
+            if guess is None:
+                task.close()
+                st["misses"] += 1
+                continue
+            t0 = time.perf_counter()
+            try:
+                draft = task.take(guess)  # a late hit's remaining steps are drafting, on the request's time
+            except Exception:  # work ahead is optional: drafted afresh instead
+                log.exception("finishing the work ahead failed for session %d", key[1])
+                task.close()
+                st["failed"] += 1
+                continue
+            st["late_hits" if late else "hits"] += 1
+            n = req.depth
+            out[i] = (Draft(draft.tokens[:n], None if draft.q_ids is None else draft.q_ids[:n],
+                            None if draft.q_probs is None else draft.q_probs[:n],
+                            None if draft.alternatives is None else draft.alternatives[:n]),
+                      time.perf_counter() - t0)
+        return out
+
+    def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
+        """Queue the drafting of ``session``'s next round ahead of its request, when its cache
+        memory fits in what is free without evicting anyone. A session whose requests work
+        ahead rarely answers (score below LOOKAHEAD_MIN_SCORE) is drafted ahead only every
+        LOOKAHEAD_PROBE_EVERY rounds: a request that comes during a step waits for it, and on
+        shared hardware the steps compete with the target's verification for memory bandwidth;
+        a few hits would not repay that (measured on the demo pair: 14% hits, no gain)."""
+        if session.ahead_score < LOOKAHEAD_MIN_SCORE and session.ahead_skipped + 1 < LOOKAHEAD_PROBE_EVERY:
+            session.ahead_skipped += 1
+            self.stats.lookahead["skipped"] += 1
+            return
+        session.ahead_skipped = 0
+        if not self.backend.drafts_ahead or (not session.params.greedy and session.params.seed is not None):
+            return  # a seeded sampled session's drafts come from one kind of forward: its output stays put
+        length = len(session.verified) + len(draft.tokens) + 2 + depth  # the furthest position a guess drafts
+        if self.backend.max_len is not None and length > self.backend.max_len:
+            return  # near the end of the drafter's context: drafted on request, within its bounds
+        try:  # every guess is a copy of the session's cache: its memory is the session's too
+            self.sessions.reserve(session, length * self.backend.lookahead_rows(len(draft.tokens)), seq,
+                                  keep=set(self.sessions.sessions))
+        except ProtocolError:
+            return  # no room: the next request is drafted on arrival
+        task = self.backend.lookahead(session.state, session.verified, draft, depth)
+        if task is None:
+            return
+        session.ahead = task
+        self._ahead[session.key] = session
+        self.stats.lookahead["started"] += 1
+
+    def _lookahead_step(self) -> None:
+        """One forward of the lookahead of the session replied to longest ago."""
+        key, session = next(iter(self._ahead.items()))
+        task = session.ahead
+        t0 = time.perf_counter()
+        try:
+            done = task.step()
+        except Exception:  # work ahead is optional: a failure costs it, not the session
+            log.exception("drafting ahead failed for session %d", key[1])
+            self.stats.lookahead["failed"] += 1
+            session.ahead = None
+            self._ahead.pop(key, None)
+            task.close()
+            return
+        finally:
+            spent = time.perf_counter() - t0
+            self.stats.lookahead["steps"] += 1
+            self.stats.lookahead["idle_s"] += spent  # not busy_s: that is drafting for requests
+        if done:
+            self._ahead.pop(key, None)
+
+    def _release(self, session: Session) -> None:
+        """Free a session's backend state, dropping any work done ahead for it first."""
+        task = session.ahead
+        if task is not None:
+            session.ahead = None
+            self._ahead.pop(session.key, None)
+            task.close()
+            self.stats.lookahead["dropped"] += 1
+        self.backend.release(session.state)
