@@ -148,8 +148,9 @@ class ModelBackend(DraftBackend):
     def _branch_steps(self, st: ModelSession, branches: list[tuple[list[int], int | None]], depth: int,
                       task: Lookahead, box: dict) -> Generator[None, None, list[Draft]]:
         views, feeds, fed = [], [], []
+        common = common_prefix_len(st.cached, branches[-1][0])  # every prefix is one of the all-kept one
         for prefix, tok in branches:
-            hold = min(common_prefix_len(st.cached, prefix), len(prefix) - (1 if tok is None else 0))
+            hold = min(common, len(prefix) - (1 if tok is None else 0))
             views.append(CacheView(st.cache, hold))
             feeds.append(prefix[hold:] + ([] if tok is None else [tok]))
             fed.append(prefix[:hold] + feeds[-1])  # what each row's cache holds, growing per step
@@ -173,16 +174,11 @@ class ModelBackend(DraftBackend):
                     if b == last and j == 0:
                         continue
                     chain = chains[b]
-                    n = len(task.guesses[b]) + len(chain.tokens)
                     if greedy:
-                        found = self._look(seqs[b], n)
-                        best, second = top[b]
-                        tok = chain.take(best if found is None else found, second if found in (None, best) else best)
-                        if seqs[b] is not None:
-                            seqs[b][n] = tok
+                        n = len(task.guesses[b]) + len(chain.tokens)
+                        picks[b] = self._take_greedy(chain, seqs[b], n, top[b])
                     else:
-                        tok = chain.pick(logits[b])
-                    picks[b] = tok
+                        picks[b] = chain.pick(logits[b])
             if j == depth:
                 break
             with torch.inference_mode():
@@ -211,6 +207,17 @@ class ModelBackend(DraftBackend):
         else:
             self.lookup_hits += 1
         return found
+
+    def _take_greedy(self, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int]) -> int:
+        """A greedy row's pick at position ``n`` in a batch: the context's token (lookup) or the
+        model's best, with the model's most likely other token as its alternative; ``top`` is the
+        row's best two."""
+        found = self._look(seq, n)
+        best, second = top
+        tok = chain.take(best if found is None else found, second if found in (None, best) else best)
+        if seq is not None:
+            seq[n] = tok
+        return tok
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -243,12 +250,7 @@ class ModelBackend(DraftBackend):
                 if j >= r.depth:
                     picks.append(0)
                 elif greedy[b]:
-                    found = self._look(seqs[b], len(r.verified) + j)
-                    best, second = top[b]
-                    picks.append(chain.take(best if found is None else found,
-                                            second if found in (None, best) else best))
-                    if seqs[b] is not None:
-                        seqs[b][len(r.verified) + j] = picks[-1]
+                    picks.append(self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b]))
                 else:
                     picks.append(chain.pick(logits[b]))
             if j + 1 < depth:

@@ -92,10 +92,7 @@ def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Pa
                 d0 = _stats(eps["draftd-on" if la else "draftd-off"], pool.ctx)
                 r = _run(eps[name], prompts, s, cfg.max_tokens, False, pool, cfg)
                 d1 = _stats(eps["draftd-on" if la else "draftd-off"], pool.ctx)
-                ahead = {k: d1["lookahead"][k] - d0["lookahead"][k] for k in d1["lookahead"]}
-                tried = ahead["hits"] + ahead["late_hits"] + ahead["misses"]
-                r["lookahead"] = ahead
-                r["hit_rate"] = (ahead["hits"] + ahead["late_hits"]) / tried if tried else None
+                r["lookahead"] = {k: d1["lookahead"][k] - d0["lookahead"][k] for k in d1["lookahead"]}
                 runs[name].append(r)
                 # the target alone in the same turn, on the same target daemon's core
                 alone_runs.append(_run(eps[name], prompts, s, cfg.max_tokens, True, pool, cfg))
