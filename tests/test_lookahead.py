@@ -62,18 +62,16 @@ class ScriptedBackend(DraftBackend):
         return Lookahead(steps, [None])
 
 
-def _open(peer, sid, prompt):
-    peer.open(sid, prompt)
-
-
-def _hello(peer):
+def _peer(server, ctx, sid, prompt):
+    """A connection that completed the handshake, with session ``sid`` open on ``prompt``."""
+    peer = RawPeer(ctx, server.endpoint)
     assert peer.hello(VOCAB).type is MsgType.WELCOME
+    peer.open(sid, prompt)
+    return peer
 
 
 def _draft(peer, sid, seq, accepted, new, pos, depth=3):
-    peer.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new, "pos": pos,
-                                      "depth": depth}))
-    reply = peer.recv()
+    reply = peer.draft(sid, seq, accepted, new, pos, depth)
     assert reply is not None and reply.type is MsgType.DRAFTED, reply
     return reply.header["tokens"]
 
@@ -88,9 +86,7 @@ def _wait(cond, timeout_s=10.0):
 def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
     backend = ScriptedBackend()
     with running_server(backend, max_depth=4) as (server, ctx):
-        peer = RawPeer(ctx, server.endpoint)
-        _hello(peer)
-        _open(peer, 1, [10, 20])
+        peer = _peer(server, ctx, 1, [10, 20])
         assert _draft(peer, 1, 1, 0, [], 2) == [21, 22, 23]
         _wait(lambda: server.stats.lookahead["steps"] >= 5 and not server._ahead)  # the guess, 4 drafts: done
         calls = backend.draft_calls
@@ -109,9 +105,7 @@ def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
 def test_lookahead_off_drafts_every_request():
     backend = ScriptedBackend()
     with running_server(backend, max_depth=4, lookahead=False) as (server, ctx):
-        peer = RawPeer(ctx, server.endpoint)
-        _hello(peer)
-        _open(peer, 1, [10, 20])
+        peer = _peer(server, ctx, 1, [10, 20])
         _draft(peer, 1, 1, 0, [], 2)
         assert _draft(peer, 1, 2, 3, [24], 6) == [25, 26, 27]
         assert backend.draft_calls == 2 and server.stats.lookahead["started"] == 0
@@ -130,11 +124,7 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
 
     monkeypatch.setattr(DraftServer, "_enqueue", logged)
     with running_server(backend, max_depth=16) as (server, ctx):
-        a, b = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
-        _hello(a)
-        _hello(b)
-        _open(a, 1, [10, 20])
-        _open(b, 2, [150, 160])
+        a, b = _peer(server, ctx, 1, [10, 20]), _peer(server, ctx, 2, [150, 160])
         _draft(a, 1, 1, 0, [], 2, depth=15)  # session 1's lookahead: 17 steps of 30 ms
         _wait(lambda: server.stats.lookahead["steps"] >= 2)
         assert _draft(b, 2, 1, 0, [170], 3) == [171, 172, 173]
@@ -152,9 +142,7 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
 def test_a_session_it_rarely_answers_is_drafted_ahead_less():
     backend = ScriptedBackend()
     with running_server(backend, max_depth=4) as (server, ctx):
-        peer = RawPeer(ctx, server.endpoint)
-        _hello(peer)
-        _open(peer, 1, [10, 20])
+        peer = _peer(server, ctx, 1, [10, 20])
         _draft(peer, 1, 1, 0, [], 2)
         pos = 2
         for seq in range(2, 22):  # every round: one draft kept, then a token no guess had
@@ -172,9 +160,7 @@ def test_a_session_it_rarely_answers_is_drafted_ahead_less():
 def test_closing_a_session_drops_its_work_ahead():
     backend = ScriptedBackend(step_s=0.02)
     with running_server(backend, max_depth=8) as (server, ctx):
-        peer = RawPeer(ctx, server.endpoint)
-        _hello(peer)
-        _open(peer, 1, [10, 20])
+        peer = _peer(server, ctx, 1, [10, 20])
         _draft(peer, 1, 1, 0, [], 2, depth=7)
         _wait(lambda: server.stats.lookahead["steps"] >= 1)
         peer.send(Message(MsgType.CLOSE, {"session": 1}))
