@@ -208,3 +208,91 @@ def verify_sampling_tensor(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
     safe[:, 0] = 1.0
     token = torch.multinomial(torch.where(valid, dist, safe), 1, generator=generator).view(()).to(n.device)
     return torch.stack([n, token, valid.long().to(n.device)])
+
+
+# ---------------------------------------------------------------- trees
+# A draft tree (``common.tree``): tokens x_0..x_{n-1} with parents; row 0 of p (or of the logits)
+# is the target's distribution after the last verified token (the root), row 1 + i its
+# distribution after node i's path. The kept tokens are a root path: node indices, from the root's
+# child down, followed by one token the target draws (the correction, or the bonus at a leaf).
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, x: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Greedy verification of a tree: from the root, go to the child whose token equals the
+    target's argmax there (the first such child in node order) while there is one; the kept path
+    is the longest root path whose every token is the target's argmax, then the target's argmax
+    at its end. One transfer of the argmax rows to the host; the walk is over n + 1 integers."""
+    n = len(x)
+    if target_logits.shape[0] != n + 1:
+        raise ValueError(f"need {n + 1} rows of target logits for a tree of {n} nodes, got {target_logits.shape[0]}")
+    from common.tree import children
+
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    kids = children(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        nxt = next((c for c in kids[row] if x[c] == best[row]), None)
+        if nxt is None:
+            return path, best[row]
+        path.append(nxt)
+        row = nxt + 1
+
+
+def verify_tree_sampling(p: torch.Tensor, q: torch.Tensor, x: list[int], parents: list[int],
+                         generator: torch.Generator) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling over a tree: recursive rejection sampling (SpecInfer:
+    Miao et al. 2024, "SpecInfer: Accelerating Large Language Model Serving with Tree-based
+    Speculative Inference and Verification", multi-step speculative sampling) in its form for
+    siblings drawn without replacement (Jeon et al. 2024, "Recursive Speculative Decoding:
+    Accelerating LLM Inference via Sampling Without Replacement").
+
+    At a node u with target distribution p_u and children c_1..c_m (node order, the order they
+    were drawn in from u's draft distribution q_u, each without the ones before):
+
+    - q^(1) = q_u; child c_j (token x) is kept with probability min(1, p^(j)(x) / q^(j)(x)),
+      where p^(1) = p_u;
+    - after a rejection, p^(j+1) = norm(max(0, p^(j) - q^(j))) and q^(j+1) = q^(j) with x
+      removed and renormalised (the distribution the next sibling was drawn from);
+    - a kept child becomes u; when all children of u are rejected, the token is drawn from the
+      last residual p^(m+1); at a node without children, from p_u (the bonus).
+
+    ``q`` row i is node i's row as sent: the distribution it was drawn from before its earlier
+    siblings were removed, i.e. its parent's draft distribution. Guards: a child with
+    q^(j)(x) = 0 cannot have been drawn and is rejected (the residual update still applies); a
+    residual with no mass (p <= q everywhere, only through rounding) falls back to p^(j); a q
+    with no mass left is not updated. Returns (kept node indices from the root's child down,
+    the token the target draws)."""
+    from common.tree import children
+
+    n = len(x)
+    if p.shape[0] != n + 1 or q.shape[0] != n:
+        raise ValueError(f"shapes: p {tuple(p.shape)} and q {tuple(q.shape)} do not fit a tree of {n} nodes")
+    p = p.float()
+    q = q.float()
+    kids = children(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        target = p[row]
+        draft = None
+        for c in kids[row]:
+            if draft is None:
+                draft = q[c].clone()
+            xc = x[c]
+            p_x, q_x = float(target[xc]), float(draft[xc])
+            r = float(torch.rand(1, generator=generator, device=generator.device))
+            if q_x > 0.0 and r < min(1.0, p_x / q_x):
+                path.append(c)
+                break
+            residual = torch.clamp(target - draft, min=0.0)
+            total = float(residual.sum())
+            if total > 0.0:
+                target = residual / total
+            draft[xc] = 0.0
+            mass = float(draft.sum())
+            if mass > 0.0:
+                draft = draft / mass
+        else:
+            return path, sample(target, generator)
+        row = path[-1] + 1
