@@ -101,6 +101,23 @@ class SlotLayer(DynamicLayer):
         self.n = m
         self._views()
 
+    @torch.inference_mode()
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Hold positions 0..start-1, then the cached ``positions`` (ascending, each >= start)
+        moved up behind them, and nothing after: an accepted path through a draft tree kept by
+        copying just its own slots (a chain's path needs no copy)."""
+        m = len(positions)
+        if positions and not (start <= positions[0] and positions[-1] < self.n
+                              and all(a < b for a, b in zip(positions, positions[1:]))):
+            raise ValueError(f"positions must ascend within {start}..{self.n - 1}")
+        if positions != list(range(start, start + m)):
+            idx = torch.tensor(positions, dtype=torch.long, device=self.k_buf.device)
+            k, v = self.k_buf, self.v_buf  # read once: a pool row's buffers are views made per access
+            k[:, :, start: start + m] = k.index_select(2, idx)
+            v[:, :, start: start + m] = v.index_select(2, idx)
+        self.n = start + m
+        self._views()
+
     def get_seq_length(self) -> int:
         return self.n
 
@@ -153,6 +170,15 @@ class SlotCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, SlotLayer) and layer.is_initialized:
                 layer._reserve(positions)
+
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Every layer keeps its first ``start`` positions and then ``positions`` (see
+        ``SlotLayer.keep``): the accepted path of a tree forward."""
+        for layer in self.layers:
+            if not isinstance(layer, SlotLayer):
+                raise NotImplementedError(f"{type(layer).__name__} layers cannot keep a tree's path")
+            if layer.is_initialized:
+                layer.keep(start, positions)
 
     def compact(self, positions: torch.Tensor) -> None:
         """Every layer keeps only ``positions`` (see ``SlotLayer.compact``)."""

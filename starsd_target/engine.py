@@ -20,8 +20,9 @@ from common.models import LoadedModel, context_length, crop_cache
 from common.runner import ModelRunner
 from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
+from common.tree import TreeError, check_parents, tree_attention
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_tensor,
-                           verify_sampling_tensor)
+                           verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
 from starsd_target.detokenizer import IncrementalText
 from starsd_target.profile import RoundProfile
 
@@ -69,6 +70,7 @@ class Proposal(Protocol):
     tokens: list[int]
     q_ids: np.ndarray | torch.Tensor | None  # as they arrived from the wire, or tensors
     q_probs: np.ndarray | torch.Tensor | None
+    parents: list[int] | None  # a tree's parent indices (common.tree); None (or absent): a chain
 
 
 class DraftSource(Protocol):
@@ -76,8 +78,10 @@ class DraftSource(Protocol):
 
     feature_size: int  # >0: propose() needs the target's features
 
-    def propose(self, tokens: list[int], depth: int, features: np.ndarray | None = None) -> Proposal | None:
-        """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None.
+    def propose(self, tokens: list[int], depth: int, features: np.ndarray | None = None,
+                tree_tokens: int = 0) -> Proposal | None:
+        """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None; with
+        ``tree_tokens`` > ``depth``, a tree of up to that many may come instead.
         ``features`` holds the target's final hidden state for every token but the last, as the
         wire array that goes out (``FeatureBuffer.view``)."""
 
@@ -100,6 +104,8 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)
     max_draft_tokens: int = 0  # the draft length a round asks for at most (0: this generation speculates not)
     asked_tokens: int = 0  # drafts its rounds' requests asked for, in all (adaptive depth: at most the cap each)
+    tree_rounds: int = 0  # rounds that verified a draft tree
+    tree_tokens: int = 0  # the most tokens a round's tree holds (0: chains only)
     profile: RoundProfile = field(default_factory=RoundProfile)  # where its rounds' time went (the scheduler's)
 
     @property
@@ -171,18 +177,30 @@ def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 runner: ModelRunner | None = None, max_batch: int = 1, rows: int | None = None):
+                 runner: ModelRunner | None = None, max_batch: int = 1, rows: int | None = None,
+                 draft_tokens: int | None = None):
         """``runner``: how the model runs (compiled or eager); eager by default. ``max_batch``:
         the most generations one verification forward takes (1: one at a time); their caches
         are ``rows`` rows of one pool (default ``max_batch``; a generation beyond them gets a
-        cache of its own and is verified alone)."""
+        cache of its own and is verified alone). ``draft_tokens``: the most draft tokens a
+        round verifies (None: ``depth``, a chain); above ``depth``, rounds ask for draft trees
+        of that many tokens at most, ``depth`` deep."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        draft_tokens = depth if draft_tokens is None else draft_tokens
+        if draft_tokens < depth:
+            raise ValueError(f"draft_tokens ({draft_tokens}) must be at least the depth ({depth}): a chain of the "
+                             f"full depth is the smallest tree")
         self.loaded = loaded
         self.runner = runner if runner is not None else ModelRunner(loaded)
         self.depth = depth
+        self.tree_tokens = draft_tokens
+        if draft_tokens > depth and (why := self._mask_refusal()) is not None:
+            raise ValueError(f"draft trees (draft_tokens {draft_tokens} > depth {depth}) need a forward with a "
+                             f"tree attention mask, which this model cannot take: {why}")
+        self.round_tokens = max(depth, draft_tokens)  # the most positions a round feeds after the root
         self.prefill_chunk = prefill_chunk
         self.context = context_length(loaded.model)  # None: the model declares none
         self.max_batch, self.batch_off = 1, self._batch_refusal(max_batch)
@@ -190,7 +208,7 @@ class TargetEngine:
         if self.batch_off is None:
             self.max_batch = max_batch
             self.pool = SlotPool(loaded.model.config, max(rows or max_batch, max_batch),
-                                 capacity=PREALLOCATE_TOKENS + depth + 1)
+                                 capacity=PREALLOCATE_TOKENS + self.round_tokens + 1)
         elif max_batch > 1:
             log.info("batched verification is off: %s; generations are verified one per forward", self.batch_off)
 
@@ -198,13 +216,18 @@ class TargetEngine:
         """Why this model cannot verify several generations per forward (None: it can)."""
         if max_batch <= 1:
             return "max_batch is 1"
+        if self.runner.compiled:
+            return "the forward is compiled (compiled graphs take one sequence)"
+        return self._mask_refusal()
+
+    def _mask_refusal(self) -> str | None:
+        """Why this model cannot run a forward with a custom 4-D attention mask and position ids
+        (batched verification, draft trees), or None: it can."""
         kind = getattr(self.loaded.model.config, "model_type", "?")
         if kind not in BATCH_ARCHITECTURES:
             return f"it is tested for {', '.join(BATCH_ARCHITECTURES)} models, not {kind}"
         if not SlotPool.supports(self.loaded.model.config):
             return "the model has layers other than full attention (sliding windows, linear attention)"
-        if self.runner.compiled:
-            return "the forward is compiled (compiled graphs take one sequence)"
         attn = getattr(self.loaded.model.config, "_attn_implementation", None) or "sdpa"
         if attn not in ("sdpa", "eager"):
             return f"its attention ({attn}) is not one that takes a custom 4-D mask (sdpa, eager)"
@@ -269,9 +292,9 @@ class TargetEngine:
                                                for s in stop):
             raise InvalidRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
                                  f"{MAX_STOP_CHARS} characters", "stop")
-        if max_draft is not None and not (_is_int(max_draft) and 0 <= max_draft <= self.depth):
-            raise InvalidRequest(f"max_draft_tokens must be an integer in 0..{self.depth} (the target's draft "
-                                 f"depth), got {max_draft!r}", "max_draft_tokens")
+        if max_draft is not None and not (_is_int(max_draft) and 0 <= max_draft <= self.round_tokens):
+            raise InvalidRequest(f"max_draft_tokens must be an integer in 0..{self.round_tokens} (the draft tokens "
+                                 f"the target verifies per round), got {max_draft!r}", "max_draft_tokens")
         if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}", "logprobs")
 
@@ -313,6 +336,21 @@ class TargetEngine:
         hidden = [out.hidden_states[-1][b, : len(f)] for b, f in enumerate(feeds)] if features else None
         return rows, hidden
 
+    @torch.inference_mode()
+    def _forward_tree(self, cache, ids: list[int], parents: list[int],
+                      features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over (root, tree nodes) = ``ids`` after the cached positions, each row
+        attending to the cache and its own ancestors at the position of its depth
+        (``common.tree.tree_attention``): logits rows [len(ids), V] (float32, on the model's
+        device) and, if asked, the hidden states. Eager, as batched forwards: compiled graphs
+        take causal feeds."""
+        dev = self.runner.device
+        mask, pos = tree_attention(parents, cache.get_seq_length(), self.loaded.dtype, dev)
+        x = torch.tensor([ids], dtype=torch.long, device=dev)
+        out = self.runner.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
+                                attention_mask=mask, position_ids=pos)
+        return out.logits[0].float(), out.hidden_states[-1][0] if features else None
+
     def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list:
         """Verify several generations' rounds (generation, proposal, wanted) in one forward,
         exactly as ``Generation.verify`` would one at a time. Returns, per generation, its kept
@@ -321,8 +359,8 @@ class TargetEngine:
         ``verify``. ``BatchFailed`` when the batch fails before any generation took its outcome:
         every cache and random generator is then as it was, for the caller to verify them one at
         a time, so that the failure is pinned on one."""
-        if len(rounds) == 1 or any(not g.batchable for g, _, _ in rounds):
-            return [g.verify(p, w) for g, p, w in rounds]
+        if len(rounds) == 1 or any(not g.batchable or _parents(p) is not None for g, p, _ in rounds):
+            return [g.verify(p, w) for g, p, w in rounds]  # trees are verified one per forward
         if len(rounds) > self.max_batch:
             raise ValueError(f"a batch of {len(rounds)} exceeds max_batch {self.max_batch}")
         t_start = time.perf_counter()
@@ -355,9 +393,22 @@ class TargetEngine:
             g.last_math_s = math_s
         return outcomes
 
-    def _valid(self, prop: Proposal, depth: int, greedy: bool) -> bool:
+    def _valid(self, prop: Proposal, depth: int, greedy: bool, budget: int = 0) -> bool:
+        """Whether a proposal can be verified: a chain of at most ``depth`` tokens, or a tree of
+        at most ``budget`` tokens none deeper than ``depth`` (``common.tree.check_parents``), its
+        ids in the vocabulary; in sampling mode one q row per token, each a (sub-)distribution."""
         k = len(prop.tokens)
-        if k > depth or any(not 0 <= t < self.loaded.logits_size for t in prop.tokens):
+        parents = _parents(prop)
+        if parents is not None:
+            if k > max(budget, depth):
+                return False
+            try:
+                check_parents(parents, k, depth)
+            except (TreeError, TypeError, ValueError):
+                return False
+        elif k > depth:
+            return False
+        if any(not 0 <= t < self.loaded.logits_size for t in prop.tokens):
             return False
         if greedy or k == 0:
             return True
@@ -395,7 +446,9 @@ class TargetEngine:
                 depth = g.draft_depth()
                 prop = None
                 if drafts is not None and depth > 0:
-                    prop = drafts.propose(g.tokens, depth, g.features())
+                    budget = g.draft_budget()
+                    prop = (drafts.propose(g.tokens, depth, g.features(), tree_tokens=budget) if budget
+                            else drafts.propose(g.tokens, depth, g.features()))
                 n = g.verify(prop, wanted=drafts is not None and depth > 0)
                 if prop is not None and n is not None:
                     drafts.kept(n)
@@ -415,6 +468,17 @@ class _Plan(NamedTuple):
     x: list[int]  # its draft tokens
     invalid: bool  # a proposal came and was unusable
     fallback: bool  # drafts were wanted and the round goes without
+    parents: list[int] | None = None  # x is a tree with these parents (None: a chain)
+
+
+def _parents(prop) -> list[int] | None:
+    """A proposal's tree parents, or None for a chain (including a tree that is one)."""
+    parents = getattr(prop, "parents", None) if prop is not None else None
+    if parents is None:
+        return None
+    parents = [int(p) for p in parents]
+    chain = len(parents) == len(prop.tokens) and all(p == i - 1 for i, p in enumerate(parents))
+    return None if chain else parents
 
 
 @dataclass
@@ -449,10 +513,11 @@ class Generation:
         self.max_tokens = max_tokens
         self.params = params
         self.stop = tuple(stop or ())
-        self.max_draft = engine.depth if max_draft is None else max_draft
+        self.max_draft = engine.round_tokens if max_draft is None else max_draft
         self.logprob_top = logprobs  # alternatives recorded per token; None: no log-probabilities
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
-        self.stats = GenerationStats(accepted_by_position=[0] * engine.depth, max_draft_tokens=self.max_draft)
+        self.stats = GenerationStats(accepted_by_position=[0] * engine.depth, max_draft_tokens=self.max_draft,
+                                     tree_tokens=self.draft_budget(initial=True))
         self.t_start = time.perf_counter()
         self.gen = make_generator(params.seed, loaded.device)  # verification draws on the model's device
         self.tokens = list(prompt)  # the prompt and ``out``
@@ -462,7 +527,7 @@ class Generation:
         self.done = False
         # room for the prompt and the first PREALLOCATE_TOKENS generated (with a round's drafts);
         # a longer generation grows the cache (amortised), so max_tokens never reserves memory
-        self.cache = engine.new_cache(len(prompt) + min(max_tokens, PREALLOCATE_TOKENS) + engine.depth + 1)
+        self.cache = engine.new_cache(len(prompt) + min(max_tokens, PREALLOCATE_TOKENS) + engine.round_tokens + 1)
         # a pool row goes back when the generation ends, fails or is dropped, whichever comes first
         self._release = weakref.finalize(self, self.cache.release) if isinstance(self.cache, PoolRowCache) else None
         self.feats = None
@@ -490,7 +555,17 @@ class Generation:
         self.stats.prefill_s += time.perf_counter() - t0
 
     def draft_depth(self) -> int:
-        return 0 if self.done else min(self.max_draft, self.max_tokens - len(self.out) - 1)
+        """How deep this round's drafts may go (0: ask for none)."""
+        return 0 if self.done else min(self.engine.depth, self.max_draft, self.max_tokens - len(self.out) - 1)
+
+    def draft_budget(self, initial: bool = False) -> int:
+        """The most draft tokens this round's tree may hold; 0 when the round asks for a chain
+        (the engine's trees are off, or the request's ``max_draft`` leaves no room beyond the depth)."""
+        if self.engine.tree_tokens <= self.engine.depth:
+            return 0  # the engine verifies chains only
+        budget = min(self.engine.tree_tokens, self.max_draft)
+        depth = min(self.engine.depth, self.max_draft) if initial else self.draft_depth()
+        return budget if depth > 0 and budget > depth else 0
 
     def features(self) -> np.ndarray | None:
         return self.feats.view() if self.feats is not None else None
@@ -503,8 +578,12 @@ class Generation:
         t_start = time.perf_counter()
         plan = self._plan(prop, wanted)
         t_forward = time.perf_counter()
-        logits, hidden = self.engine._forward(self.cache, [self.tokens[-1], *plan.x], self.feats is not None)
-        n, nxt, valid = self._decide(logits, plan).tolist()  # the one host sync of the round
+        ids = [self.tokens[-1], *plan.x]
+        if plan.parents is not None:
+            logits, hidden = self.engine._forward_tree(self.cache, ids, plan.parents, self.feats is not None)
+        else:
+            logits, hidden = self.engine._forward(self.cache, ids, self.feats is not None)
+        n, nxt, valid = _host(self._decide(logits, plan))  # the one host sync of the round
         self.last_forward_s = time.perf_counter() - t_forward
         kept = self._apply(plan, n, nxt, valid, logits, hidden)
         self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
@@ -515,16 +594,19 @@ class Generation:
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
         depth = self.draft_depth()
-        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy)
+        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy, self.draft_budget())
         if invalid:
             prop = None
         fallback = prop is None and wanted and depth > 0
-        return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback)
+        return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback, _parents(prop))
 
-    def _decide(self, logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _decide(self, logits: torch.Tensor, plan: _Plan):
         """The round's verification on the logits' device: [kept count, next token, valid] as a
-        tensor (``common.verify``'s tensor path)."""
+        tensor (``common.verify``'s tensor path). A tree's is decided on the host: (kept path,
+        next token, valid), the path the kept node indices."""
         prop, x = plan.prop, plan.x
+        if plan.parents is not None:
+            return self._decide_tree(logits, plan)
         xt = torch.tensor(x, dtype=torch.long, device=logits.device)
         if self.params.greedy:
             return verify_greedy_tensor(logits, xt)
@@ -534,20 +616,44 @@ class Generation:
             q = dense_q(as_torch(prop.q_ids), as_torch(prop.q_probs), p.shape[-1], p.device)
         return verify_sampling_tensor(p, q, xt, self.gen)
 
-    def _apply(self, plan: _Plan, n: int, nxt: int, valid: int, logits: torch.Tensor,
+    def _decide_tree(self, logits: torch.Tensor, plan: _Plan) -> tuple[list[int], int, int]:
+        x, parents = plan.x, plan.parents
+        if bool(torch.isnan(logits).any()):
+            return [], 0, 0
+        if self.params.greedy:
+            path, nxt = verify_tree_greedy(logits, x, parents)
+            return path, nxt, 1
+        p = logits_to_probs(logits, self.params)
+        q = dense_q(as_torch(plan.prop.q_ids), as_torch(plan.prop.q_probs), p.shape[-1], p.device)
+        path, nxt = verify_tree_sampling(p, q, x, parents, self.gen)
+        return path, nxt, 1
+
+    def _apply(self, plan: _Plan, n, nxt: int, valid: int, logits: torch.Tensor,
                hidden: torch.Tensor | None) -> int | None:
         """Keep the round's outcome: roll the cache back to the kept tokens, append them, count.
-        A round whose verification saw no valid distribution (``valid`` 0: NaN logits) fails the
+        For a tree, ``n`` is the kept path (node indices): the cache keeps the root and the path's
+        positions, moved up behind it (one index copy per layer, ``SlotCache.keep``). A round
+        whose verification saw no valid distribution (``valid`` 0: NaN logits) fails the
         generation with GenerationFailed."""
-        prop, x, invalid, fallback = plan
+        prop, x, invalid, fallback, parents = plan
         engine, stats = self.engine, self.stats
         if not valid:
             raise GenerationFailed("the target model's logits are not a distribution (NaN): the generation "
                                    "cannot go on")
         base = len(self.tokens) - 1  # cached positions before this round
-        crop_cache(self.cache, base + 1 + n)
+        if parents is not None:
+            path = n
+            n = len(path)
+            rows = [0] + [i + 1 for i in path]  # the rows of the root and the kept nodes
+            self.cache.keep(base + 1, [base + r for r in rows[1:]])
+            kept_x = [x[i] for i in path]
+            stats.tree_rounds += 1
+        else:
+            rows = list(range(n + 1))
+            crop_cache(self.cache, base + 1 + n)
+            kept_x = x[:n]
         if self.feats is not None:
-            self.feats.append(hidden[: 1 + n].to("cpu", self.feats.buf.dtype))
+            self.feats.append(hidden[rows].to("cpu", self.feats.buf.dtype))
         stats.invalid_drafts += invalid
         stats.fallback_rounds += fallback
         stats.rounds += 1
@@ -555,7 +661,7 @@ class Generation:
         stats.accepted += n
         for i in range(n):
             stats.accepted_by_position[i] += 1
-        new = [*x[:n], nxt]
+        new = [*kept_x, nxt]
         start = len(self.out)
         for t in new:
             self.out.append(t)
@@ -566,7 +672,7 @@ class Generation:
                 self.done = True
                 break
         self._add_text(start)
-        self._record_logprobs(logits[: n + 1], new)  # after the text: entries past a stop string go
+        self._record_logprobs(logits[rows], new)  # after the text: entries past a stop string go
         return n if prop is not None else None
 
     @property
@@ -634,6 +740,12 @@ class Generation:
         self.stats.wall_s = time.perf_counter() - self.t_start
         self.release()
         return GenerationResult(list(self.out), self.text(), self.finish, self.stats, self.token_logprobs())
+
+
+def _host(decided) -> tuple:
+    """A round's decision on the host: a chain's tensor [n, token, valid] in one transfer, or a
+    tree's (path, token, valid) as it is."""
+    return tuple(decided.tolist()) if isinstance(decided, torch.Tensor) else decided
 
 
 def _is_int(x) -> bool:
