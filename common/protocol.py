@@ -22,6 +22,13 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      verified token. DRAFTED may say where the request's time
                                      went in the daemon (optional, microseconds): `queued_us`
                                      waiting for its batch, `draft_us` in the backend's call.
+                                     A DRAFT may ask for a tree: `tree_tokens` > `depth` is the
+                                     most draft tokens the target verifies in one forward, and
+                                     the DRAFTED reply may then carry a tensor `parents` [n]
+                                     (int16): each token's parent index, -1 for a child of the
+                                     last verified token, every parent before its children
+                                     (``common.tree``); without it the tokens are a chain. A tree
+                                     reply's q rows are per node: the parent's distribution.
     CLOSE   -> (nothing)
                                      An ERROR names the request it answers (``re``: "OPEN",
                                      "DRAFT", ...) and echoes its session and seq where it had
@@ -49,7 +56,8 @@ import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
-PROTOCOL_VERSION = 2  # 2: ERROR names the request it answers (re); WELCOME says max_len
+PROTOCOL_VERSION = 3  # 2: ERROR names the request it answers (re); WELCOME says max_len
+# 3: draft trees (DRAFT.tree_tokens, DRAFTED's parents tensor, WELCOME.tree_topk and max_tree_tokens)
 # Optional fields added to a message without a version bump, because a peer of the same version
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every
@@ -169,6 +177,8 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "instance": ("str", True),  # changes when the daemon restarts: sessions must be re-opened
         "server": ("str", False),
         "max_len": ("uint", False),  # longest sequence (verified + drafts) it drafts for; 0: no bound
+        "tree_topk": ("uint", False),  # branching of the trees it drafts (absent or 1: chains only)
+        "max_tree_tokens": ("uint", False),  # the most tree_tokens a DRAFT may ask for (absent: no trees)
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
     MsgType.DRAFT: {
@@ -178,6 +188,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "new": ("ids", True),
         "pos": ("uint", True),
         "depth": ("uint", True),
+        "tree_tokens": ("uint", False),  # > depth: a tree of at most this many tokens may answer
     },
     MsgType.DRAFTED: {
         "session": ("uint", True),

@@ -143,7 +143,7 @@ def install_openapi(app: FastAPI, vocab: int, context: int | None, max_new_token
     """Make ``app.openapi()`` the server's true contract: FastAPI's 422 and its validation-error
     models dropped (the server answers 400), and the served model's bounds as JSON-schema
     constraints: token ids and top_k within the vocabulary, max_tokens within the context,
-    ``starsd.max_draft_tokens`` within the target's draft depth."""
+    ``starsd.max_draft_tokens`` within the draft tokens the target verifies per round."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:

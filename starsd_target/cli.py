@@ -35,6 +35,11 @@ def model_options(f):
                     "per second, from its measured acceptance and costs (drafting and queueing per token, "
                     "the rest of a round); off: --depth every round. Seeded sampled generations keep --depth, so that "
                     "a seed gives the same tokens at any speed."),
+        option("--draft-tokens", type=click.IntRange(1, 256), default=_d.draft_tokens,
+               help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
+                    "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "
+                    "forward with a tree attention mask (Llama and Qwen2 targets); a daemon that drafts chains "
+                    "only (--tree-topk 1) answers with a chain."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
                help="Most seconds to wait for drafts before verifying a round with the target alone "
                     "(the wait adapts to the measured round trip, up to this)."),
@@ -66,7 +71,7 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
                         curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
                         prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"],
-                        adaptive_depth=kw["adaptive_depth"])
+                        adaptive_depth=kw["adaptive_depth"], draft_tokens=kw["draft_tokens"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -46,6 +46,12 @@ class Welcome:
     instance: str
     server: str
     max_len: int = 0  # longest sequence the drafter takes (0: no bound)
+    tree_topk: int = 1  # branching of its draft trees (1: chains only)
+    max_tree_tokens: int = 0  # the most tree tokens a request may ask for (0: no trees)
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_topk > 1 and self.max_tree_tokens > 0
 
 
 @dataclass
@@ -56,6 +62,7 @@ class DraftReply:
     tokens: list[int]
     q_ids: np.ndarray | None
     q_probs: np.ndarray | None
+    parents: list[int] | None = None  # a tree's parent indices (common.tree); None: a chain
     # Where the request's time went in the draft daemon, as it reported (seconds; None: it did not
     # say): waiting for its batch, and its batch's backend call.
     queued_s: float | None = None
@@ -280,6 +287,7 @@ class DraftClient:
             queued, draft = h.get("queued_us"), h.get("draft_us")
             self._reply((h["session"], h["seq"]),
                         DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"),
+                                   _parents(msg.tensors.get("parents")),
                                    None if queued is None else queued / 1e6, None if draft is None else draft / 1e6))
         elif msg.type is MsgType.ERROR:
             self._on_error(P.remote_error(h))
@@ -331,7 +339,8 @@ class DraftClient:
 
     def _on_welcome(self, h: dict) -> None:
         w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
-                    h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0))
+                    h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0),
+                    h.get("tree_topk", 1), h.get("max_tree_tokens", 0))
         if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
             self._refused(HandshakeRefused(
                 f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
@@ -363,11 +372,14 @@ class DraftClient:
         self._send(Message(MsgType.CLOSE, {"session": session}))
 
     def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
-                features: np.ndarray | torch.Tensor | None = None) -> bool:
-        """Send a draft request; its reply is then routed to ``take(session, seq)``."""
+                features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> bool:
+        """Send a draft request; its reply is then routed to ``take(session, seq)``.
+        ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer."""
         tensors = {} if features is None else {"features": features}
-        if not self._send(Message(MsgType.DRAFT, {"session": session, "seq": seq, "accepted": accepted,
-                                                  "new": list(new), "pos": pos, "depth": depth}, tensors)):
+        header = {"session": session, "seq": seq, "accepted": accepted, "new": list(new), "pos": pos, "depth": depth}
+        if tree_tokens > depth:
+            header["tree_tokens"] = tree_tokens
+        if not self._send(Message(MsgType.DRAFT, header, tensors)):
             return False
         self._pending[(session, seq)] = time.monotonic()
         return True
@@ -449,6 +461,17 @@ class DraftClient:
         return reply
 
 
+def _parents(arr: np.ndarray | None) -> list[int] | None:
+    """A DRAFTED reply's parents as ints (None: a chain). A tensor that is no 1-D integer array
+    reads as a tree no check passes (a parent before the root), so the engine counts the
+    proposal invalid and verifies without it."""
+    if arr is None:
+        return None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        return [-2]
+    return arr.tolist()
+
+
 class RemoteDraftSession:
     """One generation's drafts from the draft daemon, as the scheduler drives them.
 
@@ -480,6 +503,7 @@ class RemoteDraftSession:
         self.opening = False  # it opened the session (carries the prompt's prefill)
         self.open_refusals = 0  # OPENs of this session the daemon refused
         self._before = (0, 0, 0)  # (synced, accepted, features_sent) before the request in flight
+        self.tree = False  # the last reply was a tree: what it kept is reported as new tokens
         self._retry_delay = client.backoff.initial_s  # after a refusal (BUSY), the next request waits this
         self._retry_at = 0.0  # long, until then; doubling up to the backoff's cap
 
@@ -487,9 +511,12 @@ class RemoteDraftSession:
     def feature_size(self) -> int:
         return self.client.welcome.feature_size if self.client.welcome is not None else 0
 
-    def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None) -> int | None:
+    def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
+             tree_tokens: int = 0) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
-        request could go out (link not up, no features): the round then runs without drafts."""
+        request could go out (link not up, no features): the round then runs without drafts.
+        ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer, where the
+        daemon drafts trees (within its ``max_tree_tokens``)."""
         client = self.client
         if self.disabled or not client.ready() or time.monotonic() < self._retry_at:
             return None
@@ -519,8 +546,10 @@ class RemoteDraftSession:
         self.seq += 1
         self._before = (self.synced, self.accepted, self.features_sent)  # to undo a request refused BUSY
         new = tokens[self.synced + self.accepted:]
-        if not client.request(self.session, self.seq, self.accepted, new, len(tokens),
-                              min(depth, welcome.max_depth), new_features):
+        depth = min(depth, welcome.max_depth)
+        tree = min(tree_tokens, welcome.max_tree_tokens) if welcome.trees else 0
+        if not client.request(self.session, self.seq, self.accepted, new, len(tokens), depth, new_features,
+                              tree if tree > depth else 0):
             client.mark_down("not connected")
             self.instance = None  # whatever the daemon holds is unknown now
             return None
@@ -595,10 +624,13 @@ class RemoteDraftSession:
             self.instance = None
             return None
         self._retry_delay = self.client.backoff.initial_s  # the session is served: a later refusal starts afresh
+        self.tree = reply.parents is not None
         return reply
 
     def kept(self, n: int) -> None:
-        self.accepted = n
+        """``n`` tokens of the last proposal were kept. A tree's kept path is no prefix of its
+        tokens: the next request reports none accepted and sends the path as new tokens."""
+        self.accepted = 0 if self.tree else n
 
     def close(self) -> None:
         self.client.abandon(self.session, self.seq)  # a reply still in flight is nobody's now

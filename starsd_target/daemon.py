@@ -61,6 +61,7 @@ class TargetConfig:
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
+    draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
 
 
 class ServiceFailed(RuntimeError):
@@ -83,7 +84,8 @@ class TargetDaemon:
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
         self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk,
                                    runner=ModelRunner(self.loaded, compile=config.compile),
-                                   max_batch=min(config.max_batch, config.max_active), rows=config.max_active)
+                                   max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
+                                   draft_tokens=config.draft_tokens)
         self.client: DraftClient | None = None
         self._stop = threading.Event()
         self._reload_keys = threading.Event()  # SIGHUP: re-read --listen-curve-allow
@@ -170,7 +172,7 @@ class TargetDaemon:
             on_progress=None, max_draft: int | None = None, logprobs: int | None = None) -> Job:
         """A job for the scheduler, checked against the target's bounds (``TargetEngine.check``)
         before it queues: ValueError (InvalidRequest) for bad input, the same for every front end.
-        ``max_draft`` caps its drafts per round (0..--depth; None: --depth); ``logprobs``: record
+        ``max_draft`` caps its draft tokens per round (0..--draft-tokens; None: all); ``logprobs``: record
         each token's log-probability and that many alternatives (None: none)."""
         ids = self._prompt_ids(prompt)
         stop = tuple(stop or ())

@@ -74,8 +74,8 @@ class SpeculationOptions(BaseModel):
     speculate: bool = Field(default=True,
                             description="false: the target alone generates this request (no draft session)")
     max_draft_tokens: integer(ge=0) | None = Field(
-        default=None, description="the most drafts a round asks for, 0..the target's --depth (0: none); "
-                                  "default: --depth")
+        default=None, description="the most draft tokens a round verifies, 0..the target's --draft-tokens "
+                                  "(0: none; at most --depth deep; above it, a tree); default: --draft-tokens")
 
 
 class _Sampling(BaseModel):
@@ -459,7 +459,7 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
 
         return await _run(request, await run_in_threadpool(encode), req, "chat")
 
-    install_openapi(app, daemon.loaded.logits_size, daemon.engine.context, MAX_NEW_TOKENS, daemon.engine.depth)
+    install_openapi(app, daemon.loaded.logits_size, daemon.engine.context, MAX_NEW_TOKENS, daemon.engine.round_tokens)
     return BodyLimit(app, max_body_bytes(daemon.engine.context))
 
 

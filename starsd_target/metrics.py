@@ -44,6 +44,11 @@ class TargetMetrics:
                                            registry=r)
         self.accepted_per_pos = Counter("starsd_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.budget_rounds = Counter("starsd_target_draft_rounds", "Rounds verified with drafts, by the tree budget "
+                                     "they asked for (draft_tokens; 0: a chain)", ["draft_tokens"], registry=r)
+        self.budget_kept = Counter("starsd_target_draft_round_tokens", "Tokens those rounds produced (kept drafts "
+                                   "and the target's own), by tree budget: over the rounds, tokens kept per round",
+                                   ["draft_tokens"], registry=r)
         self.fallback_rounds = Counter("starsd_spec_decode_fallback_rounds",
                                        "Rounds that wanted drafts and were verified without them", registry=r)
         self.mean_accepted_length = Gauge("starsd_spec_decode_mean_accepted_length",
@@ -72,8 +77,10 @@ class TargetMetrics:
         self.verify_batch.observe(generations)
         self.verify_seconds.observe(verify_s)
 
-    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool) -> None:
+    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, tree_tokens: int = 0) -> None:
         if drafted:
+            self.budget_rounds.labels(draft_tokens=str(tree_tokens)).inc()
+            self.budget_kept.labels(draft_tokens=str(tree_tokens)).inc(produced)
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)
             self.num_accepted_tokens.inc(accepted)

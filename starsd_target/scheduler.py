@@ -90,6 +90,7 @@ class _Active:
     reported: tuple[float, float] | None = None  # the draft daemon's (queued, drafting) for that request
     depth: AdaptiveDepth | None = None  # its draft-length controller (None: the cap every round)
     asked: int = 0  # drafts the request in flight (or the last one) asked for
+    budget: int = 0  # the tree tokens it asked for (0: a chain)
 
     @property
     def verifiable(self) -> bool:
@@ -281,7 +282,9 @@ class Scheduler:
         # A seeded sampled generation keeps its draft length: the target's random draws follow its
         # rounds, so a length that followed measured times would make the same seed give other
         # tokens at another speed. Greedy output does not depend on the length at all.
-        adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
+        # A generation that asks for trees keeps its depth too: the length model is a chain's.
+        adapt = (self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
+                 and not gen.draft_budget(initial=True))
         self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
 
     def _request_drafts(self) -> None:
@@ -304,9 +307,11 @@ class Scheduler:
             if a.depth is not None:
                 depth = a.depth.choose(depth)
             a.asked = depth
-            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features())
+            a.budget = budget = a.gen.draft_budget()  # > depth: a tree may answer
+            a.seq = (a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget) if budget
+                     else a.drafts.send(a.gen.tokens, depth, a.gen.features()))
             if a.seq is not None:
-                a.gen.stats.asked_tokens += depth
+                a.gen.stats.asked_tokens += max(depth, budget)
                 a.sent_at = time.perf_counter()
                 return
         a.ready, a.proposal, a.ready_at = True, None, now
@@ -417,7 +422,7 @@ class Scheduler:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
             self.metrics.on_round(s.drafted - counts[1], s.accepted - counts[2], len(a.gen.tokens) - counts[4],
-                                  s.fallback_rounds > counts[3])
+                                  s.fallback_rounds > counts[3], a.budget)
             self.metrics.active.set(len(self.active))
             self.metrics.queued.set(self.jobs.qsize())
         a.ready, a.proposal = False, None
