@@ -70,9 +70,9 @@ def ancestor_mask(parents, device=None) -> torch.Tensor:
     """[n + 1, n + 1] bool over (root, nodes): row r may see column c when c is r itself or one of
     its ancestors (the root is every node's ancestor)."""
     n = len(parents)
+    check_parents(parents, n)  # a bad parent would read a row not built yet (or wrap around): TreeError
     see = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     see[:, 0] = True
-    see[0, 0] = True
     for i, p in enumerate(parents):
         row = see[int(p) + 1].clone()
         row[i + 1] = True
