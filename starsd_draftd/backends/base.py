@@ -18,19 +18,25 @@ from common.verify import SamplingParams, logits_to_probs
 class DraftRequest:
     """One session's request as the server hands it to a backend. ``new_features`` is a wire
     array (a read-only numpy view of the request's frame; ``common.tensors.as_torch`` views it
-    as a tensor)."""
+    as a tensor). ``tree_tokens``: the most draft tokens (tree nodes) the target verifies this
+    round; a backend drafts a tree when it exceeds ``depth`` and the backend's ``tree_topk`` is
+    above 1, else a chain of ``depth``."""
 
     state: object
     verified: list[int]
     depth: int
     new_features: np.ndarray | torch.Tensor | None = None
+    tree_tokens: int = 0
 
 
 @dataclass
 class Draft:
     """k proposed tokens; in sampling mode also the sparse proposal distribution each was drawn
     from: ``q_ids`` [k, K] int32 and ``q_probs`` [k, K] float32 (rows sum to 1), as torch
-    tensors or numpy arrays."""
+    tensors or numpy arrays. ``parents``: None for a chain; for a tree (``common.tree``), each
+    node's parent (ROOT or an earlier node), and row i of q is the distribution node i was
+    drawn from, its parent's (siblings share a row; they were drawn from it in node order
+    without replacement)."""
 
     tokens: list[int]
     q_ids: torch.Tensor | np.ndarray | None = None
@@ -39,6 +45,7 @@ class Draft:
     # the context): lookahead's guess of what the target puts there when it rejects the draft
     # (kept on this side; never sent)
     alternatives: list[int | None] | None = None
+    parents: list[int] | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -221,6 +228,11 @@ class DraftBackend(abc.ABC):
     feature_size: int = 0  # >0: each request must bring target features of this width
     max_len: int | None = None  # longest sequence (verified + drafts) the drafter can attend over
     kv_bytes_per_token: int = 0  # cache memory a session holds per position (0: none worth bounding)
+    tree_topk: int = 1  # most children a draft tree's node gets (1: chains only)
+
+    def drafts_tree(self, depth: int, tree_tokens: int) -> bool:
+        """Whether a request for ``depth`` tokens and up to ``tree_tokens`` nodes gets a tree."""
+        return self.tree_topk > 1 and depth >= 1 and tree_tokens > depth
 
     @abc.abstractmethod
     def new_state(self, params: SamplingParams) -> object:
@@ -228,18 +240,22 @@ class DraftBackend(abc.ABC):
 
     @abc.abstractmethod
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
-        """Propose ``depth`` tokens following ``verified`` (the whole verified sequence).
+              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
+        """Propose ``depth`` tokens following ``verified`` (the whole verified sequence), or a
+        tree of up to ``tree_tokens`` nodes at most ``depth`` deep (``drafts_tree``).
 
         The backend reuses whatever of its cached work still matches ``verified`` and
         rolls back the rest. ``new_features`` ([m, feature_size], only for backends with
         feature_size > 0) are the target's features for the positions after those this
-        session already holds; with them it holds one per verified token but the last."""
+        session already holds; with them it holds one per verified token but the last.
+        Backends that draft no trees (``tree_topk`` 1) may leave ``tree_tokens`` out."""
 
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
         """Serve several sessions' requests at once. The default serves them one after another;
         backends that can batch the sessions' forwards override it."""
-        return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
+        if self.tree_topk <= 1:  # a chains-only backend need not take tree_tokens
+            return [self.draft(r.state, r.verified, r.depth, r.new_features) for r in requests]
+        return [self.draft(r.state, r.verified, r.depth, r.new_features, tree_tokens=r.tree_tokens) for r in requests]
 
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
 
