@@ -7,6 +7,9 @@ the pairs (f_i, embed(t_{i+1})) for i = 0..n-1. Its output at the last pair is a
 f^_n; the target's LM head applied to f^_n gives the distribution of x_1 = t_{n+1}. The pair
 (f^_n, embed(x_1)) then gives f^_{n+1} and x_2, and so on.
 
+A target that verifies more tokens than its depth gets a draft tree (``trees``): for greedy
+sessions an EAGLE-2 dynamic tree, each level one head forward under the head's ``tree_mask``.
+
 Only the head's weights come from the head checkpoint; the token embedding (when the head does not
 carry its own copy) and the LM head are read by name from the target's checkpoint files, so the
 target model itself is never loaded here.
@@ -27,9 +30,11 @@ from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, pack_linears
 from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, resolve_dtype, resolve_model_path,
                            tokenizer_identity)
 from common.tensors import as_torch
+from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
+from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree
 from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
@@ -286,9 +291,14 @@ class EagleSession:
 class EagleBackend(DraftBackend):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32):
+    def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32,
+                 tree_topk: int = 1):
+        """``tree_topk``: the most children a draft tree's node gets (1: chains only; see
+        ``_greedy_tree`` and ``trees.CaterpillarDrafter``)."""
         if q_topk < 1:
             raise ValueError("q_topk must be >= 1")
+        if tree_topk < 1:
+            raise ValueError("tree_topk must be >= 1")
         self.head = head
         self.module = head.module
         self.device = head.device
@@ -298,14 +308,15 @@ class EagleBackend(DraftBackend):
             raise ValueError("tokenizer_dir is required when the head was not loaded from a target directory")
         self.vocab_size, self.fingerprint = tokenizer_identity(tok_dir, head.logits_size)
         self.q_topk = min(q_topk, self.vocab_size)
+        self.tree_topk = min(tree_topk, self.vocab_size)
         self.max_len = getattr(head.config, "max_position_embeddings", None)
         self.kv_bytes_per_token = kv_bytes_per_token(head.config, head.dtype, layers=1)  # the head's one layer
 
     @classmethod
     def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",
-                  q_topk: int = 32) -> "EagleBackend":
+                  q_topk: int = 32, tree_topk: int = 1) -> "EagleBackend":
         head = load_eagle_head(head_dir, base_model_dir, device=device, dtype=dtype)
-        return cls(head, head.base_path, q_topk=q_topk)
+        return cls(head, head.base_path, q_topk=q_topk, tree_topk=tree_topk)
 
     def new_state(self, params: SamplingParams) -> EagleSession:
         return EagleSession(params, make_generator(params.seed), seed=session_seed(params))
@@ -370,16 +381,54 @@ class EagleBackend(DraftBackend):
             st.last_hidden = out[:, -1:]
         return st.last_hidden
 
-    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int) -> Draft:
-        # the first draft's position: after the verified tokens, one more than the pairs held
-        chain = ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1)
+    def _drafter(self, st: EagleSession, depth: int, tree_tokens: int) -> ChainDrafter:
+        """What picks a session's tokens along its chain: a ChainDrafter, or for a sampled tree the
+        chain's drafter that adds alternatives to it. The first draft's position: after the
+        verified tokens, one more than the pairs held."""
+        if not st.params.greedy and self.drafts_tree(depth, tree_tokens):
+            return CaterpillarDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1,
+                                      self.tree_topk, depth, tree_tokens)
+        return ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1)
+
+    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int = 0) -> Draft:
+        chain = self._drafter(st, depth, tree_tokens)
         for j in range(depth):
             tok = chain.pick(self._logits(hidden))
             if j + 1 < depth:
                 hidden = self._step(st, hidden, [tok])
         return chain.result()
 
-    def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]]) -> list[Draft]:
+    def _greedy_tree(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int) -> Draft:
+        """A greedy session's dynamic tree (``trees.GreedyTree``): one head forward per level
+        below the first, as a chain takes one per token, feeding the level's chosen nodes after
+        the session's cache and the tree's earlier nodes, the head's ``tree_mask`` keeping each
+        node to its own path. A node is fed as a chain token would be: the pair (its parent's
+        predicted feature, its token), at its depth's position. The tree's pairs are cropped off
+        the cache afterwards (the next request would drop them anyway)."""
+        tree = GreedyTree(self.tree_topk)
+        tree.grow(ROOT, self._logits(hidden))
+        predicted = {ROOT: hidden[0, -1]}  # the head's output at each fed node (the root's: f^_n)
+        held = len(st.pairs)
+        try:
+            for d in range(1, depth):
+                level = tree.frontier(d)
+                self.module.tree_mask = tree.feed(level).to(device=self.device, dtype=torch.float32)[None, None]
+                feats = torch.stack([predicted[tree.parent(n)] for n in level])[None]
+                ids = torch.tensor([[tree.token(n) for n in level]], dtype=torch.long, device=self.device)
+                pos = torch.full((1, len(level)), held + d - 1, dtype=torch.long, device=self.device)
+                out, st.past = self.module(feats, input_ids=ids, position_ids=pos, past_key_values=st.past,
+                                           use_cache=True)
+                logits = self.head.lm_logits(out[0])[:, : self.vocab_size].float()
+                for r, n in enumerate(level):
+                    predicted[n] = out[0, r]
+                    tree.grow(n, logits[r])
+        finally:
+            self.module.tree_mask = None
+            self._crop(st, held)
+        return tree.draft(tree_tokens)
+
+    def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]],
+                 tree_tokens: list[int] | None = None) -> list[Draft]:
         """Several sessions' requests in one head forward for their new features and one head
         step per draft position, for all of them. ``jobs``: (session, cropped and checked; the
         token ids of its new pairs; their features [m, H]; depth).
@@ -388,7 +437,9 @@ class EagleBackend(DraftBackend):
         right-aligned under a left padding, then M columns for new pairs (its own m, then
         padding), then one column per draft step. Padding is masked out, each row runs at its own
         positions, and causality keeps a row's real pairs from seeing the padding after them.
-        Each session then keeps exactly the positions drafting alone would have given it."""
+        Each session then keeps exactly the positions drafting alone would have given it.
+        ``tree_tokens``: per job, the request's tree budget (sampled trees only: their extra
+        nodes are leaves, drawn along with the chain)."""
         k = len(jobs)
         lengths = [0 if st.past is None else st.past[0][0].shape[2] for st, *_ in jobs]
         news = [len(ids) for _, ids, _, _ in jobs]
@@ -415,7 +466,8 @@ class EagleBackend(DraftBackend):
                 if news[i]:
                     st.pairs.extend(new_ids)
                     st.last_hidden = out[i:i + 1, news[i] - 1: news[i]].clone()
-        chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1) for st, *_ in jobs]
+        budgets = tree_tokens or [0] * k
+        chains = [self._drafter(st, d, b) for (st, *_), d, b in zip(jobs, depths, budgets)]
         if any(drafting):
             filler = torch.zeros(1, 1, self.feature_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]
@@ -442,26 +494,40 @@ class EagleBackend(DraftBackend):
     # ------------------------------------------------------------ the interface
     @torch.inference_mode()
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
         st: EagleSession = state  # type: ignore[assignment]
         hidden = self._absorb(st, verified, None if new_features is None else as_torch(new_features))
         if hidden is None or depth < 1:
             return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
-        return self._chain(st, hidden, depth)
+        if st.params.greedy and self.drafts_tree(depth, tree_tokens):
+            return self._greedy_tree(st, hidden, depth, tree_tokens)
+        return self._chain(st, hidden, depth, tree_tokens)
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
         """The sessions' new features in one head forward, then their chains batched: one head
-        step per draft position for every session."""
-        if len(requests) == 1:
-            r = requests[0]
-            return [self.draft(r.state, r.verified, r.depth, r.new_features)]
-        jobs = []
-        for r in requests:
-            feats = None if r.new_features is None else as_torch(r.new_features)
-            ids = self._prepare(r.state, r.verified, feats)  # type: ignore[arg-type]
-            jobs.append((r.state, ids, feats if ids else None, r.depth))
-        return self._batched(jobs)
+        step per draft position for every session (sampled trees among them: their extra nodes
+        are leaves). Greedy trees are drafted one session at a time."""
+        out: list[Draft | None] = [None] * len(requests)
+        batch = []
+        for i, r in enumerate(requests):
+            if r.state.params.greedy and self.drafts_tree(r.depth, r.tree_tokens):  # type: ignore[attr-defined]
+                out[i] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens)
+            else:
+                batch.append(i)
+        if len(batch) == 1:
+            r = requests[batch[0]]
+            out[batch[0]] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens)
+        elif batch:
+            jobs = []
+            for i in batch:
+                r = requests[i]
+                feats = None if r.new_features is None else as_torch(r.new_features)
+                ids = self._prepare(r.state, r.verified, feats)  # type: ignore[arg-type]
+                jobs.append((r.state, ids, feats if ids else None, r.depth))
+            for i, d in zip(batch, self._batched(jobs, [requests[i].tree_tokens for i in batch])):
+                out[i] = d
+        return out  # type: ignore[return-value]
 
 
 def _merge_past(pasts: list[tuple | None]) -> tuple:
