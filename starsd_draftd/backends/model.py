@@ -1,4 +1,5 @@
-"""Draft backend "model": any Hugging Face causal LM drafts a chain of tokens with a KV cache."""
+"""Draft backend "model": any Hugging Face causal LM drafts a chain of tokens, or a draft tree
+(``trees``), with a KV cache."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
 from common.runner import ModelRunner
+from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
+from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree
 
 
 @dataclass
@@ -29,12 +32,16 @@ class ModelBackend(DraftBackend):
     name = "model"
 
     def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, tree_topk: int = 1):
         """``lookup``: in greedy sessions, each draft token comes from the context where it holds
         the continuation of the last few tokens (``ContextLookup``), else from the model.
-        ``runner``: how the model runs (compiled or eager); eager by default."""
+        ``runner``: how the model runs (compiled or eager); eager by default. ``tree_topk``: the
+        most children a draft tree's node gets (1: chains only; see ``_greedy_tree`` and
+        ``trees.CaterpillarDrafter``); greedy trees need a model that takes custom 4-D masks."""
         if q_topk < 1:
             raise ValueError("q_topk must be >= 1")
+        if tree_topk < 1:
+            raise ValueError("tree_topk must be >= 1")
         self.lookup = lookup
         self.lookup_hits = 0  # draft tokens taken from the context
         self.model_picks = 0  # greedy draft tokens the model chose
@@ -44,6 +51,7 @@ class ModelBackend(DraftBackend):
         self.vocab_size = loaded.vocab_size
         self.fingerprint = loaded.fingerprint
         self.q_topk = min(q_topk, loaded.vocab_size)
+        self.tree_topk = min(tree_topk, loaded.vocab_size)
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
@@ -62,6 +70,8 @@ class ModelBackend(DraftBackend):
                 a, b = self.new_state(params), self.new_state(params)
                 for extra in (0, 1, 3):  # first feeds; 1 new token each; 2 new tokens each
                     self.draft_many([DraftRequest(a, [1] * (5 + extra), 3), DraftRequest(b, [1] * (6 + extra), 3)])
+            if self.tree_topk > 1:  # a greedy tree's levels: forwards with a 4-D mask
+                self.draft(self.new_state(SamplingParams()), [1] * 6, 3, tree_tokens=3 * self.tree_topk)
 
         return self.runner.warm_up(exercise, "draft model")
 
@@ -81,17 +91,32 @@ class ModelBackend(DraftBackend):
         st.cached.extend(tokens)
         return logits[: self.vocab_size]
 
-    def draft(self, state: object, verified: list[int], depth: int,
-              new_features: np.ndarray | torch.Tensor | None = None) -> Draft:
-        st: ModelSession = state  # type: ignore[assignment]
+    @staticmethod
+    def _rewind(st: ModelSession, verified: list[int]) -> int:
+        """Keep the cached prefix that still matches ``verified``, always leaving at least one
+        token to re-feed (its forward yields the logits of the next position); its length."""
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
-        # Keep the cached prefix that still matches; always re-feed at least one token so the
-        # forward yields the logits of the next position.
         keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
         crop_cache(st.cache, keep)
         del st.cached[keep:]
-        chain = ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified))
+        return keep
+
+    def _drafter(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> ChainDrafter:
+        """What picks a session's chain: a ChainDrafter, or for a sampled tree the chain's drafter
+        that adds alternatives to it (leaves: the tree costs the chain's forwards)."""
+        if not st.params.greedy and self.drafts_tree(depth, tree_tokens):
+            return CaterpillarDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified), self.tree_topk,
+                                      depth, tree_tokens)
+        return ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified))
+
+    def draft(self, state: object, verified: list[int], depth: int,
+              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
+        st: ModelSession = state  # type: ignore[assignment]
+        if st.params.greedy and self.drafts_tree(depth, tree_tokens):
+            return self._greedy_tree(st, verified, depth, tree_tokens)
+        keep = self._rewind(st, verified)
+        chain = self._drafter(st, verified, depth, tree_tokens)
         seq = self._context(st.params, verified, depth)
         # Tokens reach the model only when it must pick: a run of tokens copied from the context
         # costs no forward, and is fed with the next one the model picks after it (or next time).
@@ -108,6 +133,46 @@ class ModelBackend(DraftBackend):
                 seq[len(verified) + j] = tok
             pending.append(tok)
         return chain.result()
+
+    @torch.inference_mode()
+    def _greedy_tree(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> Draft:
+        """A greedy session's dynamic tree (``trees.GreedyTree``). Lookup stays: where the
+        context gives the chain's next token, that copy is the chain node's first child, as it
+        is the chain's token in ``draft``, so the tree's first-child path is the chain ``draft``
+        gives; the model's best others are its siblings. Forwards: the verified tokens the cache
+        lacks, then one per level below the first, feeding the level's chosen nodes after the
+        cache with a 4-D mask (each sees the verified positions, its ancestors and itself) at its
+        depth's position. The cache is then cropped back to the verified tokens, so that the next
+        request goes on from them as after a chain nothing of which was kept."""
+        keep = self._rewind(st, verified)
+        root = self._forward(st, verified[keep:])
+        held = len(verified)
+        seq = self._context(st.params, verified, depth)
+        tree = GreedyTree(self.tree_topk)
+        tree.grow(ROOT, root, self._look(seq, held))
+        dtype = self.loaded.dtype
+        try:
+            for d in range(1, depth):
+                level = tree.frontier(d)
+                see = tree.feed(level)
+                allowed = torch.cat([torch.ones(len(level), held, dtype=torch.bool), see], dim=1)
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+                ids = torch.tensor([[tree.token(n) for n in level]], dtype=torch.long, device=self.device)
+                pos = torch.full((1, len(level)), held + d - 1, dtype=torch.long, device=self.device)
+                if hasattr(st.cache, "reserve"):
+                    st.cache.reserve(allowed.shape[1])
+                out = self.runner(input_ids=ids, attention_mask=mask[None, None].to(self.device), position_ids=pos,
+                                  cache=st.cache, use_cache=True)
+                logits = out.logits[0, :, : self.vocab_size].float()
+                for r, n in enumerate(level):
+                    first = None
+                    if tree.on_chain(n) and seq is not None:
+                        seq[held + d - 1] = tree.token(n)
+                        first = self._look(seq, held + d)
+                    tree.grow(n, logits[r], first)
+        finally:
+            crop_cache(st.cache, held)
+        return tree.draft(tree_tokens)
 
     drafts_ahead = True
     MAX_ALTERNATIVE_ROWS = 3  # guesses of a rejection: at the first positions, where rejections are likeliest
@@ -126,6 +191,8 @@ class ModelBackend(DraftBackend):
         when the session's cache lags its sequence by much (lookup-copied tokens not fed yet):
         the first step would feed them once per row."""
         st: ModelSession = state  # type: ignore[assignment]
+        if draft.parents is not None:
+            return None  # after a tree: its next request's sequence is any of the tree's paths
         seq = list(verified) + list(draft.tokens)
         if len(seq) - common_prefix_len(st.cached, seq) > 2 * depth + 2:
             return None
@@ -221,24 +288,34 @@ class ModelBackend(DraftBackend):
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
-        """Draft for several sessions with one batched forward per step (ragged prefixes)."""
-        if len(requests) == 1:
-            r = requests[0]
-            return [self.draft(r.state, r.verified, r.depth)]
+        """Draft for several sessions with one batched forward per step (ragged prefixes);
+        sampled trees among them (their extra nodes are leaves). Greedy trees are drafted one
+        session at a time."""
+        out: list[Draft | None] = [None] * len(requests)
+        batch = []
+        for i, r in enumerate(requests):
+            if r.state.params.greedy and self.drafts_tree(r.depth, r.tree_tokens):  # type: ignore[attr-defined]
+                out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
+            else:
+                batch.append(i)
+        if len(batch) == 1:
+            r = requests[batch[0]]
+            out[batch[0]] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
+        elif batch:
+            for i, d in zip(batch, self._batched([requests[i] for i in batch])):
+                out[i] = d
+        return out  # type: ignore[return-value]
+
+    def _batched(self, requests: list[DraftRequest]) -> list[Draft]:
         sessions: list[ModelSession] = [r.state for r in requests]  # type: ignore[misc]
         feeds = []
         for st, r in zip(sessions, requests):
-            if not r.verified:
-                raise ValueError("cannot draft after an empty sequence")
-            keep = min(common_prefix_len(st.cached, r.verified), len(r.verified) - 1)
-            crop_cache(st.cache, keep)
-            del st.cached[keep:]
+            keep = self._rewind(st, r.verified)
             feeds.append(r.verified[keep:])
         batch = BatchedCaches(self.runner, [st.cache for st in sessions], feeds, self.device,
                               steps=max(r.depth for r in requests))
         logits = batch.first()[:, : self.vocab_size].float()
-        chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(r.verified))
-                  for st, r in zip(sessions, requests)]
+        chains = [self._drafter(st, r.verified, r.depth, r.tree_tokens) for st, r in zip(sessions, requests)]
         greedy = [st.params.greedy for st in sessions]
         seqs = [self._context(st.params, r.verified, r.depth) for st, r in zip(sessions, requests)]
         depth = max(r.depth for r in requests)
