@@ -20,6 +20,7 @@ class ServeConfig:
     device: str = "cpu"
     dtype: str = "auto"
     q_topk: int = 32
+    tree_topk: int = 1  # most children a draft tree's node gets (1: chains only)
     threads: int = 1
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
@@ -35,7 +36,7 @@ def build_backend(cfg: ServeConfig):
 
         loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype)
         backend = ModelBackend(loaded, q_topk=cfg.q_topk, lookup=ContextLookup() if cfg.lookup else None,
-                               runner=ModelRunner(loaded, compile=cfg.compile))
+                               runner=ModelRunner(loaded, compile=cfg.compile), tree_topk=cfg.tree_topk)
         backend.warm_up(cfg.server.batch_max)
         return backend
     if cfg.backend == "eagle":
@@ -49,7 +50,7 @@ def build_backend(cfg: ServeConfig):
             raise ValueError(f"the EAGLE backend needs the eagle-llm package ({exc}); install it with "
                              "`pip install --no-deps eagle-llm==1.2.1`") from None
         return EagleBackend.from_dirs(resolve_model_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
-                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk)
+                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk, tree_topk=cfg.tree_topk)
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 

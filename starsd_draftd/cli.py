@@ -62,6 +62,10 @@ def main() -> None:
              "draft (--backend model; an EAGLE head drafts on request).")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
+@option("--tree-topk", type=click.IntRange(1), default=1,
+        help="Branching of draft trees: a target that asks for more draft tokens than its depth gets a tree "
+             "whose nodes have up to K children (greedy: EAGLE-2 dynamic trees; sampling: the chain with up to "
+             "K-1 alternatives per position). 1: chains only.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
 @option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
         help="Sessions one target may hold at once.")
@@ -111,8 +115,8 @@ def main() -> None:
 @option("--compile/--no-compile", "compile_", default=False, help=COMPILE_HELP)
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads, lookup, compile_, log_level,
-          log_format, **limits) -> None:
+def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_topk, threads, lookup, compile_,
+          log_level, log_format, **limits) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -120,8 +124,8 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, threads
     setup_logging(log_level, log_format)
     server = _server_config(**limits)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
-                            device=device, dtype=dtype, q_topk=q_topk, threads=threads, lookup=lookup,
-                            compile=compile_))
+                            device=device, dtype=dtype, q_topk=q_topk, tree_topk=tree_topk, threads=threads,
+                            lookup=lookup, compile=compile_))
 
 
 def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_sessions, max_sessions_per_peer, max_peers,
