@@ -66,6 +66,10 @@ def main() -> None:
         help="Branching of draft trees: a target that asks for more draft tokens than its depth gets a tree "
              "whose nodes have up to K children (greedy: EAGLE-2 dynamic trees; sampling: the chain with up to "
              "K-1 alternatives per position). 1: chains only.")
+@option("--max-tree-tokens", type=click.IntRange(1, 256), default=_s.max_tree_tokens,
+        help="The most draft tokens a target may ask one tree to hold (its --draft-tokens); a larger ask is "
+             "refused as a bad request. With requests still queued behind a batch, its trees are drafted at half "
+             "the size asked.")
 @option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
 @option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
         help="Sessions one target may hold at once.")
@@ -128,14 +132,14 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_to
                             lookup=lookup, compile=compile_))
 
 
-def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_sessions, max_sessions_per_peer, max_peers,
+def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_tree_tokens, max_sessions, max_sessions_per_peer, max_peers,
                    max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue,
                    max_peer_queue_mib, max_kv_mib, max_peer_kv_mib, max_session_kv_mib, session_ttl, peer_ttl,
                    evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port) -> ServerConfig:
     """The serving loop's configuration from the command line's units (ms, MiB)."""
     return ServerConfig(
         bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000, lookahead=lookahead,
-        max_sessions=max_sessions, max_sessions_per_peer=max_sessions_per_peer, max_peers=max_peers,
+        max_tree_tokens=max_tree_tokens, max_sessions=max_sessions, max_sessions_per_peer=max_sessions_per_peer, max_peers=max_peers,
         max_peers_per_address=max_peers_per_address, max_sessions_per_address=max_sessions_per_address,
         max_queue=max_queue, max_queue_bytes=max_queue_mib * _MIB, max_peer_queue=max_peer_queue,
         max_peer_queue_bytes=max_peer_queue_mib * _MIB, max_kv_bytes=max_kv_mib * _MIB,

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -33,6 +34,7 @@ from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
 from starsd_draftd.lookahead import LookaheadServing
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
+from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
 log = logging.getLogger("starsd.draftd")
 
@@ -40,7 +42,6 @@ FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16",
 
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
-REQUEST_PARTS = ("queue", "draft_forward", "rest")  # where a served draft request's time goes (Stats.request_s)
 
 
 @dataclass
@@ -57,6 +58,10 @@ class ServerConfig:
     # second choice there), one batched forward per loop pass; a request that brings one of
     # those sequences is answered from it at once.
     lookahead: bool = True
+    # The most tokens a target may ask a draft tree to hold (DRAFT.tree_tokens); trees are
+    # drafted by backends with a tree_topk above 1, and with requests still queued after a batch
+    # is taken, at half the size asked (at least the depth).
+    max_tree_tokens: int = 64
     # The session table's bounds (TableLimits, fields of the same names)
     max_sessions: int = _TABLE.max_sessions
     max_sessions_per_peer: int = _TABLE.max_sessions_per_peer
@@ -124,70 +129,6 @@ def message_limits(backend: DraftBackend) -> P.Limits:
 class LoopFailed(RuntimeError):
     """The serving loop kept failing outside any one request: the daemon exits non-zero (and
     systemd restarts it) rather than look alive and serve nothing."""
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.busy_s = 0.0
-        self.requests = 0
-        self.drafted_tokens = 0
-        self.sessions_opened = 0
-        self.sessions_expired = 0
-        self.sessions_evicted = 0
-        self.sessions_disconnected = 0  # dropped with their connection (gone, or its identity reused)
-        self.disconnects = 0
-        self.unroutable = 0
-        self.dropped_replies = 0
-        self.key_reloads = 0
-        self.batches = 0
-        self.batched_requests = 0
-        self.batch_waits = 0  # passes that waited for a batch to fill (batch window)
-        self.batch_wait_s = 0.0
-        self.queue_bytes_peak = 0
-        self.loop_errors = 0
-        # Where the draft requests served went, summed over them (seconds): "queue" from being
-        # queued to the start of its batch, "draft_forward" its batch's backend call, "rest" the
-        # remainder of its time from its reading off the socket to its reply's send (decode and
-        # checks on arrival, admission, encode, send). The parts add up to the requests' time here.
-        self.request_s = {part: 0.0 for part in REQUEST_PARTS}
-        # Lookahead: requests answered from work done ahead (hit: it was done; late_hit: it was
-        # finished on arrival), requests whose sequence it had not guessed (miss), work dropped
-        # unused with its session (dropped), rounds not drafted ahead for a session it rarely
-        # answers (skipped); the forward steps it ran and their seconds (idle time
-        # used: steps run only with nothing queued; finishing a late hit counts as drafting)
-        self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "skipped": 0,
-                          "failed": 0, "steps": 0, "idle_s": 0.0}
-        self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
-        self.errors: collections.Counter[str] = collections.Counter()
-
-    def snapshot(self, live_sessions: int, queue_depth: int, peers: int) -> dict:
-        return {
-            "uptime_s": time.monotonic() - self.started,
-            "busy_s": self.busy_s,
-            "requests": self.requests,
-            "drafted_tokens": self.drafted_tokens,
-            "sessions_opened": self.sessions_opened,
-            "sessions_expired": self.sessions_expired,
-            "sessions_evicted": self.sessions_evicted,
-            "sessions_disconnected": self.sessions_disconnected,
-            "disconnects": self.disconnects,
-            "live_sessions": live_sessions,
-            "queue_depth": queue_depth,
-            "peers": peers,
-            "unroutable": self.unroutable,
-            "dropped_replies": self.dropped_replies,
-            "key_reloads": self.key_reloads,
-            "batches": self.batches,
-            "batched_requests": self.batched_requests,
-            "batch_waits": self.batch_waits,
-            "batch_wait_s": self.batch_wait_s,
-            "queue_bytes_peak": self.queue_bytes_peak,
-            "loop_errors": self.loop_errors,
-            "errors": dict(self.errors),
-            "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},
-            "lookahead": dict(self.lookahead),
-        }
 
 
 class DraftServer(LookaheadServing):
@@ -514,6 +455,9 @@ class DraftServer(LookaheadServing):
                                 sid, seq)
         self._check_ids(h["new"], sid, seq)
         self._check_len(pos + h["depth"], sid, seq)
+        if h.get("tree_tokens", 0) > self.config.max_tree_tokens:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tree_tokens {h['tree_tokens']} exceeds this daemon's "
+                                f"{self.config.max_tree_tokens}", sid, seq)
         f = msg.tensors.get("features")
         need = self.backend.feature_size
         if not need:
@@ -555,7 +499,8 @@ class DraftServer(LookaheadServing):
             "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
             "feature_size": need, "instance": self.instance, "server": self.config.name,
-            "max_len": self.backend.max_len or 0}))
+            "max_len": self.backend.max_len or 0, "tree_topk": self.backend.tree_topk,
+            "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0}))
 
     def _open(self, principal: bytes, h: dict, address: str) -> None:
         sid = h["session"]
@@ -677,11 +622,17 @@ class DraftServer(LookaheadServing):
                 f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
                 sid, seq)
         session.check(h["accepted"], h["new"], h["pos"], seq)
-        self.sessions.reserve(session, h["pos"] + h["depth"], seq, keep)
+        tree = h.get("tree_tokens", 0) if self.backend.tree_topk > 1 and h.get("tree_tokens", 0) > h["depth"] else 0
+        if tree and self.q_in:  # requests still wait behind this batch: smaller trees, sooner
+            tree = max(h["depth"], tree // 2)
+            self.stats.trees["shrunk"] += 1
+        # a tree's drafting feeds up to tree_topk nodes per level into the session's cache, however few it keeps
+        room = max(h["depth"], tree, self.backend.tree_topk * h["depth"]) if tree else h["depth"]
+        self.sessions.reserve(session, h["pos"] + room, seq, keep)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:
             session.features += features.shape[0]
-        return DraftRequest(session.state, session.verified, h["depth"], features)
+        return DraftRequest(session.state, session.verified, h["depth"], features, tree)
 
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request, (read at, queued at))
@@ -754,12 +705,16 @@ class DraftServer(LookaheadServing):
             _, h, key, req, _ = admitted[i]
             draft = drafts[i]
             session = self.sessions.sessions.get(key)
+            if draft.parents is not None:
+                self.stats.trees["requests"] += 1
+                self.stats.trees["tokens"] += len(draft.tokens)
             if session is not None:
-                session.last_draft = list(draft.tokens)
+                # a tree's kept path is no prefix of its tokens: the target reports it as new tokens
+                session.last_draft = list(draft.tokens) if draft.parents is None else []
                 if window:
                     session.replied_at = sent
                     self._awaited[key] = session
-                if self.config.lookahead and not self.draining:
+                if self.config.lookahead and not self.draining and draft.parents is None:
                     self._start_lookahead(session, draft, min(self.config.max_depth, req.depth + 1), h["seq"])
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
@@ -771,10 +726,10 @@ class DraftServer(LookaheadServing):
         reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
                  "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - queued_at))),
                  "draft_us": min(P.MAX_REPORTED_US, round(1e6 * seconds))}
-        if draft.q_ids is None:
-            self._send(identity, Message(MsgType.DRAFTED, reply))
-        else:
-            self._send(identity, Message(MsgType.DRAFTED, reply, {"q_ids": draft.q_ids, "q_probs": draft.q_probs}))
+        tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
+        if draft.parents is not None:
+            tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
+        self._send(identity, Message(MsgType.DRAFTED, reply, tensors))
 
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark
