@@ -361,9 +361,13 @@ class PoolBatch(DynamicCache):
     position ids that make each row see exactly its own positions, causally; models must take
     custom 4-D masks (rotary Llama and Qwen2 do). ``commit()``, once the forward has returned,
     makes each row's cache hold its n_b + fed[b] positions; a forward that fails part way leaves
-    every row's length as it was (what it wrote lies past those lengths)."""
+    every row's length as it was (what it wrote lies past those lengths).
 
-    def __init__(self, caches: list[PoolRowCache], fed: list[int]):
+    ``trees``: per row, None (its feed is a sequence) or the parents of a draft tree its feed
+    (root, then nodes) is (``common.tree``): that row's new positions see the cache and their own
+    ancestors, at the positions of their depths."""
+
+    def __init__(self, caches: list[PoolRowCache], fed: list[int], trees: list[list[int] | None] | None = None):
         if not caches or len(caches) != len(fed) or min(fed) < 1:
             raise ValueError("a batch needs one row cache per feed and at least one token per feed")
         pool = caches[0].pool
@@ -371,6 +375,9 @@ class PoolBatch(DynamicCache):
             raise ValueError("a batch takes distinct rows of one pool")
         DynamicCache.__init__(self, config=pool.config)
         self.pool, self.caches, self.fed = pool, caches, list(fed)
+        self.trees = list(trees) if trees is not None else [None] * len(caches)
+        if any(t is not None and len(t) + 1 != m for t, m in zip(self.trees, self.fed)):
+            raise ValueError("a tree row feeds its root and one token per node")
         self.lengths = [c.get_seq_length() for c in caches]
         self.M = max(fed)
         self.base = max(self.lengths)
@@ -383,19 +390,41 @@ class PoolBatch(DynamicCache):
         self._rows = torch.tensor(rows, dtype=torch.long)
         self._slots = None  # [B, M] on the model's device, built at the first layer
 
-    def positions(self, device) -> torch.Tensor:
-        """Position ids [B, M]: n_b + j for a real token j, a pad repeating its row's last position."""
+    def _causal(self, device) -> torch.Tensor:
         n = torch.tensor(self.lengths, device=device)[:, None]
         j = torch.arange(self.M, device=device)[None, :]
         last = torch.tensor(self.fed, device=device)[:, None] - 1
         return n + torch.minimum(j, last)
 
+    def positions(self, device) -> torch.Tensor:
+        """Position ids [B, M]: n_b + j for a real token j, a pad repeating its row's last
+        position; in a tree row, n_b + the node's depth (the root's 0)."""
+        from common.tree import depths
+
+        pos = self._causal(device)
+        for b, parents in enumerate(self.trees):
+            if parents is not None:
+                d = torch.tensor([0, *depths(parents)], device=device)
+                pos[b, : d.shape[0]] = self.lengths[b] + d
+        return pos
+
     def mask(self, dtype: torch.dtype, device) -> torch.Tensor:
         """[B, 1, M, max(n) + M], 0 where a query may look and dtype's minimum elsewhere: query j
-        of row b sees slots 0..n_b + j (a pad sees what its row's last token sees)."""
-        see = self.positions(device)[:, :, None]  # the last slot each query may see
+        of row b sees slots 0..n_b + j (a pad sees what its row's last token sees); in a tree
+        row, its own slots 0..n_b - 1 and those of its ancestors (a pad sees the root's)."""
+        from common.tree import ancestor_mask
+
+        see = self._causal(device)[:, :, None]  # the last slot each query may see
         slots = torch.arange(self.kv_len, device=device)[None, None, :]
         allowed = slots <= see
+        for b, parents in enumerate(self.trees):
+            if parents is not None:
+                n, m = self.lengths[b], self.fed[b]
+                row = torch.zeros(self.M, self.kv_len, dtype=torch.bool, device=device)
+                row[:, :n] = True
+                row[:m, n: n + m] = ancestor_mask(parents, device)
+                row[m:, n] = True
+                allowed[b] = row
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
             ~allowed, torch.finfo(dtype).min)[:, None]
 

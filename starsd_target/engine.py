@@ -320,12 +320,13 @@ class TargetEngine:
         return self.runner.forward(cache, ids, "all" if logits else "none", features)
 
     @torch.inference_mode()
-    def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]],
-                       features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """One forward over several pool rows' feeds (``PoolBatch``): each feed's logits rows
-        [len(feed), V] (float32, on the model's device) and, if asked, its hidden states.
-        Eager even when single forwards are compiled (batching is off then)."""
-        batch = PoolBatch(caches, [len(f) for f in feeds])
+    def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]], features: bool,
+                       trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One forward over several pool rows' feeds (``PoolBatch``; ``trees``: per feed, the
+        parents of the draft tree it is, or None): each feed's logits rows [len(feed), V]
+        (float32, on the model's device) and, if asked, its hidden states. Eager even when
+        single forwards are compiled (batching is off then)."""
+        batch = PoolBatch(caches, [len(f) for f in feeds], trees)
         dev = self.runner.device
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
         out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=features,
@@ -359,8 +360,8 @@ class TargetEngine:
         ``verify``. ``BatchFailed`` when the batch fails before any generation took its outcome:
         every cache and random generator is then as it was, for the caller to verify them one at
         a time, so that the failure is pinned on one."""
-        if len(rounds) == 1 or any(not g.batchable or _parents(p) is not None for g, p, _ in rounds):
-            return [g.verify(p, w) for g, p, w in rounds]  # trees are verified one per forward
+        if len(rounds) == 1 or any(not g.batchable for g, _, _ in rounds):
+            return [g.verify(p, w) for g, p, w in rounds]
         if len(rounds) > self.max_batch:
             raise ValueError(f"a batch of {len(rounds)} exceeds max_batch {self.max_batch}")
         t_start = time.perf_counter()
@@ -370,8 +371,13 @@ class TargetEngine:
             plans = [g._plan(p, w) for g, p, w in rounds]
             feeds = [[g.tokens[-1], *plan.x] for g, plan in zip(gens, plans)]
             t_forward = time.perf_counter()
-            rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens))
-            decided = torch.stack([g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]).tolist()
+            rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens),
+                                               [plan.parents for plan in plans])
+            decided = [g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]
+            chains = [i for i, d in enumerate(decided) if isinstance(d, torch.Tensor)]
+            if chains:  # the chains' decisions in one transfer; trees were decided on the host
+                for i, d in zip(chains, torch.stack([decided[i] for i in chains]).tolist()):
+                    decided[i] = d
         except BaseException as exc:
             for g, state in zip(gens, states):
                 crop_cache(g.cache, len(g.tokens) - 1)
@@ -564,8 +570,9 @@ class Generation:
         if self.engine.tree_tokens <= self.engine.depth:
             return 0  # the engine verifies chains only
         budget = min(self.engine.tree_tokens, self.max_draft)
-        depth = min(self.engine.depth, self.max_draft) if initial else self.draft_depth()
-        return budget if depth > 0 and budget > depth else 0
+        if budget <= min(self.engine.depth, self.max_draft):
+            return 0  # no room beyond a chain (a round near max_tokens is only shallower)
+        return budget if initial or self.draft_depth() > 0 else 0
 
     def features(self) -> np.ndarray | None:
         return self.feats.view() if self.feats is not None else None

@@ -146,3 +146,36 @@ def test_tree_cache_matches_a_fresh_forward(target):
         engine.loaded.model(input_ids=torch.tensor([g.tokens[:-1]]), cache=fresh, use_cache=True)
     for a, b in zip(g.cache.layers, fresh.layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_batched_tree_verification_equals_generate(target):
+    """Trees and chains of several generations in one forward (pool rows, per-row tree masks)."""
+    prompts = [PROMPT, PROMPT[:5] + [61, 62], [7, 8, 9]]
+    refs = [reference_greedy(target, p, 24) for p in prompts]
+    engine = TargetEngine(load_causal_lm(str(target), dtype="float32"), depth=4, draft_tokens=16, max_batch=4)
+    gens = [engine.start(p, 24, SamplingParams()) for p in prompts]
+    oracles = [OracleTrees(p, r + [0] * 8, engine.loaded.logits_size, seed=i) for i, (p, r) in
+               enumerate(zip(prompts, refs))]
+    for g in gens:
+        while g.prefilling:
+            g.prefill()
+    batched = 0
+    while not all(g.done for g in gens):
+        live = [i for i, g in enumerate(gens) if not g.done]
+        rounds = []
+        for i in live:
+            g = gens[i]
+            depth = g.draft_depth()
+            if depth == 0:
+                prop = None
+            elif i == 2:  # one generation verifies chains beside the others' trees
+                prop = TreeProposal(refs[i][len(g.out): len(g.out) + depth], None)
+            else:
+                prop = oracles[i].propose(g.tokens, depth, tree_tokens=g.draft_budget())
+            rounds.append((g, prop, depth > 0))
+        batched += len(rounds) > 1
+        engine.verify_batch(rounds)
+    assert batched > 0
+    for g, ref in zip(gens, refs):
+        assert g.out == ref
+    assert gens[0].stats.tree_rounds > 0 and gens[2].stats.tree_rounds == 0 and gens[2].stats.accepted > 0
