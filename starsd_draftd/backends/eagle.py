@@ -34,7 +34,7 @@ from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
-from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree
+from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree, frontier_width
 from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
@@ -405,7 +405,7 @@ class EagleBackend(DraftBackend):
         node to its own path. A node is fed as a chain token would be: the pair (its parent's
         predicted feature, its token), at its depth's position. The tree's pairs are cropped off
         the cache afterwards (the next request would drop them anyway)."""
-        tree = GreedyTree(self.tree_topk)
+        tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens))
         tree.grow(ROOT, self._logits(hidden))
         predicted = {ROOT: hidden[0, -1]}  # the head's output at each fed node (the root's: f^_n)
         held = len(st.pairs)

@@ -16,7 +16,7 @@ from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
-from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree
+from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree, frontier_width
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ModelBackend(DraftBackend):
         root = self._forward(st, verified[keep:])
         held = len(verified)
         seq = self._context(st.params, verified, depth)
-        tree = GreedyTree(self.tree_topk)
+        tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens))
         tree.grow(ROOT, root, self._look(seq, held))
         dtype = self.loaded.dtype
         try:

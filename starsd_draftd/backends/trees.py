@@ -34,10 +34,12 @@ class GreedyTree:
     """An EAGLE-2 style dynamic tree of a greedy session, built with a backend's forwards.
 
     Level 1 holds the root's best ``topk`` tokens (``grow(ROOT, ...)``). Each next level: the
-    ``topk`` nodes of the level above with the highest path score (the sum of the draft's
-    log-probabilities along the path; ``frontier``) are fed in one forward (``feed`` says what each
-    of them sees), and each gets its best ``topk`` tokens as children (``grow``). ``draft(budget)``
-    keeps the best-scored nodes, ancestor-closed.
+    ``width`` (default ``topk``) nodes of the level above with the highest path score (the sum of
+    the draft's log-probabilities along the path; ``frontier``) are fed in one forward (``feed``
+    says what each of them sees), and each gets its best ``topk`` tokens as children (``grow``).
+    ``draft(budget)`` keeps the best-scored nodes, ancestor-closed. A forward's cost grows with
+    the nodes it feeds (each also takes a row of the LM head), so a small budget is best drafted
+    with a narrow frontier: ``frontier_width``.
 
     One departure from EAGLE-2: the greedy chain (at each chain node its first child, the draft's
     best token, or the token a backend's lookup copied from the context there) is always fed and
@@ -45,8 +47,9 @@ class GreedyTree:
     chain the backend drafts for the same request, and a tree never gets fewer tokens accepted
     than that chain would."""
 
-    def __init__(self, topk: int):
+    def __init__(self, topk: int, width: int | None = None):
         self.topk = topk
+        self.width = topk if width is None else max(1, width)
         self.nodes: list[_Node] = []
         self.fed: list[int] = []  # the nodes forwards have fed, in the order they entered the cache
         self.chain: list[int] = []  # the chain's node at each depth (index depth - 1)
@@ -69,10 +72,10 @@ class GreedyTree:
             self.nodes.append(_Node(int(tok), parent, depth, base + lp, on_chain and rank == 0))
 
     def frontier(self, depth: int) -> list[int]:
-        """The nodes at ``depth`` to feed next, in node order: the ``topk`` best-scored, the
+        """The nodes at ``depth`` to feed next, in node order: the ``width`` best-scored, the
         chain's node among them (in place of the last if it was not)."""
         level = [i for i, n in enumerate(self.nodes) if n.depth == depth]
-        best = sorted(level, key=lambda i: (-self.nodes[i].score, i))[: self.topk]
+        best = sorted(level, key=lambda i: (-self.nodes[i].score, i))[: self.width]
         if self.chain[depth - 1] not in best:
             best[-1] = self.chain[depth - 1]
         return sorted(best)
@@ -121,6 +124,12 @@ class GreedyTree:
         index = {node: j for j, node in enumerate(order)}
         return Draft([nodes[i].token for i in order],
                      parents=[ROOT if nodes[i].parent == ROOT else index[nodes[i].parent] for i in order])
+
+
+def frontier_width(topk: int, depth: int, budget: int) -> int:
+    """Nodes a greedy tree feeds per level: about the budget's nodes per level (ceil(budget /
+    depth)), at most ``topk``. EAGLE-2's 60 tokens over depth 6 feed its top-k of 10."""
+    return max(1, min(topk, -(-budget // max(depth, 1))))
 
 
 def draw_siblings(ids: torch.Tensor, mass: torch.Tensor, first: int, count: int, seed: int | None,
