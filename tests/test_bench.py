@@ -478,6 +478,25 @@ def test_quick_bench_lookahead_fields(quick_report):
 
 
 @pytest.mark.slow
+def test_quick_bench_trees_fields(quick_report):
+    _, r = quick_report
+    v = r["trees"]
+    assert [row["backend"] for row in v["rows"]] == ["model"]  # the tiny pair has no EAGLE head
+    row = v["rows"][0]
+    assert _num(row["alone_tps"]) and row["alone_same"] is True
+    assert set(row["configs"]) == {"chain", "tree 8"}
+    for name, c in row["configs"].items():
+        assert _num(c["tps"]) and _num(c["speedup"]) and _num(c["kept_vs_chain"]), name
+        assert c["fallback_rounds"] == 0 and c["rounds"] > 0 and c["kept_per_round"] > 1.0, name
+        assert c["same_as_alone"] == c["of"] > 0, name  # exact, chain and tree
+        assert _num(c["draft_ms"]) and c["draft_ms"] > 0 and _num(c["verify_ms"]) and c["verify_ms"] > 0, name
+    chain, tree = row["configs"]["chain"], row["configs"]["tree 8"]
+    assert chain["tree_rounds"] == 0 and tree["tree_rounds"] > 0  # the budget really asked for trees
+    assert chain["drafted_per_round"] <= r["config"]["depth"] < tree["drafted_per_round"] <= 8
+    assert "Draft trees against chains" in format_report(r)
+
+
+@pytest.mark.slow
 def test_quick_bench_batched_fields(quick_report):
     _, r = quick_report
     b = r["batched"]

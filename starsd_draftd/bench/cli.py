@@ -86,8 +86,12 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
 @option("--rtt-ms", type=click.FloatRange(0), default=0.0, help="R: network round trip and serialization per round.")
 @option("--depth", type=click.IntRange(1, 64), default=4,
         help="d: draft tokens per round (with --adaptive-depth, the largest depth allowed).")
-@option("--acceptance", type=click.FloatRange(0, 1), required=True,
-        help="a: acceptance probability of each draft token (i.i.d. assumed).")
+@option("--acceptance", type=click.FloatRange(0, 1), default=None,
+        help="a: acceptance probability of each draft token (i.i.d. assumed). Give it or --tokens-per-round.")
+@option("--tokens-per-round", type=click.FloatRange(1), default=None,
+        help="E: measured tokens kept per round (kept drafts and the target's own), for example a draft tree's from "
+             "`starsd-draftd bench --sections trees`; the model then uses the acceptance a with E(a, --depth) = E. "
+             "A tree's drafting time goes in --draft-ms.")
 @option("--single-ms", type=click.FloatRange(0, min_open=True), default=None,
         help="V1: the target's single-token forward, for the standalone baseline [default: V].")
 @option("--hit-rate", type=click.FloatRange(0, 1), default=0.0,
@@ -101,11 +105,20 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
 @option("--n-max", type=click.IntRange(1, 1024), default=16, help="Largest N in the table.")
 @option("--json", "as_json", is_flag=True, help="Print the model as JSON.")
 @fail_cleanly(ValueError)
-def plan(draft_ms, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms, depth, acceptance, single_ms, hit_rate,
-         adaptive_depth, n_max, as_json) -> None:
+def plan(draft_ms, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms, depth, acceptance, tokens_per_round,
+         single_ms, hit_rate, adaptive_depth, n_max, as_json) -> None:
     """The analytic model: round time T = N * S(d) + T_idle, N_full, and per-target and system
     throughput versus N, beside the target alone; with --hit-rate and --adaptive-depth, lookahead
     drafting and the best depth per N beside the fixed-depth design."""
+    if (acceptance is None) == (tokens_per_round is None):
+        raise click.UsageError("give one of --acceptance and --tokens-per-round")
+    if tokens_per_round is not None:
+        from starsd_draftd.bench.plan import acceptance_for_tokens_per_round
+
+        if tokens_per_round > depth + 1:
+            raise click.UsageError(f"--tokens-per-round {tokens_per_round} exceeds depth + 1 = {depth + 1}: a round "
+                                   f"keeps at most --depth drafts and the target's own token")
+        acceptance = acceptance_for_tokens_per_round(tokens_per_round, depth)
     p = Plan(verify_ms=verify_ms, rtt_ms=rtt_ms, depth=depth, acceptance=acceptance, draft_ms=draft_ms,
              draft_base_ms=draft_base_ms, draft_per_token_ms=draft_per_token_ms, single_ms=single_ms,
              hit_rate=hit_rate)

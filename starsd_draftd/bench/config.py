@@ -15,7 +15,7 @@ from starsd_draftd.bench import plan as plan_mod
 
 
 SCHEMA = "starsd-bench/1"
-SECTIONS = ("wire", "emulation", "real", "batched", "verify", "lookahead")
+SECTIONS = ("wire", "emulation", "real", "batched", "verify", "lookahead", "trees")
 GAP_EDGES_MS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 TORCH_SAVE_LABEL = ("reference only: the same payload as a torch.save/torch.load (pickle) blob, as the paper's "
                     "research code sends it; StarSD never unpickles network input")
@@ -51,6 +51,7 @@ class BenchConfig:
     feature_size: int = 4096  # EAGLE drafting for a 7B-class target
     feature_rows: int = 3
     q_topk: int = 32
+    tree_topk: int = 8  # the trees section's branching (the draft daemons' --tree-topk)
     # real models
     models: str = "demo"  # "demo": the demo checkpoints (SmolLM2 + its draft); "tiny": random tiny checkpoints (CI)
     real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores

@@ -95,8 +95,9 @@ def measure_target_forward(target_dir: Path, depth: int, reps: int = 30, dtype: 
 
 
 def _run_jobs(endpoints: list[str], prompts: list[list[str]], max_tokens: int, no_draft: bool, ctx: zmq.Context,
-              timeout_s: float) -> dict:
-    """Each target runs its prompts one after another, all targets at once, through GENERATE."""
+              timeout_s: float, extra: dict | None = None) -> dict:
+    """Each target runs its prompts one after another, all targets at once, through GENERATE
+    (``extra``: more of its fields, e.g. ``max_draft_tokens``)."""
     results: list[list[dict]] = [[] for _ in endpoints]
     failures: list[BaseException] = []
 
@@ -105,7 +106,7 @@ def _run_jobs(endpoints: list[str], prompts: list[list[str]], max_tokens: int, n
             with ControlClient(ep, ctx) as cc:
                 for j, prompt in enumerate(prompts[i]):
                     msg = Message(MsgType.GENERATE, {"id": j + 1, "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0.0, "no_draft": no_draft})
+                                                     "temperature": 0.0, "no_draft": no_draft, **(extra or {})})
                     h = cc.call(msg, timeout_s).header
                     results[i].append({"stats": h["stats"], "token_ids": h["token_ids"]})
         except Exception as exc:  # re-raised below, in the caller's thread

@@ -172,6 +172,10 @@ def format_report(report: dict) -> str:
         from starsd_draftd.bench.lookahead import format_lookahead
 
         lines += format_lookahead(report["lookahead"])
+    if "trees" in report:
+        from starsd_draftd.bench.trees import format_trees
+
+        lines += format_trees(report["trees"])
     if "verify" in report:
         from starsd_draftd.bench.verify_batch import format_verify
 

@@ -49,6 +49,7 @@ from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_
 from starsd_draftd.bench.report import _derive, format_report, plot_report
 from starsd_draftd.bench.star import emulation_section, start_emulation
 from starsd_draftd.bench.lookahead import lookahead_section, lookahead_streams, start_lookahead
+from starsd_draftd.bench.trees import start_trees, tree_backends, trees_section
 from starsd_draftd.bench.verify_batch import start_verify, verify_section, verify_streams
 from starsd_draftd.bench.wire import WIRE_CASES, start_wire, wire_section
 
@@ -72,7 +73,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
-               "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1}
+               "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,
+               "trees": len(tree_backends(cfg))}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -105,7 +107,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     try:
         models = None
-        if {"real", "batched", "verify", "lookahead"} & set(cfg.sections):
+        if {"real", "batched", "verify", "lookahead", "trees"} & set(cfg.sections):
             if cfg.models == "tiny":
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
@@ -128,6 +130,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 start_verify(cfg, pool, models)
             if "lookahead" in sel:
                 start_lookahead(cfg, pool, models)
+            if "trees" in sel:
+                start_trees(cfg, pool, models)
         if "wire" in cfg.sections:
             report["wire"] = timed("wire", lambda: wire_section(cfg, pool, step))
         if "emulation" in cfg.sections:
@@ -143,6 +147,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["verify"] = timed("verify", lambda: verify_section(cfg, pool, step, models))
         if "lookahead" in cfg.sections:
             report["lookahead"] = timed("lookahead", lambda: lookahead_section(cfg, pool, step, models))
+        if "trees" in cfg.sections:
+            report["trees"] = timed("trees", lambda: trees_section(cfg, pool, step, models))
     finally:
         bar.close()
         pool.stop_all()
