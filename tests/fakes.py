@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
 import zmq
 
 from common import protocol as P
+from common.control import ControlClient
 from common.protocol import Message, MsgType
 from common.sockets import SocketOptions, make_socket
+from common.verify import SamplingParams, logits_to_probs
 from starsd_draftd.backends.base import Draft, DraftBackend
 from starsd_draftd.server import DraftServer, ServerConfig
 
@@ -122,3 +125,42 @@ class LocalDrafts:
 
     def close(self):
         pass
+
+
+def run_concurrently(target_eps, requests):
+    """Send requests[i] to target i, all at the same time; return the RESULT headers."""
+    results = [None] * len(target_eps)
+    errors = []
+
+    def one(i, ep):
+        try:
+            with ControlClient(ep) as cc:
+                results[i] = cc.call(Message(MsgType.GENERATE, requests[i]), timeout_s=300).header
+        except Exception as exc:  # collected and re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i, ep)) for i, ep in enumerate(target_eps)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(400)
+    assert not errors, errors
+    return results
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
+    """The target's own distribution over its first ``length`` sampled tokens (small support via top_k)."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, prob: float):
+        if len(prefix) == length:
+            out[prefix] = prob
+            return
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        p = logits_to_probs(logits, params)
+        for t in torch.nonzero(p).flatten().tolist():
+            walk(prefix + (t,), prob * float(p[t]))
+
+    walk((), 1.0)
+    return out

@@ -6,12 +6,12 @@ repeat; the CLI's JSON carries the documented fields."""
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from common.control import ControlClient
 from common.protocol import Message, MsgType
+from fakes import run_concurrently
 from tiny_models import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -27,27 +27,6 @@ def star4(tiny_target, near_draft, module_star):
     target_eps = module_star.targets(tiny_target, draft_ep, len(PROMPTS), "--connect-timeout", "120",
                                      "--draft-timeout", "30")
     return module_star, draft_ep, target_eps
-
-
-def run_concurrently(target_eps, requests):
-    """Send requests[i] to target i, all at the same time; return the RESULT headers."""
-    results = [None] * len(target_eps)
-    errors = []
-
-    def one(i, ep):
-        try:
-            with ControlClient(ep) as cc:
-                results[i] = cc.call(Message(MsgType.GENERATE, requests[i]), timeout_s=300).header
-        except Exception as exc:  # collected and re-raised in the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i, ep)) for i, ep in enumerate(target_eps)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(400)
-    assert not errors, errors
-    return results
 
 
 def test_four_targets_greedy_equal_generate(star4, tiny_target):

@@ -8,14 +8,13 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from common.control import ControlClient
 from common.models import load_causal_lm
 from common.protocol import Message, MsgType
 from common.sockets import free_tcp_endpoint
-from common.verify import SamplingParams, logits_to_probs
-from fakes import running_server, speculate
+from common.verify import SamplingParams
+from fakes import exact_joint, running_server, speculate
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
@@ -73,24 +72,6 @@ def test_eagle_daemon_serves_three_targets_exactly(tiny_target, eagle_head, load
         d.close()
 
 
-def _exact_joint(model, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
-    """The target's own distribution over its first ``length`` sampled tokens (small support via top_k)."""
-    out: dict[tuple, float] = {}
-
-    def walk(prefix: tuple, prob: float):
-        if len(prefix) == length:
-            out[prefix] = prob
-            return
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
-        p = logits_to_probs(logits, params)
-        for t in torch.nonzero(p).flatten().tolist():
-            walk(prefix + (t,), prob * float(p[t]))
-
-    walk((), 1.0)
-    return out
-
-
 @pytest.mark.parametrize("kind", ["eagle", "model"])
 def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle_head, loaded_target, tmp_path,
                                                        monkeypatch):
@@ -105,7 +86,7 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
     engine = TargetEngine(loaded_target, depth=2)
     prompt = engine.encode("x = ")
     length = 3  # rounds of depth 2: accepted drafts, rejections and the bonus token all occur
-    exact = _exact_joint(loaded_target.model, prompt, params, length)
+    exact = exact_joint(loaded_target.model, prompt, params, length)
     samples = 1200
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
