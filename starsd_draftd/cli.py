@@ -62,10 +62,11 @@ def main() -> None:
              "draft (--backend model; an EAGLE head drafts on request).")
 @option("--q-topk", type=click.IntRange(1), default=32,
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
-@option("--tree-topk", type=click.IntRange(1), default=1,
-        help="Branching of draft trees: a target that asks for more draft tokens than its depth gets a tree "
-             "whose nodes have up to K children (greedy: EAGLE-2 dynamic trees; sampling: the chain with up to "
-             "K-1 alternatives per position). 1: chains only.")
+@option("--tree-topk", type=click.IntRange(1), default=8,
+        help="Branching of draft trees: a target that asks for more draft tokens than its depth (its "
+             "--draft-tokens) gets a tree whose nodes have up to K children (greedy: EAGLE-2 dynamic trees, a "
+             "frontier of about draft-tokens / depth nodes per level; sampling: the chain with up to K-1 "
+             "alternatives per position). Targets that ask for chains get chains. 1: chains only.")
 @option("--max-tree-tokens", type=click.IntRange(1, 256), default=_s.max_tree_tokens,
         help="The most draft tokens a target may ask one tree to hold (its --draft-tokens); a larger ask is "
              "refused as a bad request. With requests still queued behind a batch, its trees are drafted at half "
@@ -168,7 +169,16 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
             f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
-        _lookahead_line(s)
+        _lookahead_line(s) + _trees_line(s)
+
+
+def _trees_line(s: dict) -> list[str]:
+    """The draft trees served (none from an older daemon, or before any)."""
+    t = s.get("trees")
+    if not t or not t["requests"]:
+        return []
+    return [f"  trees: {t['requests']} requests answered with trees, {t['tokens'] / t['requests']:.1f} tokens each, "
+            f"{t['shrunk']} drafted at half size behind a queue"]
 
 
 def _lookahead_line(s: dict) -> list[str]:

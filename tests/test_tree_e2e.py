@@ -5,6 +5,8 @@ verified and drafts kept. And sampled output through the daemon with trees follo
 target's distribution (chi-square on the joint of the first tokens); seeded output repeats."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -62,6 +64,9 @@ def test_four_targets_verify_trees_exactly(backend, arch_pair, star):
         st = cc.stats()
     assert st["peers"] == 4 and st["trees"]["requests"] > 0
     assert st["trees"]["tokens"] > 4 * st["trees"]["requests"]  # trees, wider than the depth-4 chains
+    out = subprocess.run([sys.executable, "-m", "starsd_draftd", "status", "--connect", draft_ep], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and f"trees: {st['trees']['requests']} requests answered with trees" in out.stdout
 
 
 @pytest.mark.parametrize("kind", ["eagle", "model"])
