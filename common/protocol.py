@@ -57,7 +57,10 @@ import numpy as np
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 3  # 2: ERROR names the request it answers (re); WELCOME says max_len
-# 3: draft trees (DRAFT.tree_tokens, DRAFTED's parents tensor, WELCOME.tree_topk and max_tree_tokens)
+# 3: draft trees (DRAFT.tree_tokens, DRAFTED's parents tensor, WELCOME.tree_topk and max_tree_tokens).
+# A bump, not optional fields: after a tree, DRAFT's `accepted` no longer counts a prefix of the
+# last drafts (the kept path comes back as new tokens) and a reply's q rows are per node, the
+# parent's; a peer that read a tree reply as a chain would verify the wrong proposal.
 # Optional fields added to a message without a version bump, because a peer of the same version
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every

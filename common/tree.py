@@ -24,6 +24,23 @@ class TreeError(ValueError):
     """A tree that breaks the shape above (a parent out of range or after its child, too deep)."""
 
 
+def mask_refusal(config, architectures: tuple[str, ...] | None = None) -> str | None:
+    """Why a model of this config cannot run a tree forward (a custom 4-D attention mask with
+    position ids over an in-place cache), or None: it can. ``architectures``: the model types
+    accepted (None: any whose attention and layers allow it)."""
+    from common.slot_cache import SlotPool
+
+    kind = getattr(config, "model_type", "?")
+    if architectures is not None and kind not in architectures:
+        return f"it is tested for {', '.join(architectures)} models, not {kind}"
+    if not SlotPool.supports(config):
+        return "the model has layers other than full attention (sliding windows, linear attention)"
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attn not in ("sdpa", "eager"):
+        return f"its attention ({attn}) is not one that takes a custom 4-D mask (sdpa, eager)"
+    return None
+
+
 def check_parents(parents, n: int, max_depth: int | None = None) -> list[int]:
     """Each node's depth, after checking that ``parents`` (ints) fit a tree of ``n`` nodes: one
     parent per node, each ROOT or an earlier node, and no node deeper than ``max_depth``."""

@@ -9,8 +9,9 @@ Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Samplin
 * ``q``  -- draft distributions, shape [k, V]: row i is the distribution x_{i+1} was sampled from;
 * ``r``  -- uniform draws deciding acceptance.
 
-Both functions return ``(n, token)``: the first n draft tokens are kept, followed by
-``token`` drawn from Mp (the correction on rejection, the bonus when all k are kept).
+The chain functions return ``(n, token)``: the first n draft tokens are kept, followed by
+``token`` drawn from Mp (the correction on rejection, the bonus when all k are kept). The tree
+functions (at the end) return ``(path, token)``: the kept nodes' indices, then that token.
 The kept sequence is distributed exactly as sampling from p token by token.
 """
 

@@ -31,6 +31,7 @@ from common.sockets import SocketOptions, bind_server, check_server_endpoint, is
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
+from starsd_draftd.backends.trees import frontier_width
 from starsd_draftd.lookahead import LookaheadServing
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
@@ -622,17 +623,38 @@ class DraftServer(LookaheadServing):
                 f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
                 sid, seq)
         session.check(h["accepted"], h["new"], h["pos"], seq)
-        tree = h.get("tree_tokens", 0) if self.backend.tree_topk > 1 and h.get("tree_tokens", 0) > h["depth"] else 0
-        if tree and self.q_in:  # requests still wait behind this batch: smaller trees, sooner
-            tree = max(h["depth"], tree // 2)
-            self.stats.trees["shrunk"] += 1
-        # a tree's drafting feeds up to tree_topk nodes per level into the session's cache, however few it keeps
-        room = max(h["depth"], tree, self.backend.tree_topk * h["depth"]) if tree else h["depth"]
-        self.sessions.reserve(session, h["pos"] + room, seq, keep)
+        tree = self._tree_budget(session, h)
+        try:
+            self.sessions.reserve(session, h["pos"] + self._tree_room(session, h["depth"], tree), seq, keep)
+        except ProtocolError:
+            if not tree:
+                raise
+            tree = 0  # no memory for the tree's drafting: a chain, if that fits
+            self.sessions.reserve(session, h["pos"] + h["depth"], seq, keep)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:
             session.features += features.shape[0]
         return DraftRequest(session.state, session.verified, h["depth"], features, tree)
+
+    def _tree_budget(self, session: Session, h: dict) -> int:
+        """The tree tokens a DRAFT is drafted with (0: a chain): what it asks, where the backend
+        drafts trees; halved while requests wait behind this batch (smaller trees, sooner),
+        except for seeded sampled sessions, whose tokens follow the tree's shape."""
+        tree = h.get("tree_tokens", 0)
+        if self.backend.tree_topk <= 1 or tree <= h["depth"]:
+            return 0
+        if self.q_in and (session.params.greedy or session.params.seed is None):
+            tree = max(h["depth"], tree // 2)
+            self.stats.trees["shrunk"] += 1
+        return tree if tree > h["depth"] else 0
+
+    def _tree_room(self, session: Session, depth: int, tree: int) -> int:
+        """Cache positions beyond the verified ones that drafting takes: a chain's depth; a
+        greedy tree feeds its frontier at every level below the first (``frontier_width``); a
+        sampled tree feeds its chain only."""
+        if not tree or not session.params.greedy:
+            return depth
+        return max(depth, frontier_width(self.backend.tree_topk, depth, tree) * (depth - 1))
 
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request, (read at, queued at))

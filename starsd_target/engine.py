@@ -20,7 +20,7 @@ from common.models import LoadedModel, context_length, crop_cache
 from common.runner import ModelRunner
 from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
-from common.tree import TreeError, check_parents, tree_attention
+from common.tree import TreeError, check_parents, mask_refusal, tree_attention
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_tensor,
                            verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
 from starsd_target.detokenizer import IncrementalText
@@ -102,7 +102,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     accepted_by_position: list[int] = field(default_factory=list)
-    max_draft_tokens: int = 0  # the draft length a round asks for at most (0: this generation speculates not)
+    max_draft_tokens: int = 0  # the draft tokens a round verifies at most (0: this generation speculates not)
     asked_tokens: int = 0  # drafts its rounds' requests asked for, in all (adaptive depth: at most the cap each)
     tree_rounds: int = 0  # rounds that verified a draft tree
     tree_tokens: int = 0  # the most tokens a round's tree holds (0: chains only)
@@ -223,15 +223,7 @@ class TargetEngine:
     def _mask_refusal(self) -> str | None:
         """Why this model cannot run a forward with a custom 4-D attention mask and position ids
         (batched verification, draft trees), or None: it can."""
-        kind = getattr(self.loaded.model.config, "model_type", "?")
-        if kind not in BATCH_ARCHITECTURES:
-            return f"it is tested for {', '.join(BATCH_ARCHITECTURES)} models, not {kind}"
-        if not SlotPool.supports(self.loaded.model.config):
-            return "the model has layers other than full attention (sliding windows, linear attention)"
-        attn = getattr(self.loaded.model.config, "_attn_implementation", None) or "sdpa"
-        if attn not in ("sdpa", "eager"):
-            return f"its attention ({attn}) is not one that takes a custom 4-D mask (sdpa, eager)"
-        return None
+        return mask_refusal(self.loaded.model.config, BATCH_ARCHITECTURES)
 
     def new_cache(self, capacity: int):
         """A generation's cache: a row of the pool while one is free (such generations can be
@@ -272,8 +264,8 @@ class TargetEngine:
               max_draft: int | None = None, logprobs: int | None = None) -> None:
         """InvalidRequest unless the request fits the target's bounds: prompt ids in the
         vocabulary, prompt plus max_tokens within the model's context, top_k at most the
-        vocabulary, stop strings bounded in number and length, a draft-length cap within the
-        target's depth, at most MAX_LOGPROBS alternatives per token. One check for every front end."""
+        vocabulary, stop strings bounded in number and length, a draft-token cap within what
+        the target verifies per round, at most MAX_LOGPROBS alternatives per token. One check for every front end."""
         if not prompt:
             raise InvalidRequest("the prompt must hold at least one token", "prompt")
         if max_tokens < 1:
@@ -432,7 +424,7 @@ class TargetEngine:
               features: bool = False, max_draft: int | None = None, logprobs: int | None = None) -> "Generation":
         """A generation, not yet prefilled: ``prefill()`` it until ``prefilling`` is false, then
         run its rounds (see Generation). A scheduler interleaves the chunks with other rounds.
-        ``max_draft``: the most drafts a round asks for (0..depth; None: the engine's depth).
+        ``max_draft``: the most draft tokens a round verifies (0..``round_tokens``; None: all it may).
         ``logprobs``: record each generated token's log-probability and that many alternatives
         (0..MAX_LOGPROBS; None: record none)."""
         return Generation(self, prompt, max_tokens, params, stop, features, max_draft, logprobs)
@@ -506,8 +498,8 @@ class Generation:
     target's forward over the proposal and appends the kept tokens. ``done`` turns true at
     EOS, a stop string or max_tokens; ``result()`` then gives the output.
 
-    ``max_draft`` caps the drafts a round asks for (None: the engine's depth; 0: none, so no
-    round counts as a fallback). With ``logprobs`` (a count of alternatives, 0..MAX_LOGPROBS)
+    ``max_draft`` caps the draft tokens a round verifies (None: the engine's ``round_tokens``; 0:
+    none, so no round counts as a fallback). With ``logprobs`` (a count of alternatives, 0..MAX_LOGPROBS)
     each generated token's log-probability under the target's raw logits is recorded
     (``token_logprobs()``); None records nothing and costs nothing."""
 
@@ -631,6 +623,8 @@ class Generation:
             path, nxt = verify_tree_greedy(logits, x, parents)
             return path, nxt, 1
         p = logits_to_probs(logits, self.params)
+        if not bool(torch.isfinite(p).all()):  # an infinite logit: no distribution to draw from
+            return [], 0, 0
         q = dense_q(as_torch(plan.prop.q_ids), as_torch(plan.prop.q_probs), p.shape[-1], p.device)
         path, nxt = verify_tree_sampling(p, q, x, parents, self.gen)
         return path, nxt, 1

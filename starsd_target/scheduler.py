@@ -56,7 +56,7 @@ class Job:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     no_draft: bool = False
-    max_draft: int | None = None  # the most drafts a round asks for (None: the target's depth; 0: as no_draft)
+    max_draft: int | None = None  # the most draft tokens a round verifies (None: the target's; 0: as no_draft)
     logprobs: int | None = None  # record token log-probabilities with this many alternatives (None: none)
     on_progress: Callable[[Generation], None] | None = None  # streaming: called after each round that added tokens
     draft_params: SamplingParams | None = None  # how the drafter samples; None: as the target does
@@ -282,9 +282,7 @@ class Scheduler:
         # A seeded sampled generation keeps its draft length: the target's random draws follow its
         # rounds, so a length that followed measured times would make the same seed give other
         # tokens at another speed. Greedy output does not depend on the length at all.
-        # A generation that asks for trees keeps its depth too: the length model is a chain's.
-        adapt = (self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
-                 and not gen.draft_budget(initial=True))
+        adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
         self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
 
     def _request_drafts(self) -> None:
@@ -304,10 +302,13 @@ class Scheduler:
         a.wanted = a.drafts is not None and depth > 0
         a.resolved_at, a.reported = None, None
         if a.wanted:
-            if a.depth is not None:
+            # a tree where the generation's budget and the daemon allow one (its depth then stays:
+            # adaptive depth models chains), else a chain of the adaptive length
+            welcome = getattr(getattr(a.drafts, "client", None), "welcome", None)
+            budget = a.gen.draft_budget() if welcome is not None and welcome.trees else 0
+            if a.depth is not None and not budget:
                 depth = a.depth.choose(depth)
-            a.asked = depth
-            a.budget = budget = a.gen.draft_budget()  # > depth: a tree may answer
+            a.asked, a.budget = depth, budget
             a.seq = (a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget) if budget
                      else a.drafts.send(a.gen.tokens, depth, a.gen.features()))
             if a.seq is not None:
@@ -416,7 +417,7 @@ class Scheduler:
         if a.proposal is not None and n is not None:
             a.drafts.kept(n)
         times = self._profile(a, end)
-        if a.depth is not None and a.proposal is not None and n is not None:
+        if a.depth is not None and a.proposal is not None and n is not None and not a.budget:
             a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)

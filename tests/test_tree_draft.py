@@ -348,6 +348,7 @@ def test_serve_takes_tree_topk():
     from starsd_draftd.cli import main
 
     out = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200)
-    assert out.exit_code == 0 and "--tree-topk" in out.output and "EAGLE-2 dynamic trees" in out.output
+    text = " ".join(out.output.split())  # the help as words, however it was wrapped
+    assert out.exit_code == 0 and "--tree-topk" in text and "EAGLE-2 dynamic trees" in text
     out = CliRunner().invoke(main, ["serve", "--tree-topk", "0"])
     assert out.exit_code != 0 and "--tree-topk" in out.output

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -11,12 +12,14 @@ import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
 from common.runner import ModelRunner
-from common.tree import ROOT
+from common.tree import ROOT, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree, frontier_width
+
+log = logging.getLogger("starsd.draftd.model")
 
 
 @dataclass
@@ -52,6 +55,10 @@ class ModelBackend(DraftBackend):
         self.fingerprint = loaded.fingerprint
         self.q_topk = min(q_topk, loaded.vocab_size)
         self.tree_topk = min(tree_topk, loaded.vocab_size)
+        if self.tree_topk > 1 and (why := mask_refusal(loaded.model.config)) is not None:
+            log.warning("drafting chains only: draft trees need a tree attention mask, which this draft model "
+                        "cannot take: %s", why)
+            self.tree_topk = 1
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
