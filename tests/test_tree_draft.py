@@ -342,6 +342,27 @@ def test_draft_many_mixes_trees_and_chains(case):
             verified[i] = verified[i] + kept + [rng.randrange(3, 259)]
 
 
+def test_greedy_trees_of_several_sessions_draft_as_alone(case):
+    """Greedy trees of sessions with different lengths and budgets in one batch (the EAGLE head
+    feeds all their frontiers per level in one forward): each tree and each session's next draft
+    as when drafted alone."""
+    b = case.backend
+    budgets = [10, 6, 16, 0]
+    verified = [_prompt(40 + i, 4 + 5 * i) for i in range(len(budgets))]
+    batched = [b.new_state(GREEDY) for _ in budgets]
+    alone = [b.new_state(GREEDY) for _ in budgets]
+    rng = random.Random(5)
+    for _ in range(3):
+        many = b.draft_many([case.request(st, v, tree_tokens=t) for st, v, t in zip(batched, verified, budgets)])
+        for i, (st, v, t) in enumerate(zip(alone, verified, budgets)):
+            _same(many[i], case.draft(st, v, tree_tokens=t))
+            assert (many[i].parents is None) == (t == 0)
+        for i, d in enumerate(many):
+            node = rng.choice([ROOT] + list(range(len(d.tokens))))
+            kept = [d.tokens[j] for j in path_to(d.parents, node)] if d.parents is not None else d.tokens[:2]
+            verified[i] = verified[i] + kept + [rng.randrange(3, 259)]
+
+
 def test_serve_takes_tree_topk():
     from click.testing import CliRunner
 

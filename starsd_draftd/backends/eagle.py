@@ -427,6 +427,62 @@ class EagleBackend(DraftBackend):
             self._crop(st, held)
         return tree.draft(tree_tokens)
 
+    def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]]) -> list[Draft]:
+        """Several greedy sessions' trees (``jobs``: session, its head output at the last real
+        pair, depth, tree tokens) with one head forward per level for all of them, each drafting
+        what ``_greedy_tree`` drafts alone. The sessions' caches are merged left-padded (as
+        ``_batched`` does) and each level appends W columns, W the widest frontier: session i's
+        nodes in its first w_i of them. ``tree_mask`` [B, 1, W, tree columns] lets each node see
+        its own ancestors only; a padding row sees itself. The merged cache is dropped afterwards:
+        every session's own cache is as it was, holding its real pairs."""
+        dev, width = self.device, self.feature_size
+        trees, predicted, cols = [], [], []
+        for st, hidden, depth, tokens in jobs:
+            t = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tokens))
+            t.grow(ROOT, self._logits(hidden))
+            trees.append(t)
+            predicted.append({ROOT: hidden[0, -1]})
+            cols.append([])  # the merged columns of the nodes the session has fed, in its tree's order
+        lengths = [st.past[0][0].shape[2] for st, *_ in jobs]
+        longest, k = max(lengths), len(jobs)
+        past = _merge_past([st.past for st, *_ in jobs])
+        real = torch.zeros(k, longest, dtype=torch.long, device=dev)
+        for i, n in enumerate(lengths):
+            real[i, longest - n:] = 1
+        fed = 0  # tree columns in the merged cache
+        try:
+            for d in range(1, max(depth for _, _, depth, _ in jobs)):
+                levels = [t.frontier(d) if d < depth else [] for t, (_, _, depth, _) in zip(trees, jobs)]
+                w = max(len(lv) for lv in levels)
+                if not w:
+                    break
+                see = torch.zeros(k, 1, w, fed + w, dtype=torch.float32)
+                feats = torch.zeros(k, w, width, dtype=self.head.dtype, device=dev)
+                ids = torch.zeros(k, w, dtype=torch.long, device=dev)
+                pos = torch.tensor([[len(st.pairs) + d - 1] * w for st, *_ in jobs], dtype=torch.long, device=dev)
+                for i, (t, level) in enumerate(zip(trees, levels)):
+                    own = t.feed(level)  # [len(level), its fed nodes]
+                    cols[i].extend(fed + r for r in range(len(level)))
+                    if level:
+                        see[i, 0, : len(level)][:, cols[i]] = own.float()
+                        feats[i, : len(level)] = torch.stack([predicted[i][t.parent(n)] for n in level])
+                        ids[i, : len(level)] = torch.tensor([t.token(n) for n in level], dtype=torch.long)
+                    for r in range(len(level), w):
+                        see[i, 0, r, fed + r] = 1.0  # a padding row sees itself
+                fed += w
+                self.module.tree_mask = see.to(dev)
+                mask = torch.cat([real, real.new_ones(k, fed)], dim=1)
+                out, past = self.module(feats, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                        past_key_values=past, use_cache=True)
+                logits = self.head.lm_logits(out.reshape(k * w, -1))[:, : self.vocab_size].float().view(k, w, -1)
+                for i, (t, level) in enumerate(zip(trees, levels)):
+                    for r, n in enumerate(level):
+                        predicted[i][n] = out[i, r]
+                        t.grow(n, logits[i, r])
+        finally:
+            self.module.tree_mask = None
+        return [t.draft(tokens) for t, (_, _, _, tokens) in zip(trees, jobs)]
+
     def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]],
                  tree_tokens: list[int] | None = None) -> list[Draft]:
         """Several sessions' requests in one head forward for their new features and one head
@@ -507,14 +563,26 @@ class EagleBackend(DraftBackend):
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
         """The sessions' new features in one head forward, then their chains batched: one head
         step per draft position for every session (sampled trees among them: their extra nodes
-        are leaves). Greedy trees are drafted one session at a time."""
+        are leaves). Greedy trees take one head forward per level for all of them
+        (``_greedy_trees``)."""
         out: list[Draft | None] = [None] * len(requests)
-        batch = []
+        batch, trees = [], []
         for i, r in enumerate(requests):
             if r.state.params.greedy and self.drafts_tree(r.depth, r.tree_tokens):  # type: ignore[attr-defined]
-                out[i] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens)
+                st: EagleSession = r.state  # type: ignore[assignment]
+                hidden = self._absorb(st, r.verified, None if r.new_features is None else as_torch(r.new_features))
+                if hidden is None:
+                    out[i] = Draft([])  # no target feature yet (a one-token prompt)
+                else:
+                    trees.append((i, (st, hidden, r.depth, r.tree_tokens)))
             else:
                 batch.append(i)
+        if len(trees) == 1:
+            i, (st, hidden, depth, tokens) = trees[0]
+            out[i] = self._greedy_tree(st, hidden, depth, tokens)
+        elif trees:
+            for (i, _), d in zip(trees, self._greedy_trees([job for _, job in trees])):
+                out[i] = d
         if len(batch) == 1:
             r = requests[batch[0]]
             out[batch[0]] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens)
