@@ -2,8 +2,10 @@
 chains only."""
 
 from common.models import load_causal_lm
+from common.protocol import Message, MsgType
 from common.verify import SamplingParams
-from fakes import CountingBackend, running_server, speculate
+from fakes import CountingBackend, RawPeer, running_server, speculate
+from starsd_draftd.backends.base import Draft
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.server import DraftServer, ServerConfig
 from starsd_draftd.sessions import Session
@@ -54,3 +56,37 @@ def test_a_chains_only_daemon_gets_chain_requests_of_the_adaptive_length(loaded_
     s = r.stats
     assert s.tree_rounds == 0 and s.accepted > 0 and s.fallback_rounds == 0
     assert s.asked_tokens <= 4 * s.rounds  # chains of at most the depth, not the tree budget
+
+
+class TreeOrChain(CountingBackend):
+    """Answers a tree (a root with several children) when asked for one, else a chain."""
+
+    tree_topk = 4
+    kv_bytes_per_token = 1
+
+    def draft(self, state, verified, depth, new_features=None, tree_tokens=0):
+        if tree_tokens > depth:
+            return Draft([(verified[-1] + i + 1) % self.vocab_size for i in range(tree_tokens)],
+                         parents=[-1] * tree_tokens)
+        return super().draft(state, verified, depth, new_features)
+
+
+def _ask_tree(max_session_kv_bytes: int) -> Message:
+    with running_server(TreeOrChain(), max_depth=3, max_session_kv_bytes=max_session_kv_bytes,
+                        max_peer_kv_bytes=1 << 20, max_kv_bytes=1 << 20) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        assert peer.hello().type is MsgType.WELCOME
+        peer.open(1, [5, 6, 7, 8, 9])
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 5, "depth": 3,
+                                          "tree_tokens": 12}))
+        reply = peer.recv()
+        peer.sock.close(linger=0)
+        return reply
+
+
+def test_a_tree_without_room_in_cache_memory_is_drafted_as_a_chain():
+    # a greedy 12-token tree of depth 3 feeds 4 nodes at 2 levels: 5 + 8 positions; a chain 5 + 3
+    roomy = _ask_tree(100)
+    assert roomy.type is MsgType.DRAFTED and len(roomy.header["tokens"]) == 12 and "parents" in roomy.tensors
+    tight = _ask_tree(10)
+    assert tight.type is MsgType.DRAFTED and len(tight.header["tokens"]) == 3 and "parents" not in tight.tensors
