@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from common.tree import additive_mask, ancestor_mask, depths
+
 MIN_SLOTS = 64
 
 
@@ -399,8 +401,6 @@ class PoolBatch(DynamicCache):
     def positions(self, device) -> torch.Tensor:
         """Position ids [B, M]: n_b + j for a real token j, a pad repeating its row's last
         position; in a tree row, n_b + the node's depth (the root's 0)."""
-        from common.tree import depths
-
         pos = self._causal(device)
         for b, parents in enumerate(self.trees):
             if parents is not None:
@@ -412,8 +412,6 @@ class PoolBatch(DynamicCache):
         """[B, 1, M, max(n) + M], 0 where a query may look and dtype's minimum elsewhere: query j
         of row b sees slots 0..n_b + j (a pad sees what its row's last token sees); in a tree
         row, its own slots 0..n_b - 1 and those of its ancestors (a pad sees the root's)."""
-        from common.tree import ancestor_mask
-
         see = self._causal(device)[:, :, None]  # the last slot each query may see
         slots = torch.arange(self.kv_len, device=device)[None, None, :]
         allowed = slots <= see
@@ -425,8 +423,7 @@ class PoolBatch(DynamicCache):
                 row[:m, n: n + m] = ancestor_mask(parents, device)
                 row[m:, n] = True
                 allowed[b] = row
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)[:, None]
+        return additive_mask(allowed, dtype)[:, None]
 
     def _update(self, li: int, key_states: torch.Tensor, value_states: torch.Tensor):
         pool = self.pool

@@ -97,6 +97,11 @@ def ancestor_mask(parents, device=None) -> torch.Tensor:
     return see.to(device) if device is not None else see
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask a model adds to its scores: 0 where ``allowed``, dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def tree_attention(parents, cached: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-D attention mask [1, 1, n + 1, cached + n + 1] (0 where a query may look, dtype's
     minimum elsewhere) and position ids [1, n + 1] of a forward that feeds (root, nodes) after
@@ -105,7 +110,7 @@ def tree_attention(parents, cached: int, dtype: torch.dtype, device=None) -> tup
     see = ancestor_mask(parents)
     n = len(parents)
     allowed = torch.cat([torch.ones(n + 1, cached, dtype=torch.bool), see], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(allowed, dtype)
     pos = torch.tensor([cached] + [cached + d for d in depths(parents)], dtype=torch.long)
     if device is not None:
         mask, pos = mask.to(device), pos.to(device)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.tree import children
+
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature overflows float32
 MAX_TOP_K = (1 << 31) - 1  # token ids are int32 on the wire and in torch.topk
@@ -226,8 +228,6 @@ def verify_tree_greedy(target_logits: torch.Tensor, x: list[int], parents: list[
     n = len(x)
     if target_logits.shape[0] != n + 1:
         raise ValueError(f"need {n + 1} rows of target logits for a tree of {n} nodes, got {target_logits.shape[0]}")
-    from common.tree import children
-
     best = torch.argmax(target_logits, dim=-1).tolist()
     kids = children(parents)
     path: list[int] = []
@@ -264,8 +264,6 @@ def verify_tree_sampling(p: torch.Tensor, q: torch.Tensor, x: list[int], parents
     residual with no mass (p <= q everywhere, only through rounding) falls back to p^(j); a q
     with no mass left is not updated. Returns (kept node indices from the root's child down,
     the token the target draws)."""
-    from common.tree import children
-
     n = len(x)
     if p.shape[0] != n + 1 or q.shape[0] != n:
         raise ValueError(f"shapes: p {tuple(p.shape)} and q {tuple(q.shape)} do not fit a tree of {n} nodes")

@@ -12,7 +12,7 @@ import torch
 
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
 from common.runner import ModelRunner
-from common.tree import ROOT, mask_refusal
+from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
@@ -163,7 +163,7 @@ class ModelBackend(DraftBackend):
                 level = tree.frontier(d)
                 see = tree.feed(level)
                 allowed = torch.cat([torch.ones(len(level), held, dtype=torch.bool), see], dim=1)
-                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+                mask = additive_mask(allowed, dtype)
                 ids = torch.tensor([[tree.token(n) for n in level]], dtype=torch.long, device=self.device)
                 pos = torch.full((1, len(level)), held + d - 1, dtype=torch.long, device=self.device)
                 if hasattr(st.cache, "reserve"):
