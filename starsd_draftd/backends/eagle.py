@@ -294,7 +294,7 @@ class EagleBackend(DraftBackend):
     def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32,
                  tree_topk: int = 1):
         """``tree_topk``: the most children a draft tree's node gets (1: chains only; see
-        ``_greedy_tree`` and ``trees.CaterpillarDrafter``)."""
+        ``_greedy_trees`` and ``trees.CaterpillarDrafter``)."""
         if q_topk < 1:
             raise ValueError("q_topk must be >= 1")
         if tree_topk < 1:
@@ -398,43 +398,17 @@ class EagleBackend(DraftBackend):
                 hidden = self._step(st, hidden, [tok])
         return chain.result()
 
-    def _greedy_tree(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int) -> Draft:
-        """A greedy session's dynamic tree (``trees.GreedyTree``): one head forward per level
-        below the first, as a chain takes one per token, feeding the level's chosen nodes after
-        the session's cache and the tree's earlier nodes, the head's ``tree_mask`` keeping each
-        node to its own path. A node is fed as a chain token would be: the pair (its parent's
-        predicted feature, its token), at its depth's position. The tree's pairs are cropped off
-        the cache afterwards (the next request would drop them anyway)."""
-        tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens))
-        tree.grow(ROOT, self._logits(hidden))
-        predicted = {ROOT: hidden[0, -1]}  # the head's output at each fed node (the root's: f^_n)
-        held = len(st.pairs)
-        try:
-            for d in range(1, depth):
-                level = tree.frontier(d)
-                self.module.tree_mask = tree.feed(level).to(device=self.device, dtype=torch.float32)[None, None]
-                feats = torch.stack([predicted[tree.parent(n)] for n in level])[None]
-                ids = torch.tensor([[tree.token(n) for n in level]], dtype=torch.long, device=self.device)
-                pos = torch.full((1, len(level)), held + d - 1, dtype=torch.long, device=self.device)
-                out, st.past = self.module(feats, input_ids=ids, position_ids=pos, past_key_values=st.past,
-                                           use_cache=True)
-                logits = self.head.lm_logits(out[0])[:, : self.vocab_size].float()
-                for r, n in enumerate(level):
-                    predicted[n] = out[0, r]
-                    tree.grow(n, logits[r])
-        finally:
-            self.module.tree_mask = None
-            self._crop(st, held)
-        return tree.draft(tree_tokens)
-
     def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]]) -> list[Draft]:
-        """Several greedy sessions' trees (``jobs``: session, its head output at the last real
-        pair, depth, tree tokens) with one head forward per level for all of them, each drafting
-        what ``_greedy_tree`` drafts alone. The sessions' caches are merged left-padded (as
-        ``_batched`` does) and each level appends W columns, W the widest frontier: session i's
-        nodes in its first w_i of them. ``tree_mask`` [B, 1, W, tree columns] lets each node see
-        its own ancestors only; a padding row sees itself. The merged cache is dropped afterwards:
-        every session's own cache is as it was, holding its real pairs."""
+        """Greedy sessions' dynamic trees (``trees.GreedyTree``; ``jobs``: session, its head
+        output at the last real pair, depth, tree tokens): one head forward per level below the
+        first, for all of them, as a chain takes one per token. A node is fed as a chain token
+        would be: the pair (its parent's predicted feature, its token), at its depth's position.
+        Several sessions' caches are merged left-padded (as ``_batched`` does) and each level
+        appends W columns, W the widest frontier: session i's nodes in its first w_i of them.
+        ``tree_mask`` [B, 1, W, tree columns] lets each node see its own ancestors only; a
+        padding row sees itself. The forwards' cache is dropped afterwards (the head's legacy
+        cache is extended by copies): every session's own cache is as it was, holding its real
+        pairs, and a session drafts the same tree alone as in a batch."""
         dev, width = self.device, self.feature_size
         trees, predicted, cols = [], [], []
         for st, hidden, depth, tokens in jobs:
@@ -445,7 +419,7 @@ class EagleBackend(DraftBackend):
             cols.append([])  # the merged columns of the nodes the session has fed, in its tree's order
         lengths = [st.past[0][0].shape[2] for st, *_ in jobs]
         longest, k = max(lengths), len(jobs)
-        past = _merge_past([st.past for st, *_ in jobs])
+        past = jobs[0][0].past if k == 1 else _merge_past([st.past for st, *_ in jobs])
         real = torch.zeros(k, longest, dtype=torch.long, device=dev)
         for i, n in enumerate(lengths):
             real[i, longest - n:] = 1
@@ -556,7 +530,7 @@ class EagleBackend(DraftBackend):
         if hidden is None or depth < 1:
             return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
-            return self._greedy_tree(st, hidden, depth, tree_tokens)
+            return self._greedy_trees([(st, hidden, depth, tree_tokens)])[0]
         return self._chain(st, hidden, depth, tree_tokens)
 
     @torch.inference_mode()
@@ -577,10 +551,7 @@ class EagleBackend(DraftBackend):
                     trees.append((i, (st, hidden, r.depth, r.tree_tokens)))
             else:
                 batch.append(i)
-        if len(trees) == 1:
-            i, (st, hidden, depth, tokens) = trees[0]
-            out[i] = self._greedy_tree(st, hidden, depth, tokens)
-        elif trees:
+        if trees:
             for (i, _), d in zip(trees, self._greedy_trees([job for _, job in trees])):
                 out[i] = d
         if len(batch) == 1:
