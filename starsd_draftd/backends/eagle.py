@@ -32,9 +32,9 @@ from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, r
 from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, DraftRequest, session_seed
+from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
-from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree, frontier_width
+from starsd_draftd.backends.trees import GreedyTree, chain_drafter, frontier_width
 from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
@@ -381,17 +381,9 @@ class EagleBackend(DraftBackend):
             st.last_hidden = out[:, -1:]
         return st.last_hidden
 
-    def _drafter(self, st: EagleSession, depth: int, tree_tokens: int) -> ChainDrafter:
-        """What picks a session's tokens along its chain: a ChainDrafter, or for a sampled tree the
-        chain's drafter that adds alternatives to it. The first draft's position: after the
-        verified tokens, one more than the pairs held."""
-        if not st.params.greedy and self.drafts_tree(depth, tree_tokens):
-            return CaterpillarDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1,
-                                      self.tree_topk, depth, tree_tokens)
-        return ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(st.pairs) + 1)
-
     def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int = 0) -> Draft:
-        chain = self._drafter(st, depth, tree_tokens)
+        # the first draft's position: after the verified tokens, one more than the pairs held
+        chain = chain_drafter(self, st, len(st.pairs) + 1, depth, tree_tokens)
         for j in range(depth):
             tok = chain.pick(self._logits(hidden))
             if j + 1 < depth:
@@ -497,7 +489,7 @@ class EagleBackend(DraftBackend):
                     st.pairs.extend(new_ids)
                     st.last_hidden = out[i:i + 1, news[i] - 1: news[i]].clone()
         budgets = tree_tokens or [0] * k
-        chains = [self._drafter(st, d, b) for (st, *_), d, b in zip(jobs, depths, budgets)]
+        chains = [chain_drafter(self, st, len(st.pairs) + 1, d, b) for (st, *_), d, b in zip(jobs, depths, budgets)]
         if any(drafting):
             filler = torch.zeros(1, 1, self.feature_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]

@@ -17,7 +17,7 @@ from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
                                         session_seed)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
-from starsd_draftd.backends.trees import CaterpillarDrafter, GreedyTree, frontier_width
+from starsd_draftd.backends.trees import GreedyTree, chain_drafter, frontier_width
 
 log = logging.getLogger("starsd.draftd.model")
 
@@ -109,21 +109,13 @@ class ModelBackend(DraftBackend):
         del st.cached[keep:]
         return keep
 
-    def _drafter(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> ChainDrafter:
-        """What picks a session's chain: a ChainDrafter, or for a sampled tree the chain's drafter
-        that adds alternatives to it (leaves: the tree costs the chain's forwards)."""
-        if not st.params.greedy and self.drafts_tree(depth, tree_tokens):
-            return CaterpillarDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified), self.tree_topk,
-                                      depth, tree_tokens)
-        return ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(verified))
-
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
         st: ModelSession = state  # type: ignore[assignment]
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
             return self._greedy_tree(st, verified, depth, tree_tokens)
         keep = self._rewind(st, verified)
-        chain = self._drafter(st, verified, depth, tree_tokens)
+        chain = chain_drafter(self, st, len(verified), depth, tree_tokens)
         seq = self._context(st.params, verified, depth)
         # Tokens reach the model only when it must pick: a run of tokens copied from the context
         # costs no forward, and is fed with the next one the model picks after it (or next time).
@@ -322,7 +314,7 @@ class ModelBackend(DraftBackend):
         batch = BatchedCaches(self.runner, [st.cache for st in sessions], feeds, self.device,
                               steps=max(r.depth for r in requests))
         logits = batch.first()[:, : self.vocab_size].float()
-        chains = [self._drafter(st, r.verified, r.depth, r.tree_tokens) for st, r in zip(sessions, requests)]
+        chains = [chain_drafter(self, st, len(r.verified), r.depth, r.tree_tokens) for st, r in zip(sessions, requests)]
         greedy = [st.params.greedy for st in sessions]
         seqs = [self._context(st.params, r.verified, r.depth) for st, r in zip(sessions, requests)]
         depth = max(r.depth for r in requests)

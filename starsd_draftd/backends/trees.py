@@ -201,3 +201,14 @@ class CaterpillarDrafter(ChainDrafter):
         rows = torch.tensor([r for _, _, r in self.nodes], dtype=torch.long)
         return Draft([t for t, _, _ in self.nodes], torch.stack(self._ids)[rows], torch.stack(self._probs)[rows],
                      parents=[p for _, p, _ in self.nodes])
+
+
+def chain_drafter(backend, st, start: int, depth: int, tree_tokens: int) -> ChainDrafter:
+    """What picks a session's tokens along its chain, the first at sequence position ``start``:
+    a ChainDrafter, or for a sampled tree (``backend.drafts_tree``) the chain's drafter that
+    adds alternatives to it (leaves: the tree costs the chain's forwards). ``st``: the
+    backend's session (its params, generator and position-seed base)."""
+    if not st.params.greedy and backend.drafts_tree(depth, tree_tokens):
+        return CaterpillarDrafter(st.params, st.generator, backend.q_topk, st.seed, start, backend.tree_topk,
+                                  depth, tree_tokens)
+    return ChainDrafter(st.params, st.generator, backend.q_topk, st.seed, start)
