@@ -31,7 +31,6 @@ from common.sockets import SocketOptions, bind_server, check_server_endpoint, is
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
-from starsd_draftd.backends.trees import frontier_width
 from starsd_draftd.lookahead import LookaheadServing
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
@@ -625,7 +624,8 @@ class DraftServer(LookaheadServing):
         session.check(h["accepted"], h["new"], h["pos"], seq)
         tree = self._tree_budget(session, h)
         try:
-            self.sessions.reserve(session, h["pos"] + self._tree_room(session, h["depth"], tree), seq, keep)
+            room = self.backend.tree_room(h["depth"], tree, session.params.greedy)
+            self.sessions.reserve(session, h["pos"] + room, seq, keep)
         except ProtocolError:
             if not tree:
                 raise
@@ -647,14 +647,6 @@ class DraftServer(LookaheadServing):
             tree = max(h["depth"], tree // 2)
             self.stats.trees["shrunk"] += 1
         return tree if tree > h["depth"] else 0
-
-    def _tree_room(self, session: Session, depth: int, tree: int) -> int:
-        """Cache positions beyond the verified ones that drafting takes: a chain's depth; a
-        greedy tree feeds its frontier at every level below the first (``frontier_width``); a
-        sampled tree feeds its chain only."""
-        if not tree or not session.params.greedy:
-            return depth
-        return max(depth, frontier_width(self.backend.tree_topk, depth, tree) * (depth - 1))
 
     def _serve_batch(self) -> None:
         admitted = []  # (identity, header, session's key, request, (read at, queued at))

@@ -32,8 +32,9 @@ def test_trees_shrink_behind_a_queue_except_seeded_sampled_ones():
     assert server.stats.trees["shrunk"] == 2
     assert server._tree_budget(greedy, {"depth": 4, "tree_tokens": 4}) == 0  # no room beyond a chain
     # cache room: a greedy tree feeds its frontier (16 / 4 = 4 nodes) at 3 levels; a sampled one its chain
-    assert server._tree_room(greedy, 4, 16) == 12 and server._tree_room(unseeded, 4, 16) == 4
-    assert server._tree_room(greedy, 4, 0) == 4
+    backend = server.backend
+    assert backend.tree_room(4, 16, greedy=True) == 12 and backend.tree_room(4, 16, greedy=False) == 4
+    assert backend.tree_room(4, 0, greedy=True) == 4
 
 
 def test_a_draft_model_without_tree_masks_drafts_chains(tiny_draft):

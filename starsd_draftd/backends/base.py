@@ -219,6 +219,12 @@ class Lookahead:
         self._steps.close()
 
 
+def frontier_width(topk: int, depth: int, budget: int) -> int:
+    """Nodes a greedy tree feeds per level: about the budget's nodes per level (ceil(budget /
+    depth)), at most ``topk``. EAGLE-2's 60 tokens over depth 6 feed its top-k of 10."""
+    return max(1, min(topk, -(-budget // max(depth, 1))))
+
+
 class DraftBackend(abc.ABC):
     """Per-session state is opaque to the server; the backend creates, uses and frees it."""
 
@@ -233,6 +239,14 @@ class DraftBackend(abc.ABC):
     def drafts_tree(self, depth: int, tree_tokens: int) -> bool:
         """Whether a request for ``depth`` tokens and up to ``tree_tokens`` nodes gets a tree."""
         return self.tree_topk > 1 and depth >= 1 and tree_tokens > depth
+
+    def tree_room(self, depth: int, tree_tokens: int, greedy: bool) -> int:
+        """Cache positions beyond the verified ones that drafting a request takes: a chain's
+        depth; a greedy tree feeds its frontier (``frontier_width``) at every level below the
+        first; a sampled tree (the chain with leaves beside it) its chain only."""
+        if not greedy or not self.drafts_tree(depth, tree_tokens):
+            return depth
+        return max(depth, frontier_width(self.tree_topk, depth, tree_tokens) * (depth - 1))
 
     @abc.abstractmethod
     def new_state(self, params: SamplingParams) -> object:

@@ -32,9 +32,9 @@ from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, r
 from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest, session_seed
+from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest, frontier_width, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
-from starsd_draftd.backends.trees import GreedyTree, chain_drafter, frontier_width
+from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")

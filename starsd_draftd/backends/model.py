@@ -15,9 +15,9 @@ from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
-                                        session_seed)
+                                        frontier_width, session_seed)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
-from starsd_draftd.backends.trees import GreedyTree, chain_drafter, frontier_width
+from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
 log = logging.getLogger("starsd.draftd.model")
 

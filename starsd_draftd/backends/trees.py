@@ -39,7 +39,7 @@ class GreedyTree:
     says what each of them sees), and each gets its best ``topk`` tokens as children (``grow``).
     ``draft(budget)`` keeps the best-scored nodes, ancestor-closed. A forward's cost grows with
     the nodes it feeds (each also takes a row of the LM head), so a small budget is best drafted
-    with a narrow frontier: ``frontier_width``.
+    with a narrow frontier: ``base.frontier_width``.
 
     One departure from EAGLE-2: the greedy chain (at each chain node its first child, the draft's
     best token, or the token a backend's lookup copied from the context there) is always fed and
@@ -124,12 +124,6 @@ class GreedyTree:
         index = {node: j for j, node in enumerate(order)}
         return Draft([nodes[i].token for i in order],
                      parents=[ROOT if nodes[i].parent == ROOT else index[nodes[i].parent] for i in order])
-
-
-def frontier_width(topk: int, depth: int, budget: int) -> int:
-    """Nodes a greedy tree feeds per level: about the budget's nodes per level (ceil(budget /
-    depth)), at most ``topk``. EAGLE-2's 60 tokens over depth 6 feed its top-k of 10."""
-    return max(1, min(topk, -(-budget // max(depth, 1))))
 
 
 def draw_siblings(ids: torch.Tensor, mass: torch.Tensor, first: int, count: int, seed: int | None,
