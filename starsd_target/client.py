@@ -511,6 +511,11 @@ class RemoteDraftSession:
     def feature_size(self) -> int:
         return self.client.welcome.feature_size if self.client.welcome is not None else 0
 
+    @property
+    def trees(self) -> bool:
+        """The draft daemon drafts trees (a request's tree_tokens is then heeded)."""
+        return self.client.welcome is not None and self.client.welcome.trees
+
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
              tree_tokens: int = 0) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no

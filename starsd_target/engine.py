@@ -391,12 +391,13 @@ class TargetEngine:
             g.last_math_s = math_s
         return outcomes
 
-    def _valid(self, prop: Proposal, depth: int, greedy: bool, budget: int = 0) -> bool:
-        """Whether a proposal can be verified: a chain of at most ``depth`` tokens, or a tree of
-        at most ``budget`` tokens none deeper than ``depth`` (``common.tree.check_parents``), its
-        ids in the vocabulary; in sampling mode one q row per token, each a (sub-)distribution."""
+    def _valid(self, prop: Proposal, depth: int, greedy: bool, budget: int = 0,
+               parents: list[int] | None = None) -> bool:
+        """Whether a proposal can be verified: a chain of at most ``depth`` tokens, or a tree
+        (``parents``, from ``_parents``) of at most ``budget`` tokens none deeper than ``depth``
+        (``common.tree.check_parents``), its ids in the vocabulary; in sampling mode one q row
+        per token, each a (sub-)distribution."""
         k = len(prop.tokens)
-        parents = _parents(prop)
         if parents is not None:
             if k > max(budget, depth):
                 return False
@@ -593,11 +594,13 @@ class Generation:
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
         depth = self.draft_depth()
-        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy, self.draft_budget())
+        parents = _parents(prop)
+        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy, self.draft_budget(),
+                                                              parents)
         if invalid:
-            prop = None
+            prop, parents = None, None
         fallback = prop is None and wanted and depth > 0
-        return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback, _parents(prop))
+        return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback, parents)
 
     def _decide(self, logits: torch.Tensor, plan: _Plan):
         """The round's verification on the logits' device: [kept count, next token, valid] as a

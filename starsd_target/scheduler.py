@@ -304,13 +304,11 @@ class Scheduler:
         if a.wanted:
             # a tree where the generation's budget and the daemon allow one (its depth then stays:
             # adaptive depth models chains), else a chain of the adaptive length
-            welcome = getattr(getattr(a.drafts, "client", None), "welcome", None)
-            budget = a.gen.draft_budget() if welcome is not None and welcome.trees else 0
+            budget = a.gen.draft_budget() if a.drafts.trees else 0
             if a.depth is not None and not budget:
                 depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
-            a.seq = (a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget) if budget
-                     else a.drafts.send(a.gen.tokens, depth, a.gen.features()))
+            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget)
             if a.seq is not None:
                 a.gen.stats.asked_tokens += max(depth, budget)
                 a.sent_at = time.perf_counter()
