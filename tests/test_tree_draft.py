@@ -321,17 +321,15 @@ def test_no_lookahead_after_a_tree(draft_model):
 # ------------------------------------------------------------------------ batches
 
 
-def test_draft_many_mixes_trees_and_chains(case):
-    """Greedy and sampled sessions, trees and chains, in one batch, two rounds: each draft and
-    each session's next draft as when drafted alone."""
+def _batched_as_alone(case, kinds, verified, seed: int, rounds: int) -> None:
+    """``rounds`` batches of the sessions ``kinds`` ((params, tree tokens) each) after
+    ``verified``: each draft, and each session's next draft after a random kept path, as when
+    drafted alone."""
     b = case.backend
-    kinds = [(GREEDY, 10), (SAMPLED, 9), (GREEDY, 0), (SamplingParams(temperature=0.8, seed=3), 0),
-             (SamplingParams(temperature=0.7, seed=9), 12)]
-    verified = [_prompt(20 + i, 5 + 2 * i) for i in range(len(kinds))]
     batched = [b.new_state(p) for p, _ in kinds]
     alone = [b.new_state(p) for p, _ in kinds]
-    rng = random.Random(2)
-    for _ in range(2):
+    rng = random.Random(seed)
+    for _ in range(rounds):
         many = b.draft_many([case.request(st, v, tree_tokens=t) for st, v, (_, t) in zip(batched, verified, kinds)])
         for i, (st, v, (_, t)) in enumerate(zip(alone, verified, kinds)):
             _same(many[i], case.draft(st, v, tree_tokens=t))
@@ -342,25 +340,21 @@ def test_draft_many_mixes_trees_and_chains(case):
             verified[i] = verified[i] + kept + [rng.randrange(3, 259)]
 
 
+def test_draft_many_mixes_trees_and_chains(case):
+    """Greedy and sampled sessions, trees and chains, in one batch, two rounds: each draft and
+    each session's next draft as when drafted alone."""
+    kinds = [(GREEDY, 10), (SAMPLED, 9), (GREEDY, 0), (SamplingParams(temperature=0.8, seed=3), 0),
+             (SamplingParams(temperature=0.7, seed=9), 12)]
+    _batched_as_alone(case, kinds, [_prompt(20 + i, 5 + 2 * i) for i in range(len(kinds))], seed=2, rounds=2)
+
+
 def test_greedy_trees_of_several_sessions_draft_as_alone(case):
     """Greedy trees of sessions with different lengths and budgets in one batch (the EAGLE head
     feeds all their frontiers per level in one forward): each tree and each session's next draft
     as when drafted alone."""
-    b = case.backend
     budgets = [10, 6, 16, 0]
-    verified = [_prompt(40 + i, 4 + 5 * i) for i in range(len(budgets))]
-    batched = [b.new_state(GREEDY) for _ in budgets]
-    alone = [b.new_state(GREEDY) for _ in budgets]
-    rng = random.Random(5)
-    for _ in range(3):
-        many = b.draft_many([case.request(st, v, tree_tokens=t) for st, v, t in zip(batched, verified, budgets)])
-        for i, (st, v, t) in enumerate(zip(alone, verified, budgets)):
-            _same(many[i], case.draft(st, v, tree_tokens=t))
-            assert (many[i].parents is None) == (t == 0)
-        for i, d in enumerate(many):
-            node = rng.choice([ROOT] + list(range(len(d.tokens))))
-            kept = [d.tokens[j] for j in path_to(d.parents, node)] if d.parents is not None else d.tokens[:2]
-            verified[i] = verified[i] + kept + [rng.randrange(3, 259)]
+    _batched_as_alone(case, [(GREEDY, t) for t in budgets], [_prompt(40 + i, 4 + 5 * i) for i in range(len(budgets))],
+                      seed=5, rounds=3)
 
 
 def test_serve_takes_tree_topk():
