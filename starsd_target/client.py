@@ -287,7 +287,7 @@ class DraftClient:
             queued, draft = h.get("queued_us"), h.get("draft_us")
             self._reply((h["session"], h["seq"]),
                         DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"),
-                                   _parents(msg.tensors.get("parents")),
+                                   _wire_parents(msg.tensors.get("parents")),
                                    None if queued is None else queued / 1e6, None if draft is None else draft / 1e6))
         elif msg.type is MsgType.ERROR:
             self._on_error(P.remote_error(h))
@@ -461,7 +461,7 @@ class DraftClient:
         return reply
 
 
-def _parents(arr: np.ndarray | None) -> list[int] | None:
+def _wire_parents(arr: np.ndarray | None) -> list[int] | None:
     """A DRAFTED reply's parents as ints (None: a chain). A tensor that is no 1-D integer array
     reads as a tree no check passes (a parent before the root), so the engine counts the
     proposal invalid and verifies without it."""
