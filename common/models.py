@@ -35,6 +35,13 @@ class LoadedModel:
     fingerprint: str
     eos_token_ids: frozenset[int]
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (0 when the config does not say): which fused features it can give."""
+        cfg = self.model.config
+        n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+        return int(n) if isinstance(n, int) else 0
+
 
 def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
@@ -126,10 +133,11 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 # ---------------------------------------------------------------- the built-in demo checkpoints
 DEMO_RECIPE = "smollm2-v2"  # the demo builder's recipe: a new recipe is a new cache directory
-DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle"}
+DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle", "demo-eagle3": "eagle3"}
 DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
 DEMO_BUILD_COMMANDS = {"demo": DEMO_BUILD_COMMAND, "demo-draft": DEMO_BUILD_COMMAND,
-                       "demo-eagle": "starsd-draftd demo --backend eagle --prepare"}
+                       "demo-eagle": "starsd-draftd demo --backend eagle --prepare",
+                       "demo-eagle3": "starsd-draftd demo --backend eagle3 --prepare"}
 
 
 def cache_root() -> Path:
@@ -144,12 +152,12 @@ def cache_root() -> Path:
 
 
 def demo_dir() -> Path:
-    """The directory holding this recipe's demo checkpoints (``target``, ``draft``, ``eagle``)."""
+    """The directory holding this recipe's demo checkpoints (``target``, ``draft``, ``eagle``, ``eagle3``)."""
     return cache_root() / f"demo-{DEMO_RECIPE}"
 
 
 def resolve_model_path(name_or_dir: str) -> Path:
-    """A checkpoint directory: ``demo``, ``demo-draft`` and ``demo-eagle`` name the cached demo
+    """A checkpoint directory: ``demo``, ``demo-draft``, ``demo-eagle`` and ``demo-eagle3`` name the cached demo
     checkpoints (never built here: a missing one is a ModelLoadError naming the command that
     builds it); anything else is returned as a path, unchecked."""
     sub = DEMO_CHECKPOINTS.get(name_or_dir)

@@ -16,10 +16,13 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      verified; the verified sequence is now `pos` long;
                                      draft `depth` more". For a backend that drafts from the
                                      target's features (WELCOME.feature_size > 0) a tensor
-                                     `features` [m, H] (float16/bfloat16/float32) carries the
-                                     features of the m positions after those already sent, so
-                                     that the session holds features for all but the last
-                                     verified token. DRAFTED may say where the request's time
+                                     `features` [m, feature_size] (float16/bfloat16/float32)
+                                     carries the features of the m positions after those
+                                     already sent, so that the session holds features for all
+                                     but the last verified token. A feature is the target's
+                                     final hidden state, or, where WELCOME names
+                                     `feature_layers`, the hidden states entering those layers
+                                     concatenated in that order (``common.features``). DRAFTED may say where the request's time
                                      went in the daemon (optional, microseconds): `queued_us`
                                      waiting for its batch, `draft_us` in the backend's call.
                                      A DRAFT may ask for a tree: `tree_tokens` > `depth` is the
@@ -56,11 +59,14 @@ import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
-PROTOCOL_VERSION = 3  # 2: ERROR names the request it answers (re); WELCOME says max_len
+PROTOCOL_VERSION = 4  # 2: ERROR names the request it answers (re); WELCOME says max_len
 # 3: draft trees (DRAFT.tree_tokens, DRAFTED's parents tensor, WELCOME.tree_topk and max_tree_tokens).
 # A bump, not optional fields: after a tree, DRAFT's `accepted` no longer counts a prefix of the
 # last drafts (the kept path comes back as new tokens) and a reply's q rows are per node, the
 # parent's; a peer that read a tree reply as a chain would verify the wrong proposal.
+# 4: fused features (WELCOME.feature_layers, HELLO.num_layers) for EAGLE-3 heads. A bump: a
+# version-3 target would ignore feature_layers and send final hidden states where fused ones are
+# read.
 # Optional fields added to a message without a version bump, because a peer of the same version
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every
@@ -168,6 +174,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "vocab_size": ("uint", True),
         "tokenizer": ("str", True),
         "feature_size": ("uint", False),  # the target's hidden size (features it can send)
+        "num_layers": ("uint", False),  # the target's decoder layers (the fused features it can send)
         "name": ("str", False),
     },
     MsgType.WELCOME: {
@@ -177,6 +184,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "max_depth": ("uint", True),
         "q_topk": ("uint", True),
         "feature_size": ("uint", True),  # >0: send target features of this width with each DRAFT
+        "feature_layers": ("ids", False),  # the hidden states fused into a feature (absent: the final one)
         "instance": ("str", True),  # changes when the daemon restarts: sessions must be re-opened
         "server": ("str", False),
         "max_len": ("uint", False),  # longest sequence (verified + drafts) it drafts for; 0: no bound

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from common.features import fused_features
 from common.models import LoadedModel, cache_root, new_cache
 
 log = logging.getLogger("starsd.runner")
@@ -96,18 +97,19 @@ class ModelRunner:
         return self._call(**kwargs)
 
     @torch.inference_mode()
-    def forward(self, cache, ids: list[int], logits: str = "all",
-                hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, cache, ids: list[int], logits: str = "all", hidden: bool = False,
+                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Feed ``ids`` after the positions ``cache`` holds. ``logits``: ``"all"`` rows
         [len(ids), V], ``"last"`` [V], or ``"none"`` (a prefill needs none: the LM head over a whole
         chunk costs more than the chunk's layers in a small model). Logits come back as float32
-        on the model's device; ``hidden``: also the final hidden states [len(ids), H]."""
+        on the model's device; ``hidden``: also the final hidden states [len(ids), H], or with
+        ``layers`` the hidden states entering those layers, concatenated (``common.features``)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         if self.compiled and hasattr(cache, "reserve"):
             cache.reserve(cache.get_seq_length() + len(ids))  # any growth outside the graph
         keep = {"all": 0, "last": 1, "none": 1}[logits]
         out = self(input_ids=x, cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep)
-        h = out.hidden_states[-1][0] if hidden else None
+        h = fused_features(out.hidden_states, layers)[0] if hidden else None
         if logits == "none":
             return None, h
         rows = out.logits[0].float()

@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
+from common.features import check_feature_layers
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
@@ -478,13 +479,10 @@ class DraftServer(LookaheadServing):
         mine = (self.backend.vocab_size, self.backend.fingerprint)
         theirs = (h["vocab_size"], h["tokenizer"])
         need = self.backend.feature_size
-        if need and h.get("feature_size", 0) != need:
-            log.warning("refusing target %r: hidden size %s, the draft head needs %d",
-                        h.get("name", ""), h.get("feature_size"), need)
-            raise ProtocolError(
-                ErrorCode.INCOMPATIBLE_MODEL,
-                f"the {self.backend.name} draft head works on hidden size {need}, but the target's hidden "
-                f"size is {h.get('feature_size', 'unknown')}")
+        why = self._feature_refusal(h)
+        if why is not None:
+            log.warning("refusing target %r: %s", h.get("name", ""), why)
+            raise ProtocolError(ErrorCode.INCOMPATIBLE_MODEL, why)
         if mine != theirs:
             log.warning("refusing target %r: its vocabulary %d (tokenizer %s) differs from the draft's %d "
                         "(tokenizer %s)", h.get("name", ""), theirs[0], theirs[1], mine[0], mine[1])
@@ -500,7 +498,27 @@ class DraftServer(LookaheadServing):
             "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
             "feature_size": need, "instance": self.instance, "server": self.config.name,
             "max_len": self.backend.max_len or 0, "tree_topk": self.backend.tree_topk,
-            "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0}))
+            "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0,
+            **({"feature_layers": list(self.backend.feature_layers)} if self.backend.feature_layers else {})}))
+
+    def _feature_refusal(self, h: dict) -> str | None:
+        """Why the HELLO's target cannot give the features this daemon's head reads (None: it can,
+        or the head reads none): its hidden size, and for fused features its layer count."""
+        b = self.backend
+        if not b.feature_size:
+            return None
+        width = getattr(b, "target_hidden_size", b.feature_size)
+        theirs = h.get("feature_size", 0)
+        if theirs != width:
+            return (f"the {b.name} draft head works on a target hidden size of {width}, but the target's hidden "
+                    f"size is {theirs or 'unknown'}")
+        layers = b.feature_layers
+        if layers:
+            n = h.get("num_layers", 0)
+            why = check_feature_layers(layers, n) if n else "the target did not say how many layers it has"
+            if why is not None:
+                return f"the {b.name} draft head fuses the target's hidden states entering layers {list(layers)}: {why}"
+        return None
 
     def _open(self, principal: bytes, h: dict, address: str) -> None:
         sid = h["session"]

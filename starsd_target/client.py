@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from common import protocol as P
+from common.features import check_feature_layers
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteError
 from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
@@ -48,6 +49,7 @@ class Welcome:
     max_len: int = 0  # longest sequence the drafter takes (0: no bound)
     tree_topk: int = 1  # branching of its draft trees (1: chains only)
     max_tree_tokens: int = 0  # the most tree tokens a request may ask for (0: no trees)
+    feature_layers: tuple[int, ...] | None = None  # the hidden states fused per feature (None: the final one)
 
     @property
     def trees(self) -> bool:
@@ -110,11 +112,13 @@ class DraftClient:
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
+                 num_layers: int = 0,
                  backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S):
         self.endpoint = endpoint
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.feature_size = feature_size
+        self.num_layers = num_layers  # the target's decoder layers (which fused features it can send)
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions(immediate=True, curve=curve))
@@ -231,7 +235,8 @@ class DraftClient:
 
     def _send_hello(self) -> bool:
         hello = Message(MsgType.HELLO, {"vocab_size": self.vocab_size, "tokenizer": self.fingerprint,
-                                        "feature_size": self.feature_size, "name": self.name})
+                                        "feature_size": self.feature_size, "num_layers": self.num_layers,
+                                        "name": self.name})
         if not self._send(hello):
             self._set_state(LinkState.DOWN, "not connected")
             return False
@@ -340,16 +345,39 @@ class DraftClient:
     def _on_welcome(self, h: dict) -> None:
         w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
                     h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0),
-                    h.get("tree_topk", 1), h.get("max_tree_tokens", 0))
+                    h.get("tree_topk", 1), h.get("max_tree_tokens", 0), tuple(h["feature_layers"])
+                    if h.get("feature_layers") else None)
         if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
             self._refused(HandshakeRefused(
                 f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
                 f"{w.tokenizer}); this target has {self.vocab_size} (tokenizer {self.fingerprint})"))
             return
+        why = self._feature_refusal(w)
+        if why is not None:
+            self._refused(HandshakeRefused(f"draft daemon at {self.endpoint} ({w.backend}) {why}"))
+            return
         if self.up and self.welcome is not None and self.welcome.instance == w.instance:
             return  # the answer to an earlier HELLO
         self.welcome = w
         self._set_state(LinkState.UP, "WELCOME")
+
+    def _feature_refusal(self, w: Welcome) -> str | None:
+        """Why this target cannot send the features the daemon's head reads (None: it can)."""
+        if not w.feature_size:
+            return None
+        if w.feature_layers is None:
+            if w.feature_size != self.feature_size:
+                return (f"reads final hidden states {w.feature_size} wide; this target's hidden size is "
+                        f"{self.feature_size}")
+            return None
+        why = check_feature_layers(w.feature_layers, self.num_layers)
+        if why is not None:
+            return f"reads the hidden states entering layers {list(w.feature_layers)}: {why}"
+        width = self.feature_size * len(w.feature_layers)
+        if width != w.feature_size:
+            return (f"reads features {w.feature_size} wide fused from layers {list(w.feature_layers)}; this target "
+                    f"(hidden size {self.feature_size}) fuses them {width} wide")
+        return None
 
     def _on_refusal(self, err: RemoteError) -> None:
         if err.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.BUSY):
@@ -512,6 +540,11 @@ class RemoteDraftSession:
         return self.client.welcome.feature_size if self.client.welcome is not None else 0
 
     @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The hidden states the daemon's head fuses per feature (None: the final one)."""
+        return self.client.welcome.feature_layers if self.client.welcome is not None else None
+
+    @property
     def trees(self) -> bool:
         """The draft daemon drafts trees (a request's tree_tokens is then heeded)."""
         return self.client.welcome is not None and self.client.welcome.trees
@@ -545,8 +578,8 @@ class RemoteDraftSession:
             self.synced, self.accepted, self.features_sent = len(tokens), 0, 0
         new_features = None
         if welcome.feature_size:
-            if features is None or features.shape[0] != len(tokens) - 1:
-                return None  # this generation collected no features
+            if features is None or features.shape[0] != len(tokens) - 1 or features.shape[1] != welcome.feature_size:
+                return None  # this generation collected no features, or another head's (the daemon restarted)
             new_features = features[self.features_sent:]
         self.seq += 1
         self._before = (self.synced, self.accepted, self.features_sent)  # to undo a request refused BUSY

@@ -100,7 +100,7 @@ class TargetDaemon:
         if self.client is None:
             self.client = DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
                                       self.config.name, self.ctx, feature_size=self.loaded.feature_size,
-                                      curve=self.curve)
+                                      curve=self.curve, num_layers=self.loaded.num_layers)
         return self.client
 
     def connect(self) -> bool:
@@ -128,7 +128,8 @@ class TargetDaemon:
         welcome = self.client.welcome if self.client is not None else None
         if self.engine.runner.warm and not (welcome is not None and welcome.feature_size):
             return 0.0
-        return self.engine.warm_up(features=bool(welcome is not None and welcome.feature_size))
+        return self.engine.warm_up(features=bool(welcome is not None and welcome.feature_size),
+                                   feature_layers=welcome.feature_layers if welcome is not None else None)
 
     # ------------------------------------------------------------ generation
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from common.features import fused_features
 from common.models import LoadedModel, context_length, crop_cache
 from common.runner import ModelRunner
 from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
@@ -77,13 +78,15 @@ class DraftSource(Protocol):
     """Where one generation's drafts come from (a remote session, or a fake in tests)."""
 
     feature_size: int  # >0: propose() needs the target's features
+    # (optional attribute ``feature_layers``: which hidden states they fuse; absent or None: the final one)
 
     def propose(self, tokens: list[int], depth: int, features: np.ndarray | None = None,
                 tree_tokens: int = 0) -> Proposal | None:
         """Up to ``depth`` drafts following ``tokens`` (all verified tokens), or None; with
         ``tree_tokens`` > ``depth``, a tree of up to that many may come instead.
-        ``features`` holds the target's final hidden state for every token but the last, as the
-        wire array that goes out (``FeatureBuffer.view``)."""
+        ``features`` holds the target's final hidden state (or the fused states of the source's
+        ``feature_layers``) for every token but the last, as the wire array that goes out
+        (``FeatureBuffer.view``)."""
 
     def kept(self, n: int) -> None:
         """How many tokens of the last proposal verification kept."""
@@ -236,11 +239,12 @@ class TargetEngine:
                 return row
         return self.runner.new_cache(capacity)
 
-    def warm_up(self, features: bool = False) -> float:
+    def warm_up(self, features: bool = False, feature_layers: tuple[int, ...] | None = None) -> float:
         """With a compiled runner, compile the kinds of forward serving runs before the daemon
         takes jobs: prefill chunks (a first one, one after cached positions, a one-token rest),
         a round with drafts and a round without; with ``features`` (a draft daemon with a
-        feature-based head) both with and without hidden states. 0 s when eager."""
+        feature-based head; ``feature_layers``: the states it fuses) both with and without hidden
+        states. 0 s when eager."""
         tok = next(t for t in range(1, self.loaded.logits_size) if t not in self.loaded.eos_token_ids)
 
         def exercise():
@@ -248,7 +252,8 @@ class TargetEngine:
             self.prefill_chunk = 4  # 9 prompt positions to prefill: chunks of 4, 4 and 1
             try:
                 for feats in ((False, True) if features else (False,)):
-                    g = self.start([tok] * 10, self.depth + 3, SamplingParams(), features=feats)
+                    g = self.start([tok] * 10, self.depth + 3, SamplingParams(), features=feats,
+                                   feature_layers=feature_layers)
                     while g.prefilling:
                         g.prefill()
                     g.verify(_WarmUpDrafts([tok] * min(self.depth, g.draft_depth())))
@@ -304,34 +309,38 @@ class TargetEngine:
         tok = self.loaded.tokenizer
         return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
-    def _forward(self, cache, ids: list[int], features: bool = False,
-                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, cache, ids: list[int], features: bool = False, logits: bool = True,
+                 layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [len(ids), V] (float32, on the model's device: verification runs there; None
-        with ``logits=False``, as a prefill needs none) and, if asked, the final hidden states
-        [len(ids), H]."""
-        return self.runner.forward(cache, ids, "all" if logits else "none", features)
+        with ``logits=False``, as a prefill needs none) and, if asked, the features: the final
+        hidden states [len(ids), H], or those entering ``layers``, fused (``common.features``)."""
+        return self.runner.forward(cache, ids, "all" if logits else "none", features, layers)
 
     @torch.inference_mode()
-    def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]], features: bool,
-                       trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]], features: list[bool],
+                       trees: list[list[int] | None] | None = None,
+                       layers: list[tuple[int, ...] | None] | None = None) -> tuple[list[torch.Tensor], list]:
         """One forward over several pool rows' feeds (``PoolBatch``; ``trees``: per feed, the
         parents of the draft tree it is, or None): each feed's logits rows [len(feed), V]
-        (float32, on the model's device) and, if asked, its hidden states. Eager even when
-        single forwards are compiled (batching is off then)."""
+        (float32, on the model's device) and, where its ``features`` entry asks, its features
+        (the final hidden states, or those entering its ``layers``, fused), else None. Eager
+        even when single forwards are compiled (batching is off then)."""
         batch = PoolBatch(caches, [len(f) for f in feeds], trees)
         dev = self.runner.device
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
-        out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=features,
+        out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=any(features),
                                 attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev))
         batch.commit()
         logits = out.logits.float()
         rows = [logits[b, : len(f)] for b, f in enumerate(feeds)]
-        hidden = [out.hidden_states[-1][b, : len(f)] for b, f in enumerate(feeds)] if features else None
+        layers = layers or [None] * len(feeds)
+        hidden = [fused_features([h[b, : len(f)] for h in out.hidden_states], ls) if want else None
+                  for b, (f, want, ls) in enumerate(zip(feeds, features, layers))]
         return rows, hidden
 
     @torch.inference_mode()
-    def _forward_tree(self, cache, ids: list[int], parents: list[int],
-                      features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_tree(self, cache, ids: list[int], parents: list[int], features: bool,
+                      layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over (root, tree nodes) = ``ids`` after the cached positions, each row
         attending to the cache and its own ancestors at the position of its depth
         (``common.tree.tree_attention``): logits rows [len(ids), V] (float32, on the model's
@@ -342,7 +351,7 @@ class TargetEngine:
         x = torch.tensor([ids], dtype=torch.long, device=dev)
         out = self.runner.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
                                 attention_mask=mask, position_ids=pos)
-        return out.logits[0].float(), out.hidden_states[-1][0] if features else None
+        return out.logits[0].float(), fused_features(out.hidden_states, layers)[0] if features else None
 
     def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list:
         """Verify several generations' rounds (generation, proposal, wanted) in one forward,
@@ -363,8 +372,8 @@ class TargetEngine:
             plans = [g._plan(p, w) for g, p, w in rounds]
             feeds = [[g.tokens[-1], *plan.x] for g, plan in zip(gens, plans)]
             t_forward = time.perf_counter()
-            rows, hidden = self._forward_batch([g.cache for g in gens], feeds, any(g.feats is not None for g in gens),
-                                               [plan.parents for plan in plans])
+            rows, hidden = self._forward_batch([g.cache for g in gens], feeds, [g.feats is not None for g in gens],
+                                               [plan.parents for plan in plans], [g.feature_layers for g in gens])
             decided = [g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]
             chains = [i for i, d in enumerate(decided) if isinstance(d, torch.Tensor)]
             if chains:  # the chains' decisions in one transfer; trees were decided on the host
@@ -383,7 +392,7 @@ class TargetEngine:
         for b, (g, plan) in enumerate(zip(gens, plans)):
             g.last_forward_s = forward_s
             try:
-                outcomes.append(g._apply(plan, *decided[b], rows[b], hidden[b] if hidden is not None else None))
+                outcomes.append(g._apply(plan, *decided[b], rows[b], hidden[b]))
             except Exception as exc:
                 outcomes.append(exc)
         math_s = time.perf_counter() - t_start - forward_s
@@ -422,13 +431,14 @@ class TargetEngine:
         return bool(torch.isfinite(qp).all() and (qp >= 0).all() and (qp.sum(-1) <= 1.0 + 1e-3).all())
 
     def start(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
-              features: bool = False, max_draft: int | None = None, logprobs: int | None = None) -> "Generation":
+              features: bool = False, max_draft: int | None = None, logprobs: int | None = None,
+              feature_layers: tuple[int, ...] | None = None) -> "Generation":
         """A generation, not yet prefilled: ``prefill()`` it until ``prefilling`` is false, then
         run its rounds (see Generation). A scheduler interleaves the chunks with other rounds.
         ``max_draft``: the most draft tokens a round verifies (0..``round_tokens``; None: all it may).
         ``logprobs``: record each generated token's log-probability and that many alternatives
         (0..MAX_LOGPROBS; None: record none)."""
-        return Generation(self, prompt, max_tokens, params, stop, features, max_draft, logprobs)
+        return Generation(self, prompt, max_tokens, params, stop, features, max_draft, logprobs, feature_layers)
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  drafts: DraftSource | None = None, stop: list[str] | tuple[str, ...] = (),
@@ -437,7 +447,8 @@ class TargetEngine:
         convenience for tests and fakes. The daemons drive generations through
         ``starsd_target.scheduler.Scheduler`` (one job or many), never through this loop."""
         g = self.start(prompt, max_tokens, params, stop, features=drafts is not None and drafts.feature_size > 0,
-                       max_draft=0 if drafts is None else max_draft, logprobs=logprobs)
+                       max_draft=0 if drafts is None else max_draft, logprobs=logprobs,
+                       feature_layers=getattr(drafts, "feature_layers", None))
         try:
             while g.prefilling:
                 g.prefill()
@@ -505,7 +516,8 @@ class Generation:
     (``token_logprobs()``); None records nothing and costs nothing."""
 
     def __init__(self, engine: TargetEngine, prompt: list[int], max_tokens: int, params: SamplingParams,
-                 stop=(), features: bool = False, max_draft: int | None = None, logprobs: int | None = None):
+                 stop=(), features: bool = False, max_draft: int | None = None, logprobs: int | None = None,
+                 feature_layers: tuple[int, ...] | None = None):
         loaded = engine.loaded
         engine.check(prompt, max_tokens, params, tuple(stop or ()), max_draft, logprobs)
         self.engine = engine
@@ -530,8 +542,10 @@ class Generation:
         # a pool row goes back when the generation ends, fails or is dropped, whichever comes first
         self._release = weakref.finalize(self, self.cache.release) if isinstance(self.cache, PoolRowCache) else None
         self.feats = None
+        self.feature_layers = tuple(feature_layers) if features and feature_layers is not None else None
         if features:
-            self.feats = FeatureBuffer(loaded.feature_size, feature_wire_dtype(loaded.dtype))
+            width = loaded.feature_size * (len(self.feature_layers) if self.feature_layers is not None else 1)
+            self.feats = FeatureBuffer(width, feature_wire_dtype(loaded.dtype))
         self.to_prefill = len(prompt) - 1  # the prompt but its last token (a round feeds that one)
         self.prefilled = 0  # of those, in the cache so far
         self.last_forward_s = 0.0  # the last round's model forward (logits to host included),
@@ -547,7 +561,7 @@ class Generation:
         t0 = time.perf_counter()
         end = min(self.prefilled + self.engine.prefill_chunk, self.to_prefill)
         _, hidden = self.engine._forward(self.cache, self.tokens[self.prefilled: end], self.feats is not None,
-                                         logits=False)
+                                         logits=False, layers=self.feature_layers)
         if self.feats is not None:
             self.feats.append(hidden.to("cpu", self.feats.buf.dtype))
         self.prefilled = end
@@ -580,9 +594,10 @@ class Generation:
         t_forward = time.perf_counter()
         ids = [self.tokens[-1], *plan.x]
         if plan.parents is not None:
-            logits, hidden = self.engine._forward_tree(self.cache, ids, plan.parents, self.feats is not None)
+            logits, hidden = self.engine._forward_tree(self.cache, ids, plan.parents, self.feats is not None,
+                                                       self.feature_layers)
         else:
-            logits, hidden = self.engine._forward(self.cache, ids, self.feats is not None)
+            logits, hidden = self.engine._forward(self.cache, ids, self.feats is not None, layers=self.feature_layers)
         n, nxt, valid = _host(self._decide(logits, plan))  # the one host sync of the round
         self.last_forward_s = time.perf_counter() - t_forward
         kept = self._apply(plan, n, nxt, valid, logits, hidden)

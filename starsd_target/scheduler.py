@@ -273,9 +273,11 @@ class Scheduler:
             if client is not None:
                 drafts = RemoteDraftSession(client, client.next_session(), job.draft_params or job.params,
                                             self.draft_timeout_s)
-            features = client is not None and client.feature_size > 0
+            # features are collected for a daemon whose head reads them (or that has not said yet)
+            features = drafts is not None and (client.welcome is None or client.welcome.feature_size > 0)
             gen = self.engine.start(job.prompt, job.max_tokens, job.params, job.stop, features=features,
-                                    max_draft=job.max_draft if drafts is not None else 0, logprobs=job.logprobs)
+                                    max_draft=job.max_draft if drafts is not None else 0, logprobs=job.logprobs,
+                                    feature_layers=drafts.feature_layers if features else None)
         except Exception as exc:  # a bad job fails alone
             self._settle(job, exc=exc)
             return

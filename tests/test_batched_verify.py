@@ -98,8 +98,8 @@ def test_a_failed_batch_leaves_caches_and_generators_as_they_were(loaded_target,
     else:
         real = engine._forward_batch
 
-        def half(caches, feeds, features, trees=None):  # the forward runs, then verification fails
-            real(caches, feeds, features, trees)
+        def half(caches, feeds, features, trees=None, layers=None):  # the forward runs, then verification fails
+            real(caches, feeds, features, trees, layers)
             raise RuntimeError("the device fell over")
 
         monkeypatch.setattr(engine, "_forward_batch", half)

@@ -232,6 +232,7 @@ class DraftBackend(abc.ABC):
     vocab_size: int
     fingerprint: str
     feature_size: int = 0  # >0: each request must bring target features of this width
+    feature_layers: tuple[int, ...] | None = None  # the target hidden states fused per feature (None: the final one)
     max_len: int | None = None  # longest sequence (verified + drafts) the drafter can attend over
     kv_bytes_per_token: int = 0  # cache memory a session holds per position (0: none worth bounding)
     tree_topk: int = 1  # most children a draft tree's node gets (1: chains only)
