@@ -44,13 +44,24 @@ def build_backend(cfg: ServeConfig):
             raise ValueError("--compile applies to --backend model; the EAGLE head runs eagerly")
         if not cfg.eagle_head or not cfg.base_model:
             raise ValueError("--backend eagle needs --eagle-head DIR and --base-model DIR (the target's checkpoint)")
+        from starsd_draftd.backends.eagle import EagleBackend
+
         try:
-            from starsd_draftd.backends.eagle import EagleBackend
-        except ImportError as exc:
+            return EagleBackend.from_dirs(resolve_model_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
+                                          cfg.device, cfg.dtype, q_topk=cfg.q_topk, tree_topk=cfg.tree_topk)
+        except ImportError as exc:  # the EAGLE-1 head class comes from eagle-llm
             raise ValueError(f"the EAGLE backend needs the eagle-llm package ({exc}); install it with "
                              "`pip install --no-deps eagle-llm==1.2.1`") from None
-        return EagleBackend.from_dirs(resolve_model_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
-                                      cfg.device, cfg.dtype, q_topk=cfg.q_topk, tree_topk=cfg.tree_topk)
+    if cfg.backend == "eagle3":
+        if cfg.compile:
+            raise ValueError("--compile applies to --backend model; the EAGLE-3 head runs eagerly")
+        if not cfg.eagle_head or not cfg.base_model:
+            raise ValueError("--backend eagle3 needs --eagle-head DIR (an EAGLE-3 head) and --base-model DIR "
+                             "(the target's checkpoint)")
+        from starsd_draftd.backends.eagle3 import Eagle3Backend
+
+        return Eagle3Backend.from_dirs(resolve_model_path(cfg.eagle_head), resolve_model_path(cfg.base_model),
+                                       cfg.device, cfg.dtype, q_topk=cfg.q_topk, tree_topk=cfg.tree_topk)
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 

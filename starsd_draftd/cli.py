@@ -34,14 +34,17 @@ def main() -> None:
 
 
 @main.command()
-@option("--backend", type=click.Choice(["model", "eagle"]), default="model",
+@option("--backend", type=click.Choice(["model", "eagle", "eagle3"]), default="model",
         help="model: a standalone draft LM (--model). eagle: an EAGLE-1 head drafting from the target's "
-             "features (--eagle-head, --base-model).")
+             "final hidden states (--eagle-head, --base-model). eagle3: an EAGLE-3 head (published layout) "
+             "drafting from three of the target's hidden states fused; the targets send them, as the "
+             "handshake tells them.")
 @option("--model", default="demo-draft", help="Draft checkpoint directory, or 'demo-draft' for the built-in draft.")
 @option("--eagle-head", help="EAGLE head directory (config.json + model.safetensors or pytorch_model.bin), "
-                             "or 'demo-eagle'.")
-@option("--base-model", help="The target's checkpoint directory: the EAGLE head reads its embedding and LM head "
-                             "from it (nothing else is loaded).")
+                             "or 'demo-eagle' / 'demo-eagle3' (the demo target's heads).")
+@option("--base-model", help="The target's checkpoint directory: the EAGLE head reads its embedding (EAGLE-1: "
+                             "and LM head; EAGLE-3: and config, for its layer count) from it (nothing else is "
+                             "loaded).")
 @option("--bind", default=_s.bind, help="ZeroMQ endpoint the ROUTER socket binds.")
 @option("--depth", type=click.IntRange(1, 64), default=_s.max_depth,
         help="Most draft tokens served per request (targets ask for up to this many).")

@@ -71,3 +71,64 @@ def make_near_copy(src: Path, out: Path, noise: float, seed: int = 0) -> Path:
     model.save_pretrained(out)
     make_byte_tokenizer().save_pretrained(out)
     return out
+
+
+def make_eagle3_head(target_dir: Path, out: Path, draft_vocab: int = 200, seed: int = 0, hidden: int | None = None,
+                     heads: int = 4, kv_heads: int = 2, layer_ids: list[int] | None = None, scale: float = 0.3,
+                     own_embedding: bool = False, rope_theta: float = 10000.0) -> Path:
+    """A random-init EAGLE-3 head for the checkpoint in ``target_dir``, written tensor by tensor
+    in the published layout (``config.json`` + ``model.safetensors``), not by StarSD's own
+    saver: ``fc.weight`` [H, 3 H_target], ``midlayer.*`` with 2H-wide q/k/v, ``norm``,
+    ``lm_head`` over ``draft_vocab`` tokens, and ``d2t``/``t2d`` for a draft vocabulary of
+    shuffled target ids (so that d2t is non-zero almost everywhere). ``scale`` sets how sharp its
+    logits are."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    th, vocab, n_layers = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
+    h = hidden or th
+    hd = h // heads
+    k = len(layer_ids) if layer_ids is not None else 3
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, s=scale):
+        return (torch.randn(*shape, generator=g) * s).contiguous()
+
+    ids = (1 + torch.randperm(vocab - 1, generator=g)[:draft_vocab]).sort().values  # from 1: d2t > 0 everywhere
+    d2t = ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    state = {
+        "fc.weight": w(h, k * th, s=scale / 2),
+        "midlayer.input_layernorm.weight": 1 + w(h, s=0.1),
+        "midlayer.hidden_norm.weight": 1 + w(h, s=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + w(h, s=0.1),
+        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": w(2 * h, h),
+        "midlayer.mlp.up_proj.weight": w(2 * h, h),
+        "midlayer.mlp.down_proj.weight": w(h, 2 * h),
+        "norm.weight": 1 + w(h, s=0.1),
+        "lm_head.weight": w(draft_vocab, h, s=4 * scale),
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    if own_embedding:
+        state["embed_tokens.weight"] = w(vocab, h, s=1.0)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": 2 * h, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "vocab_size": vocab,
+           "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048, "hidden_act": "silu",
+           "tie_word_embeddings": False, "torch_dtype": "float32", "target_num_layers_for_test": n_layers}
+    if hidden is not None and hidden != th:
+        cfg["target_hidden_size"] = th
+    if layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(state, str(out / "model.safetensors"))
+    return out

@@ -35,7 +35,6 @@ from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest, frontier_width, session_seed
 from starsd_draftd.backends.batching import left_padded, row_slots
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
-from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
 
 log = logging.getLogger("starsd.eagle")
 
@@ -72,6 +71,13 @@ class EagleHead:
     @property
     def logits_size(self) -> int:
         return int(self.lm_head_weight.shape[0])
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the target features a request brings: the target's hidden size."""
+        return self.hidden_size
+
+    feature_layers = None  # the target's final hidden state (common.features)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The target's output layer applied to predicted features ``x`` [..., H]."""
@@ -215,6 +221,9 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
                     dtype: str = "auto") -> EagleHead:
     """Load an EAGLE-1 head saved in EAGLE's layout (``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin``) and the target tensors it needs from ``base_model_dir``."""
+    # the head class comes from eagle-llm, which only EAGLE-1 heads need (EAGLE-3 heads are this project's)
+    from starsd_draftd.backends.eagle_compat import build_head, head_config_from_dict, restore_rotary_precision
+
     head_dir = Path(head_dir)
     base = resolve_model_path(str(base_model_dir))
     raw = _read_json(head_dir / "config.json", "an EAGLE head directory")
@@ -302,7 +311,10 @@ class EagleBackend(DraftBackend):
         self.head = head
         self.module = head.module
         self.device = head.device
-        self.feature_size = head.hidden_size
+        self.feature_size = head.feature_size  # what requests bring: the target's (fused) features
+        self.feature_layers = head.feature_layers  # which target hidden states (None: the final one)
+        self.target_hidden_size = head.hidden_size if head.feature_layers is None else head.target_hidden_size
+        self.predicted_size = head.hidden_size  # the head's own outputs, fed back at later draft steps
         tok_dir = tokenizer_dir if tokenizer_dir is not None else head.base_path
         if tok_dir is None:
             raise ValueError("tokenizer_dir is required when the head was not loaded from a target directory")
@@ -401,7 +413,7 @@ class EagleBackend(DraftBackend):
         padding row sees itself. The forwards' cache is dropped afterwards (the head's legacy
         cache is extended by copies): every session's own cache is as it was, holding its real
         pairs, and a session drafts the same tree alone as in a batch."""
-        dev, width = self.device, self.feature_size
+        dev, width = self.device, self.predicted_size
         trees, predicted, cols = [], [], []
         for st, hidden, depth, tokens in jobs:
             t = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tokens))
@@ -491,7 +503,7 @@ class EagleBackend(DraftBackend):
         budgets = tree_tokens or [0] * k
         chains = [chain_drafter(self, st, len(st.pairs) + 1, d, b) for (st, *_), d, b in zip(jobs, depths, budgets)]
         if any(drafting):
-            filler = torch.zeros(1, 1, self.feature_size, dtype=self.head.dtype, device=dev)
+            filler = torch.zeros(1, 1, self.predicted_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]
             toks = [0] * k
             for j in range(steps + 1):
