@@ -158,11 +158,9 @@ class Eagle3Module(nn.Module):
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
-        from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        rope_cfg = config if isinstance(config, LlamaConfig) else LlamaConfig(**config.to_dict())
-        self.rotary = LlamaRotaryEmbedding(rope_cfg)
+        self.rotary = LlamaRotaryEmbedding(config)  # config: a LlamaConfig (``head_config``)
         self.tree_mask: torch.Tensor | None = None  # [B, 1, T, tree columns]: set by tree drafting
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -382,11 +380,10 @@ def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: s
 
 def _rebuild_rotary(module: Eagle3Module, config, device: torch.device) -> None:
     """The rotary tables were built on the meta device: build them again, in float32, on ``device``."""
-    from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     with torch.device(device):
-        module.rotary = LlamaRotaryEmbedding(config if isinstance(config, LlamaConfig) else LlamaConfig(**config))
+        module.rotary = LlamaRotaryEmbedding(config)
 
 
 # ---------------------------------------------------------------- the backend
