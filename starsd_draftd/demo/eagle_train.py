@@ -25,12 +25,14 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from common.features import fused_features
 from common.models import ModelLoadError, load_causal_lm, torch_threads
 from common.verify import SamplingParams
 from starsd_draftd.backends.eagle import EagleBackend, EagleHead
@@ -178,7 +180,10 @@ def greedy_rounds(backend, prompt: list[int], path: list[int], features: torch.T
 
 
 def _path_eval(target, backend, heldout_ids: torch.Tensor, prompts: int, prompt_len: int, new_tokens: int,
-               depth: int) -> dict:
+               depth: int, feature_layers=None) -> dict:
+    """Greedy rounds (``greedy_rounds``) along the target's own continuations of ``prompts``
+    held-out prompts. ``feature_layers``: the target hidden states fused into each position's
+    feature (``common.features.fused_features``; None: the final one, an EAGLE-1 head's)."""
     totals = {"rounds": 0, "accepted": 0, "acceptance_by_position": [0] * depth}
     generated = 0
     for start in torch.linspace(0, heldout_ids.numel() - prompt_len - 1, prompts).long().tolist():
@@ -189,7 +194,8 @@ def _path_eval(target, backend, heldout_ids: torch.Tensor, prompts: int, prompt_
                                   do_sample=False)
             path = out[0, len(prompt):].tolist()
             seq = torch.tensor([prompt + path])
-            feats = target(input_ids=seq[:, :-1], output_hidden_states=True).hidden_states[-1][0].half()
+            hs = target(input_ids=seq[:, :-1], output_hidden_states=True).hidden_states
+            feats = fused_features(hs, feature_layers)[0].half()
         r = greedy_rounds(backend, prompt, path, feats, depth)
         totals["rounds"] += r["rounds"]
         totals["accepted"] += r["accepted"]
@@ -223,6 +229,84 @@ def _head_loss(pred: torch.Tensor, f_next: torch.Tensor, kid: torch.Tensor, klp:
     loss = reg + ce_weight * (kl + ce)
     return loss, {"reg": float(reg.detach()), "ce": float(ce.detach()), "kl": float(kl.detach()),
                   "top1_in_topk": top1}
+
+
+def training_text(loaded, train_bytes: bytes, teacher: Path | None, *, seq_len: int, batch_size: int,
+                  time_budget_s: float | None, teacher_share: float, seed: int, progress: bool) -> tuple[dict, dict]:
+    """The text a head trains on and what the target said about it: ``teacher`` (a file the demo
+    build wrote: ``ids``, ``hidden``, ``topk_ids``, ``topk_logp``), else the target's greedy
+    continuations of prompts cut from ``train_bytes``, written now within ``teacher_share`` of the
+    budget (without a budget: ``4 * batch_size`` rows of ``seq_len`` tokens). Returns (the data,
+    a description of it for the report)."""
+    if teacher is not None:
+        from starsd_draftd.demo.checkpoints import load_teacher
+
+        return load_teacher(Path(teacher)), {"source": str(teacher), "wall_s": 0.0}
+    prompt_len = max(2, seq_len // 4)
+    rows = 4 * batch_size if time_budget_s is None else 100_000
+    budget = float("inf") if time_budget_s is None else teacher_share * time_budget_s
+    prompts = token_windows(loaded.tokenizer, train_bytes, prompt_len, rows, seed=seed + 5)
+    data = target_generations(loaded.model, prompts, seq_len - prompt_len, budget, progress=progress,
+                              rows=min(64, rows), eos_ids=loaded.eos_token_ids)
+    return data, {"source": "written by the target for this run", "wall_s": round(data["wall_s"], 1)}
+
+
+@dataclass
+class TrainRun:
+    """What ``train_steps`` did: steps run, whether the deadline stopped it, the first step's loss
+    values, their moving averages at the end, a sample of those every 25 steps, and the wall time."""
+
+    step: int
+    stopped_by_time: bool
+    first: dict
+    ema: dict
+    history: list
+    wall_s: float
+
+
+def train_steps(one_step, opt, params, *, steps: int | None, deadline: float | None, lr: float, warmup: int,
+                desc: str, progress: bool, postfix=None) -> TrainRun:
+    """The optimisation loop both head trainers share: ``one_step()`` returns (loss, loss values
+    to report); each step sets the learning rate (warm-up, then cosine by steps or by time,
+    whichever is further along; a param group's ``lr_scale`` scales it), backpropagates, clips
+    the gradient norm to 0.5 and steps ``opt``. It stops after ``steps`` or at ``deadline`` (a
+    ``time.monotonic()`` value), after one step at least. ``postfix``: the values the progress
+    bar shows (default all)."""
+    train_start = time.monotonic()
+    ema: dict[str, float] = {}
+    first: dict[str, float] = {}
+    history: list[dict] = []
+    step = 0
+    stopped_by_time = False
+    bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    try:
+        while steps is None or step < steps:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline and step > 0:
+                stopped_by_time = True
+                break
+            frac_steps = step / steps if steps else 0.0
+            frac_time = (now - train_start) / max(deadline - train_start, 1e-6) if deadline is not None else 0.0
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, max(frac_steps, frac_time), lr, warmup) * group.get("lr_scale", 1.0)
+            loss, values = one_step()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            if not first:
+                first = dict(values)
+            for k, v in values.items():
+                ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
+            step += 1
+            bar.update(1)
+            if step % 5 == 0:
+                bar.set_postfix({k: f"{ema[k]:.3f}" for k in (postfix or ema)})
+            if step % 25 == 0:
+                history.append({"step": step, **{k: round(v, 4) for k, v in ema.items()}})
+    finally:
+        bar.close()
+    return TrainRun(step, stopped_by_time, first, ema, history, time.monotonic() - train_start)
 
 
 def _lr_at(step: int, frac: float, lr: float, warmup: int, min_frac: float = 0.1) -> float:
@@ -288,19 +372,9 @@ def train_eagle_head(
 
         train_bytes, heldout_bytes, corpus_info = load_corpus(byte_budget=corpus_bytes, seed=seed)
         heldout_ids = _encode(loaded.tokenizer, heldout_bytes)
-        if teacher is not None:
-            from starsd_draftd.demo.checkpoints import load_teacher
-
-            data = load_teacher(Path(teacher))
-            data_info = {"source": str(teacher), "wall_s": 0.0}
-        else:
-            prompt_len = max(2, seq_len // 4)
-            rows = 4 * batch_size if time_budget_s is None else 100_000
-            budget = float("inf") if time_budget_s is None else teacher_share * time_budget_s
-            prompts = token_windows(loaded.tokenizer, train_bytes, prompt_len, rows, seed=seed + 5)
-            data = target_generations(target, prompts, seq_len - prompt_len, budget, progress=progress,
-                                      rows=min(64, rows), eos_ids=loaded.eos_token_ids)
-            data_info = {"source": "written by the target for this run", "wall_s": round(data["wall_s"], 1)}
+        data, data_info = training_text(loaded, train_bytes, teacher, seq_len=seq_len, batch_size=batch_size,
+                                        time_budget_s=time_budget_s, teacher_share=teacher_share, seed=seed,
+                                        progress=progress)
         n_rows = int(data["ids"].shape[0])
         data_info.update(rows=n_rows, tokens=int(data["ids"].numel()))
         gen = torch.Generator().manual_seed(seed + 1)
@@ -311,51 +385,23 @@ def train_eagle_head(
         deadline = None if time_budget_s is None else t0 + time_budget_s - reserve
         planned = steps if steps is not None else 0
         warmup = max(1, min(30, (steps or 300) // 10))
-        train_start = time.monotonic()
-        ema: dict[str, float] = {}
-        first: dict[str, float] = {}
-        history: list[dict] = []
-        step = 0
-        stopped_by_time = False
         head.train()
-        bar = tqdm(total=steps, desc="eagle head", unit="step", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True)
-        try:
-            while steps is None or step < steps:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline and step > 0:
-                    stopped_by_time = True
-                    break
-                frac_steps = step / steps if steps else 0.0
-                frac_time = (now - train_start) / max(deadline - train_start, 1e-6) if deadline is not None else 0.0
-                for group in opt.param_groups:
-                    group["lr"] = _lr_at(step, max(frac_steps, frac_time), lr, warmup)
-                pick = torch.randint(0, n_rows, (batch_size,), generator=gen)
-                x, f = data["ids"][pick], data["hidden"][pick].float()  # features as they travel: float16
-                # the pair (f_i, token i+1) predicts f_{i+1}, whose LM head gives the token after i+1
-                kid, klp = data["topk_ids"][pick][:, 1:].long(), data["topk_logp"][pick][:, 1:].float()
-                inp = f[:, :-1]
-                if feature_noise > 0:
-                    inp = inp + (torch.rand(inp.shape, generator=noise_gen) - 0.5) * feature_noise
-                pred = head(inp, input_ids=x[:, 1:], use_cache=False)
-                loss, values = _head_loss(pred, f[:, 1:], kid, klp, lm_w, ce_weight, gen)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 0.5)
-                opt.step()
-                if not first:
-                    first = dict(values)
-                for k, v in values.items():
-                    ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
-                step += 1
-                bar.update(1)
-                if step % 5 == 0:
-                    bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
-                if step % 25 == 0:
-                    history.append({"step": step, **{k: round(v, 4) for k, v in ema.items()}})
-        finally:
-            bar.close()
-        train_wall = time.monotonic() - train_start
+
+        def one_step() -> tuple[torch.Tensor, dict]:
+            pick = torch.randint(0, n_rows, (batch_size,), generator=gen)
+            x, f = data["ids"][pick], data["hidden"][pick].float()  # features as they travel: float16
+            # the pair (f_i, token i+1) predicts f_{i+1}, whose LM head gives the token after i+1
+            kid, klp = data["topk_ids"][pick][:, 1:].long(), data["topk_logp"][pick][:, 1:].float()
+            inp = f[:, :-1]
+            if feature_noise > 0:
+                inp = inp + (torch.rand(inp.shape, generator=noise_gen) - 0.5) * feature_noise
+            pred = head(inp, input_ids=x[:, 1:], use_cache=False)
+            return _head_loss(pred, f[:, 1:], kid, klp, lm_w, ce_weight, gen)
+
+        run = train_steps(one_step, opt, params, steps=steps, deadline=deadline, lr=lr, warmup=warmup,
+                          desc="eagle head", progress=progress)
+        step, stopped_by_time, first, ema, history = run.step, run.stopped_by_time, run.first, run.ema, run.history
+        train_wall = run.wall_s
         head.eval().requires_grad_(False)
         log.info("EAGLE head: %d steps in %.1fs%s; %s", step, train_wall,
                  " (time budget reached)" if stopped_by_time else "",
@@ -398,19 +444,7 @@ def train_eagle_head(
             "wall_s": {"setup": round(setup_s, 2), "train": round(train_wall, 2), "eval": round(eval_wall, 2)},
         }
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            save_eagle_head(head, config, tmp, "safetensors")
-            report["total_wall_s"] = round(time.monotonic() - t0, 2)
-            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; a daemon under another user reads it
-            for f in tmp.iterdir():
-                os.chmod(f, 0o644)
-            _replace_dir(tmp, out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        write_head_dir(out, lambda tmp: save_eagle_head(head, config, tmp, "safetensors"), report, t0)
     log.info("EAGLE head saved to %s: held-out top-1 agreement %.1f%%, %.2f tokens per round at depth %d",
              out, 100 * report["heldout"]["top1_agreement"], path_eval["mean_tokens_per_round"], eval_depth)
     return report
@@ -422,23 +456,49 @@ DEMO_EAGLE_BUDGET_S = 100.0  # on the text the demo build recorded: no generatio
 
 def ensure_demo_eagle_head(progress: bool = True) -> Path:
     """The EAGLE head for the built-in demo target, trained once and cached beside the demo pair."""
+    return ensure_demo_head("eagle", "EAGLE", lambda target_dir, out, teacher: train_eagle_head(
+        target_dir, out, progress=progress, time_budget_s=DEMO_EAGLE_BUDGET_S, teacher=teacher), progress)
+
+
+def ensure_demo_head(sub: str, what: str, train, progress: bool = True) -> Path:
+    """A head for the demo target cached as ``<demo dir>/<sub>``: trained once by
+    ``train(target_dir, out, teacher)`` (teacher: the text the demo build recorded, or None), under
+    a lock, so that concurrent callers wait and then reuse it."""
     import fcntl
 
     from common.models import demo_dir
     from starsd_draftd.demo.checkpoints import TEACHER_NAME, ensure_demo_checkpoints
 
     target_dir, _ = ensure_demo_checkpoints(progress=progress)
-    out = demo_dir() / "eagle"
+    out = demo_dir() / sub
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    lock = demo_dir() / ".eagle.lock"
+    lock = demo_dir() / f".{sub}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a+b") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # one trainer; the others wait and then reuse its head
         if not (out / "config.json").is_file():
-            log.info("training the demo EAGLE head (about %.0f s, once)", DEMO_EAGLE_BUDGET_S)
+            log.info("training the demo %s head (about %.0f s, once)", what, DEMO_EAGLE_BUDGET_S)
             teacher = demo_dir() / TEACHER_NAME  # what the build recorded; a cache without it trains from scratch
-            train_eagle_head(target_dir, out, progress=progress, time_budget_s=DEMO_EAGLE_BUDGET_S,
-                             teacher=teacher if teacher.is_file() else None)
+            train(target_dir, out, teacher if teacher.is_file() else None)
     return out
+
+
+def write_head_dir(out: Path, save, report: dict, t0: float) -> None:
+    """Write a trained head into ``out`` atomically: ``save(tmp)`` writes its files into a
+    temporary sibling, the report (with the run's total wall time since ``t0``) goes beside
+    them, and the directory is renamed into place, readable by a daemon under another user."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save(tmp)
+        report["total_wall_s"] = round(time.monotonic() - t0, 2)
+        (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        _replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
