@@ -1,5 +1,6 @@
-"""The trees section: chains against draft trees of 8, 16, 32 and 60 tokens, for the EAGLE head
-and for the draft model, on one target, one stream, beside the same target alone.
+"""The trees section: chains against draft trees of 8, 16, 32 and 60 tokens, for the demo
+target's EAGLE-1 and EAGLE-3 heads (trained with the same budget on the same text) and for the
+draft model, on one target, one stream, beside the same target alone.
 
 Per backend one draft daemon (``--tree-topk``) on the draft core and one target daemon
 (``--draft-tokens`` the largest budget) on the target core; each budget is a per-request cap
@@ -26,8 +27,8 @@ def tree_budgets(cfg: BenchConfig) -> tuple[int, ...]:
 
 
 def tree_backends(cfg: BenchConfig) -> tuple[str, ...]:
-    """The EAGLE head needs the demo's trained head; the tiny random pair has none."""
-    return ("model",) if cfg.models == "tiny" else ("eagle", "model")
+    """The EAGLE heads are the demo target's trained ones; the tiny random pair has none."""
+    return ("model",) if cfg.models == "tiny" else ("eagle", "eagle3", "model")
 
 
 def start_trees(cfg: BenchConfig, pool, models: tuple[Path, Path]) -> dict[str, str]:
@@ -44,6 +45,11 @@ def start_trees(cfg: BenchConfig, pool, models: tuple[Path, Path]) -> dict[str, 
             from starsd_draftd.demo.eagle_train import ensure_demo_eagle_head
 
             drafter = ["--backend", "eagle", "--eagle-head", str(ensure_demo_eagle_head(progress=cfg.progress)),
+                       "--base-model", str(target_dir)]
+        elif backend == "eagle3":
+            from starsd_draftd.demo.eagle3_train import ensure_demo_eagle3_head
+
+            drafter = ["--backend", "eagle3", "--eagle-head", str(ensure_demo_eagle3_head(progress=cfg.progress)),
                        "--base-model", str(target_dir)]
         else:
             drafter = ["--backend", "model", "--model", str(draft_dir)]

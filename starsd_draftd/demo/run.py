@@ -32,7 +32,8 @@ class DemoConfig:
     target_model: str = "demo"
     device: str = "cpu"
     temperature: float = 0.0
-    backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone
+    backend: str = "model"  # "eagle" runs the EAGLE head, then the standalone draft, then the targets alone;
+    # "eagle3" the EAGLE-3 head, then the EAGLE-1 head, then the standalone draft
     dtype: str = "auto"  # auto: see demo_dtype
     pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
     lookup: bool = True  # the draft model's greedy drafts may come from the context (starsd-draftd serve --lookup)
@@ -158,8 +159,9 @@ def topology(cfg: DemoConfig, cpus: list[int] | None = None) -> Topology:
 def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     args = ["starsd_draftd", "serve", "--bind", endpoint, "--depth", str(cfg.depth), "--device", cfg.device,
             "--threads", "1", "--dtype", demo_dtype(cfg)]
-    if backend == "eagle":
-        return args + ["--backend", "eagle", "--eagle-head", "demo-eagle", "--base-model", cfg.target_model]
+    if backend in ("eagle", "eagle3"):
+        head = "demo-eagle" if backend == "eagle" else "demo-eagle3"
+        return args + ["--backend", backend, "--eagle-head", head, "--base-model", cfg.target_model]
     return args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
 
 
@@ -170,17 +172,21 @@ def prepare(cfg: DemoConfig) -> dict[str, Path]:
     built = {}
     if {"demo", "demo-draft"} & {cfg.target_model, cfg.draft_model}:
         built["demo"], built["demo-draft"] = ensure_demo_checkpoints(progress=True)
-    if cfg.backend == "eagle" and cfg.target_model == "demo":  # the demo's head is for the demo target
+    if cfg.backend in ("eagle", "eagle3") and cfg.target_model == "demo":  # the demo's heads are for the demo target
         from starsd_draftd.demo.eagle_train import ensure_demo_eagle_head
 
         built["demo-eagle"] = ensure_demo_eagle_head(progress=True)
+    if cfg.backend == "eagle3" and cfg.target_model == "demo":
+        from starsd_draftd.demo.eagle3_train import ensure_demo_eagle3_head
+
+        built["demo-eagle3"] = ensure_demo_eagle3_head(progress=True)
     return built
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Start the daemons, run the workload with each draft backend and then by the targets alone."""
     prepare(cfg)
-    backends = ["eagle", "model"] if cfg.backend == "eagle" else ["model"]
+    backends = {"eagle": ["eagle", "model"], "eagle3": ["eagle3", "eagle", "model"]}.get(cfg.backend, ["model"])
     ctx = zmq.Context()
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
