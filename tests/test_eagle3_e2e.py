@@ -88,7 +88,7 @@ def test_sampling_through_an_eagle3_head_follows_the_target(deep_target, head3, 
     prompt = engine.encode("x = ")
     length = 3
     exact = exact_joint(loaded_deep.model, prompt, params, length)
-    samples = 1000
+    samples = 800
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     with running_server(backend) as (server, ctx):
