@@ -550,11 +550,13 @@ class RemoteDraftSession:
         return self.client.welcome is not None and self.client.welcome.trees
 
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
-             tree_tokens: int = 0) -> int | None:
+             tree_tokens: int = 0, feature_layers: tuple[int, ...] | None = None) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link not up, no features): the round then runs without drafts.
         ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer, where the
-        daemon drafts trees (within its ``max_tree_tokens``)."""
+        daemon drafts trees (within its ``max_tree_tokens``). ``feature_layers``: the hidden
+        states ``features`` were fused from (None: the final one); features the daemon's head
+        does not read (another head since the generation started) end its drafting, logged."""
         client = self.client
         if self.disabled or not client.ready() or time.monotonic() < self._retry_at:
             return None
@@ -578,8 +580,12 @@ class RemoteDraftSession:
             self.synced, self.accepted, self.features_sent = len(tokens), 0, 0
         new_features = None
         if welcome.feature_size:
-            if features is None or features.shape[0] != len(tokens) - 1 or features.shape[1] != welcome.feature_size:
-                return None  # this generation collected no features, or another head's (the daemon restarted)
+            why = self._feature_mismatch(features, feature_layers, welcome)
+            if why:
+                self._stop_drafting(why)
+                return None
+            if features.shape[0] != len(tokens) - 1:
+                return None  # its prefill is still under way
             new_features = features[self.features_sent:]
         self.seq += 1
         self._before = (self.synced, self.accepted, self.features_sent)  # to undo a request refused BUSY
@@ -598,6 +604,22 @@ class RemoteDraftSession:
         self.cap_at = self.sent_at + self.timeout_s
         self.opening = opening
         return self.seq
+
+    @staticmethod
+    def _feature_mismatch(features, layers: tuple[int, ...] | None, welcome) -> str | None:
+        """Why this generation's features cannot feed the daemon's head (None: they can). A
+        generation fuses the layers named when it started, for its whole length; a daemon that
+        restarted with another head, or a link that came up after the start, leaves it without
+        the features the head reads, and its rounds run on the target alone."""
+        if features is None:
+            return "it collected no target features (it started before the draft daemon's head was known)"
+        wanted = tuple(welcome.feature_layers) if welcome.feature_layers is not None else None
+        have = tuple(layers) if layers is not None else None
+        if have != wanted or features.shape[1] != welcome.feature_size:
+            named = (lambda ls: "the final hidden state" if ls is None else f"layers {list(ls)}")
+            return (f"its features ({features.shape[1]} wide, {named(have)}) are not what the draft daemon's "
+                    f"head reads ({welcome.feature_size} wide, {named(wanted)})")
+        return None
 
     def _may_open(self) -> bool:
         """Whether to (re-)open the session now. After the daemon refused an OPEN, the next one

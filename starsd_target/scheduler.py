@@ -310,7 +310,8 @@ class Scheduler:
             if a.depth is not None and not budget:
                 depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
-            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget)
+            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget,
+                                  feature_layers=a.gen.feature_layers)
             if a.seq is not None:
                 a.gen.stats.asked_tokens += max(depth, budget)
                 a.sent_at = time.perf_counter()

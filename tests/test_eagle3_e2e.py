@@ -165,8 +165,24 @@ def test_heads_that_do_not_fit_the_target_are_refused(deep_target, tmp_path):
         load_eagle3_head(other, deep_target)
     # too shallow a target for the default layers
     shallow = make_tiny_checkpoint(tmp_path / "shallow", layers=4)
-    with pytest.raises(ValueError, match="at least 7 layers"):
+    with pytest.raises(ModelLoadError, match="names no target layers.*at least 7 layers"):
         load_eagle3_head(make_eagle3_head(shallow, tmp_path / "sh"), shallow)
+    # layer ids that are not a list, and attention heads that cannot split the width
+    for key, value, message in (("eagle_aux_hidden_state_layer_ids", 5, "expected a list of layer ids"),
+                                ("num_attention_heads", 0, "cannot read the EAGLE-3 head config: ZeroDivisionError"),
+                                ("num_attention_heads", 5, "not a multiple of the number of attention heads")):
+        bad = make_eagle3_head(deep_target, tmp_path / f"bad-{key}", layer_ids=[2, 4, 5])
+        cfg = json.loads((bad / "config.json").read_text())
+        (cfg["eagle_config"] if key.startswith("eagle_") else cfg)[key] = value
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match=message):
+            load_eagle3_head(bad, deep_target)
+    # a target whose config nests its layer count (a multimodal config's text_config)
+    nested = make_tiny_checkpoint(tmp_path / "nested", layers=LAYERS)
+    cfg = json.loads((nested / "config.json").read_text())
+    cfg["text_config"] = {"num_hidden_layers": cfg.pop("num_hidden_layers")}
+    (nested / "config.json").write_text(json.dumps(cfg))
+    assert load_eagle3_head(make_eagle3_head(deep_target, tmp_path / "n"), nested).feature_layers == (2, 4, 5)
     # an EAGLE-1 head given as EAGLE-3
     from safetensors.torch import load_file, save_file
 
@@ -207,3 +223,37 @@ def test_the_target_checks_what_the_welcome_asks_for():
     assert c._feature_refusal(welcome(32, None)) is None
     assert "hidden size is 32" in c._feature_refusal(welcome(48, None))
     assert c._feature_refusal(welcome(0, None)) is None
+
+
+def test_a_generation_whose_features_the_head_does_not_read_stops_drafting(caplog):
+    """A generation fuses the layers named when it started. Features of other layers (the daemon
+    restarted with another head of the same width), or none at all (it started before the link
+    came up), end its drafting with a log line instead of feeding the head what it does not read."""
+    import logging
+    import numpy as np
+
+    from common.verify import SamplingParams
+    from starsd_target.client import RemoteDraftSession
+
+    c = DraftClient.__new__(DraftClient)
+    c.welcome = Welcome(259, "tok", "eagle3", 4, 32, 96, "i", "s", feature_layers=(2, 4, 5))
+    c.ready = lambda: True
+    c.backoff = type("B", (), {"initial_s": 0.1})()
+    c.take_open_refusal = lambda session: None
+    opened = []
+    c.open = lambda *a: opened.append(a) or True
+    c.request = lambda *a: True
+    tokens = list(range(6))
+    feats = np.zeros((5, 96), np.float16)
+
+    def session():
+        return RemoteDraftSession(c, 1, SamplingParams(), 5.0)
+
+    assert session().send(tokens, 3, feats, feature_layers=(2, 4, 5)) is not None
+    with caplog.at_level(logging.INFO, logger="starsd.target.client"):
+        for layers, f in (((1, 4, 5), feats), (None, np.zeros((5, 32), np.float16)), ((2, 4, 5), None)):
+            s = session()
+            assert s.send(tokens, 3, f, feature_layers=layers) is None
+            assert s.disabled and s.send(tokens, 3, feats, feature_layers=(2, 4, 5)) is None
+    assert sum("not what the draft daemon's head reads" in r.message for r in caplog.records) == 2
+    assert sum("collected no target features" in r.message for r in caplog.records) == 1

@@ -192,14 +192,20 @@ def _head_state_dict(head_dir: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{head_dir} holds no EAGLE head weights: expected {' or '.join(HEAD_WEIGHT_FILES)}")
 
 
-def _target_tensors(base: Path) -> tuple[torch.Tensor, torch.Tensor, str, str]:
-    """The target's token embedding and LM head, read by name: (embed, lm_head, their names)."""
+def _target_tensors(base: Path, lm_head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, str, str | None]:
+    """The target's token embedding and LM head, read by name: (embed, lm_head, their names).
+    ``lm_head=False``: the embedding alone (the LM head and its name come back None)."""
     cfg = _read_json(base / "config.json", "a model directory")
     tensors = CheckpointTensors(base)
     embed_name = tensors.first_of(EMBED_TENSOR_NAMES)
     if embed_name is None:
         raise ModelLoadError(f"the target checkpoint in {base} has no token embedding; looked for "
                              f"{', '.join(EMBED_TENSOR_NAMES)}")
+    if not lm_head:
+        embed = tensors.get(embed_name)
+        if embed.dim() != 2:
+            raise ModelLoadError(f"{embed_name} in {base} has shape {tuple(embed.shape)}; expected a matrix")
+        return embed, None, embed_name, None
     lm_name = tensors.first_of(LM_HEAD_TENSOR_NAMES)
     if lm_name is None:
         if cfg.get("tie_word_embeddings", True) is False:

@@ -251,6 +251,17 @@ def _layer_ids(raw: dict) -> list | None:
     return None
 
 
+def _target_layer_count(cfg: dict) -> int | None:
+    """The target's decoder layer count from its config.json (a multimodal config nests it in
+    ``text_config``; GPT-style configs call it ``n_layer``); None when it says none."""
+    for where in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            n = where.get(key)
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                return n
+    return None
+
+
 def head_config(raw: dict):
     """The head's ``config.json`` as a LlamaConfig (one layer); ModelLoadError naming what is wrong."""
     from transformers import LlamaConfig
@@ -261,8 +272,8 @@ def head_config(raw: dict):
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version", "eagle_config")}
     try:
         cfg = LlamaConfig(**fields)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read the EAGLE-3 head config: {exc}") from exc
+    except Exception as exc:  # transformers validates configs with several error types (0 heads: ZeroDivisionError)
+        raise ModelLoadError(f"cannot read the EAGLE-3 head config: {type(exc).__name__}: {exc}") from exc
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if heads % kv:
@@ -296,18 +307,24 @@ def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: s
     vocab = int(config.vocab_size)
     draft_vocab = int(getattr(config, "draft_vocab_size", None) or vocab)
     target_h = int(raw.get("target_hidden_size") or h)  # absent: the head is as wide as its target
-    target_layers = target_cfg.get("num_hidden_layers")
-    if not isinstance(target_layers, int) or target_layers < 1:
-        raise ModelLoadError(f"the target config in {base} does not say its num_hidden_layers")
+    target_layers = _target_layer_count(target_cfg)
+    if target_layers is None:
+        raise ModelLoadError(f"the target config in {base} does not say its layer count (num_hidden_layers)")
     if target_cfg.get("hidden_size") is not None and int(target_cfg["hidden_size"]) != target_h:
         raise ModelLoadError(f"the EAGLE-3 head was made for a target of hidden size {target_h}; the target in "
                              f"{base} has hidden size {target_cfg['hidden_size']}")
-    embed, _, embed_name, _ = _target_tensors(base)
+    embed, _, embed_name, _ = _target_tensors(base, lm_head=False)  # EAGLE-3 heads have their own
     if embed.shape[0] != vocab:
         raise ModelLoadError(f"the EAGLE-3 head's vocabulary size {vocab} differs from the target's embedding rows "
                              f"{embed.shape[0]} ({embed_name} in {base})")
     explicit = _layer_ids(raw)
-    layers = tuple(explicit) if explicit is not None else default_feature_layers(target_layers)
+    if explicit is not None and not isinstance(explicit, list):
+        raise ModelLoadError(f"the EAGLE-3 head config in {head_dir} names its target layers as "
+                             f"{explicit!r}; expected a list of layer ids")
+    try:
+        layers = tuple(explicit) if explicit is not None else default_feature_layers(target_layers)
+    except ValueError as exc:  # a target too shallow for the default layers
+        raise ModelLoadError(f"the EAGLE-3 head in {head_dir} names no target layers: {exc}") from exc
     why = check_feature_layers(layers, target_layers)
     if why is not None:
         raise ModelLoadError(f"the EAGLE-3 head in {head_dir} fuses target layers {list(layers)}: {why}")
