@@ -38,7 +38,7 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         """Decoder layers (0 when the config does not say): which fused features it can give."""
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config(decoder=True)  # a multimodal config nests its decoder's
         n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
         return int(n) if isinstance(n, int) else 0
 

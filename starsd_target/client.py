@@ -613,12 +613,11 @@ class RemoteDraftSession:
         the features the head reads, and its rounds run on the target alone."""
         if features is None:
             return "it collected no target features (it started before the draft daemon's head was known)"
-        wanted = tuple(welcome.feature_layers) if welcome.feature_layers is not None else None
-        have = tuple(layers) if layers is not None else None
-        if have != wanted or features.shape[1] != welcome.feature_size:
+        # both are tuples (the WELCOME's as parsed, the generation's as it started) or None
+        if layers != welcome.feature_layers or features.shape[1] != welcome.feature_size:
             named = (lambda ls: "the final hidden state" if ls is None else f"layers {list(ls)}")
-            return (f"its features ({features.shape[1]} wide, {named(have)}) are not what the draft daemon's "
-                    f"head reads ({welcome.feature_size} wide, {named(wanted)})")
+            return (f"its features ({features.shape[1]} wide, {named(layers)}) are not what the draft daemon's "
+                    f"head reads ({welcome.feature_size} wide, {named(welcome.feature_layers)})")
         return None
 
     def _may_open(self) -> bool:

@@ -201,10 +201,10 @@ def _target_tensors(base: Path, lm_head: bool = True) -> tuple[torch.Tensor, tor
     if embed_name is None:
         raise ModelLoadError(f"the target checkpoint in {base} has no token embedding; looked for "
                              f"{', '.join(EMBED_TENSOR_NAMES)}")
+    embed = tensors.get(embed_name)
+    if embed.dim() != 2:
+        raise ModelLoadError(f"{embed_name} in {base} has shape {tuple(embed.shape)}; expected a matrix")
     if not lm_head:
-        embed = tensors.get(embed_name)
-        if embed.dim() != 2:
-            raise ModelLoadError(f"{embed_name} in {base} has shape {tuple(embed.shape)}; expected a matrix")
         return embed, None, embed_name, None
     lm_name = tensors.first_of(LM_HEAD_TENSOR_NAMES)
     if lm_name is None:
@@ -212,11 +212,9 @@ def _target_tensors(base: Path, lm_head: bool = True) -> tuple[torch.Tensor, tor
             raise ModelLoadError(f"the target checkpoint in {base} has no LM head ({', '.join(LM_HEAD_TENSOR_NAMES)}) "
                                  "and its config says the embeddings are not tied")
         lm_name = embed_name
-    embed = tensors.get(embed_name)
     lm_head = embed if lm_name == embed_name else tensors.get(lm_name)
-    for name, t in ((embed_name, embed), (lm_name, lm_head)):
-        if t.dim() != 2:
-            raise ModelLoadError(f"{name} in {base} has shape {tuple(t.shape)}; expected a matrix")
+    if lm_head.dim() != 2:
+        raise ModelLoadError(f"{lm_name} in {base} has shape {tuple(lm_head.shape)}; expected a matrix")
     if lm_head.shape[1] != embed.shape[1]:
         raise ModelLoadError(f"the target's LM head width {lm_head.shape[1]} differs from its embedding width "
                              f"{embed.shape[1]} in {base}")

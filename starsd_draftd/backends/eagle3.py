@@ -252,10 +252,11 @@ def _layer_ids(raw: dict) -> list | None:
 
 
 def _target_layer_count(cfg: dict) -> int | None:
-    """The target's decoder layer count from its config.json (a multimodal config nests it in
-    ``text_config``; GPT-style configs call it ``n_layer``); None when it says none."""
+    """The target's decoder layer count from its config.json, read as the target daemon reads it
+    (``LoadedModel.num_layers``: a multimodal config nests it in ``text_config``; GPT-style
+    configs call it ``n_layer``); None when it says none."""
     for where in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        for key in ("num_hidden_layers", "n_layer"):
             n = where.get(key)
             if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
                 return n
