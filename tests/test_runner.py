@@ -86,6 +86,16 @@ def compile_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def one_layer_pair(tmp_path_factory):
+    """A one-layer target and a draft close to it: the compiled end-to-end tests' models (a graph's
+    compile time grows with the layers it lowers; what they check does not)."""
+    from tiny_models import make_near_copy
+
+    target = make_tiny_checkpoint(tmp_path_factory.mktemp("target1"), "llama", seed=1, hidden=32, layers=1)
+    return target, make_near_copy(target, tmp_path_factory.mktemp("near1"), noise=0.02)
+
+
 def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path))
@@ -117,13 +127,14 @@ def test_compiled_forward_equals_eager_with_rollback(tmp_path, compile_cache):
 
 
 @pytest.mark.slow
-def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(tiny_target, near_draft, compile_cache):
+def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(one_layer_pair, compile_cache):
     """Target engine and draft backend on compiled runners, warmed up as the daemons warm them
     up, then served with any further compilation an error (``fail_on_recompile``): greedy
     speculation (lookup on), over several prefill chunks, and a sampled generation all run on the warm-up's graphs, and greedy output equals generate()."""
     from fakes import LocalDrafts
     from starsd_draftd.backends.base import ContextLookup
 
+    tiny_target, near_draft = one_layer_pair
     target = load_causal_lm(str(tiny_target))
     draft = load_causal_lm(str(near_draft))
     engine = TargetEngine(target, depth=4, prefill_chunk=8, runner=ModelRunner(target, compile=True))
@@ -162,7 +173,7 @@ def test_compiled_fp16_weights_forward_equals_eager(tmp_path, compile_cache):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # two daemons compile before they serve (about a minute each here)
-def test_daemons_with_compile_stay_exact(star, tiny_target, near_draft, compile_cache):
+def test_daemons_with_compile_stay_exact(star, one_layer_pair, compile_cache):
     """Both daemons started with --compile, as a user starts them: they compile before they
     take work, then serve greedy output equal to the model's own generate, with drafts kept and
     no round without drafts; STATS says the target is compiled and what its warm-up cost."""
@@ -170,6 +181,7 @@ def test_daemons_with_compile_stay_exact(star, tiny_target, near_draft, compile_
     from common.protocol import Message, MsgType
     from common.sockets import free_tcp_endpoint
 
+    tiny_target, near_draft = one_layer_pair
     draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
     star.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", draft_ep, "--depth", "4",
                "--compile", "--batch-max", "1")
