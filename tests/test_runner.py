@@ -103,10 +103,10 @@ def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_forward_equals_eager_with_rollback(tmp_path, compile_cache):
+def test_compiled_forward_equals_eager_with_rollback(one_layer_pair, compile_cache):
     """A compiled runner (symbolic lengths: a graph for one token, one for several) gives eager's
     logits on decode, verification and rolled-back steps."""
-    loaded = load_causal_lm(str(make_tiny_checkpoint(tmp_path / "m", "llama", seed=5, hidden=32, layers=1)))
+    loaded = load_causal_lm(str(one_layer_pair[0]))  # the model the later compiled tests use: cached graphs
     eager, compiled = ModelRunner(loaded), ModelRunner(loaded, compile=True)
     assert compiled.compiled and not eager.compiled
     torch.manual_seed(1)
