@@ -136,11 +136,10 @@ SAMPLERS = {"reference": verify_sampling, "tensor": _tensor_sampling}
 
 
 def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator,
-               verify=verify_sampling, draws: random.Random | None = None) -> tuple[int, ...]:
+               verify, draws: random.Random) -> tuple[int, ...]:
     """Sample ``length`` tokens by rounds of ``depth`` drafts from q, verified against p. The
     drafts are drawn with ``draws`` (Python's generator over q's cumulative rows: the harness's
     own cost kept small), the verification with ``gen``."""
-    draws = draws or random.Random(0)
     q_cum = [list(itertools.accumulate(row)) for row in q_tab.tolist()]
     out: list[int] = []
     while len(out) < length:
