@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import ipaddress
 import socket as _socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -114,8 +116,20 @@ def is_local_address(address: str) -> bool:
         return False
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)  # ports returned lately, newest last
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
-    """An endpoint on a port that is free right now (for tests and the demo)."""
-    with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+    """An endpoint on a port that is free right now (for tests, the demo and the bench), and not
+    one this process was given lately: the kernel may hand a just-closed port out again, and two
+    daemons told the same port would collide when they bind it."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(64):
+            with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                break
+        _HANDED_OUT.append(port)
+    return f"tcp://{host}:{port}"
