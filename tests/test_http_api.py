@@ -1,7 +1,6 @@
 """The target's OpenAI-compatible HTTP API, driven by the official openai client against a real
 `starsd-target serve --http` process with a real draft daemon; and both daemons' metrics."""
 
-import socket
 import time
 
 import httpx
@@ -16,9 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return int(free_tcp_endpoint().rpartition(":")[2])  # never a port another pick of this run was given
 
 
 @pytest.fixture(scope="module")
