@@ -120,10 +120,10 @@ _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)  # ports re
 _HANDED_OUT_LOCK = threading.Lock()
 
 
-def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
-    """An endpoint on a port that is free right now (for tests, the demo and the bench), and not
-    one this process was given lately: the kernel may hand a just-closed port out again, and two
-    daemons told the same port would collide when they bind it."""
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (for tests, the demo and the bench), and not one this
+    process was given lately: the kernel may hand a just-closed port out again, and two daemons
+    told the same port would collide when they bind it."""
     with _HANDED_OUT_LOCK:
         for _ in range(64):
             with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
@@ -132,4 +132,9 @@ def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
             if port not in _HANDED_OUT:
                 break
         _HANDED_OUT.append(port)
-    return f"tcp://{host}:{port}"
+    return port
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """``tcp://host:port`` on a ``free_tcp_port``."""
+    return f"tcp://{host}:{free_tcp_port(host)}"

@@ -7,22 +7,18 @@ import httpx
 import openai
 import pytest
 
-from common.sockets import free_tcp_endpoint
+from common.sockets import free_tcp_endpoint, free_tcp_port
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from tiny_models import make_near_copy, reference_greedy
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    return int(free_tcp_endpoint().rpartition(":")[2])  # never a port another pick of this run was given
-
-
 @pytest.fixture(scope="module")
 def server(tiny_target, tmp_path_factory):
     d = Daemons(tmp_path_factory.mktemp("http"))
-    draft_ep, listen, port = free_tcp_endpoint(), free_tcp_endpoint(), _free_port()
-    draft_metrics, target_metrics = _free_port(), _free_port()
+    draft_ep, listen, port = free_tcp_endpoint(), free_tcp_endpoint(), free_tcp_port()
+    draft_metrics, target_metrics = free_tcp_port(), free_tcp_port()
     near = make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
     try:
         d.start("draftd", "starsd_draftd", "serve", "--model", str(near), "--bind", draft_ep,

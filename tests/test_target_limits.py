@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from common.control import ControlClient, ControlTimeout
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.security import client_keys, keygen
-from common.sockets import free_tcp_endpoint
+from common.sockets import free_tcp_endpoint, free_tcp_port
 from common.verify import SamplingParams
 from fakes import CountingBackend, running_server
 from starsd_target.client import DraftClient
@@ -415,13 +415,9 @@ def _wait_http(base: str, proc: subprocess.Popen, log) -> None:
         time.sleep(0.2)
 
 
-def _free_port() -> int:
-    return int(free_tcp_endpoint().rpartition(":")[2])
-
-
 @pytest.mark.parametrize("mode", ["jobs", "http"])
 def test_a_crashing_scheduler_makes_serve_exit_non_zero(tiny_target, tmp_path, mode):
-    listen, port = free_tcp_endpoint(), _free_port()
+    listen, port = free_tcp_endpoint(), free_tcp_port()
     args = ["serve", "--model", str(tiny_target), "--draft", free_tcp_endpoint(), "--connect-timeout", "0",
             "--listen", listen]
     if mode == "http":
@@ -479,7 +475,7 @@ class HttpServer:
 def http_server(tiny_target, loaded_target, tmp_path_factory):
     """A real `starsd-target serve --http` process, drafting from a slow in-process draft server."""
     log = tmp_path_factory.mktemp("http-limits") / "target.log"
-    port, metrics = _free_port(), _free_port()
+    port, metrics = free_tcp_port(), free_tcp_port()
     backend = SlowCounting(loaded_target.vocab_size, loaded_target.fingerprint)
     with running_server(backend) as (server, _):
         with open(log, "wb") as out:
@@ -578,7 +574,7 @@ def test_a_curve_job_socket_admits_an_allowed_key_and_refuses_another(tiny_targe
     good_pub, good_secret = keygen(keys, "good")
     _, bad_secret = keygen(keys, "bad")
     (allow / "good.key").write_bytes(good_pub.read_bytes())
-    port = _free_port()
+    port = free_tcp_port()
     ctx = zmq.Context()
     cfg = TargetConfig(model=str(tiny_target), draft=None, listen=f"tcp://0.0.0.0:{port}",
                        listen_curve_secret=server_secret, listen_curve_allow=allow)
