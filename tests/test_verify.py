@@ -136,11 +136,10 @@ SAMPLERS = {"reference": verify_sampling, "tensor": _tensor_sampling}
 
 
 def _speculate(p_tab, q_tab, depth: int, length: int, gen: torch.Generator,
-               verify, draws: random.Random) -> tuple[int, ...]:
+               verify, draws: random.Random, q_cum: list[list[float]]) -> tuple[int, ...]:
     """Sample ``length`` tokens by rounds of ``depth`` drafts from q, verified against p. The
-    drafts are drawn with ``draws`` (Python's generator over q's cumulative rows: the harness's
-    own cost kept small), the verification with ``gen``."""
-    q_cum = [list(itertools.accumulate(row)) for row in q_tab.tolist()]
+    drafts are drawn with ``draws`` over ``q_cum``, q's cumulative rows (Python's generator: the
+    harness's own cost kept small), the verification with ``gen``."""
     out: list[int] = []
     while len(out) < length:
         prev = out[-1] if out else V
@@ -160,10 +159,11 @@ def test_speculative_sampling_follows_target_distribution(depth, sampler):
     p_tab, q_tab = _tables(depth)
     gen = make_generator(1234 + depth)
     draws = random.Random(1234 + depth)
+    q_cum = [list(itertools.accumulate(row)) for row in q_tab.tolist()]
     samples = 40000
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(samples):
-        key = _speculate(p_tab, q_tab, depth, 3, gen, SAMPLERS[sampler], draws)
+        key = _speculate(p_tab, q_tab, depth, 3, gen, SAMPLERS[sampler], draws, q_cum)
         counts[key] = counts.get(key, 0) + 1
     chi2 = 0.0
     for a in range(V):
