@@ -35,6 +35,12 @@ def model_options(f):
                     "per second, from its measured acceptance and costs (drafting and queueing per token, "
                     "the rest of a round); off: --depth every round. Seeded sampled generations keep --depth, so that "
                     "a seed gives the same tokens at any speed."),
+        option("--adaptive-speculation/--no-adaptive-speculation", default=_d.adaptive_speculation,
+               help="With --adaptive-depth: a round may ask for no drafts at all, where the generation's rounds on "
+                    "the target alone are measured to produce more tokens per second (a target batching several "
+                    "generations, a saturated draft daemon, a text the draft does not know); a probe round with "
+                    "drafts every 8 to 128 such rounds re-measures. Counted apart from fallback rounds "
+                    "(plain_rounds). Off: every round asks for at least one draft."),
         option("--draft-tokens", type=click.IntRange(1, 256), default=_d.draft_tokens,
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "
@@ -71,7 +77,8 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
                         curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
                         prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"],
-                        adaptive_depth=kw["adaptive_depth"], draft_tokens=kw["draft_tokens"])
+                        adaptive_depth=kw["adaptive_depth"], adaptive_speculation=kw["adaptive_speculation"],
+                        draft_tokens=kw["draft_tokens"])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -112,13 +119,14 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
             "finish_reason": result.finish_reason,
             "stats": {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
                       "mean_accepted_length": stats.mean_accepted_length, "tokens_per_s": stats.tokens_per_s,
-                      "fallback_rounds": stats.fallback_rounds},
+                      "fallback_rounds": stats.fallback_rounds, "plain_rounds": stats.plain_rounds},
         }))
     else:
         click.echo(prompt + result.text)
         s = result.stats
         click.echo(f"[{s.generated} tokens in {s.wall_s:.2f}s, {s.tokens_per_s:.1f} tok/s, {s.rounds} rounds, "
-                   f"mean accepted length {s.mean_accepted_length:.2f}, {s.fallback_rounds} rounds without drafts]",
+                   f"mean accepted length {s.mean_accepted_length:.2f}, {s.fallback_rounds} fallback rounds, "
+                   f"{s.plain_rounds} rounds on the target alone by choice]",
                    err=True)
 
 

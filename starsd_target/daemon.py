@@ -61,6 +61,7 @@ class TargetConfig:
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
+    adaptive_speculation: bool = True  # ...and may be 0 where the target alone is measured faster
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
 
 
@@ -153,7 +154,8 @@ class TargetDaemon:
             self._scheduler = Scheduler(self.engine, self._scheduler_link, self.config.draft_timeout_s,
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
                                         heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s,
-                                        adaptive_depth=self.config.adaptive_depth)
+                                        adaptive_depth=self.config.adaptive_depth,
+                                        adaptive_speculation=self.config.adaptive_speculation)
             self._scheduler.metrics = self.metrics
             self.metrics.watch(self._scheduler.profile)
         return self._scheduler

@@ -51,6 +51,8 @@ class TargetMetrics:
                                    ["draft_tokens"], registry=r)
         self.fallback_rounds = Counter("starsd_spec_decode_fallback_rounds",
                                        "Rounds that wanted drafts and were verified without them", registry=r)
+        self.plain_rounds = Counter("starsd_target_plain_rounds", "Rounds adaptive speculation chose to verify "
+                                    "without drafts, the target alone being measured faster", registry=r)
         self.mean_accepted_length = Gauge("starsd_spec_decode_mean_accepted_length",
                                           "Tokens produced per target forward, since start", registry=r)
         self.round_trip = Histogram("starsd_target_draft_round_trip_seconds", "Draft request to reply",
@@ -77,7 +79,8 @@ class TargetMetrics:
         self.verify_batch.observe(generations)
         self.verify_seconds.observe(verify_s)
 
-    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, tree_tokens: int = 0) -> None:
+    def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, tree_tokens: int = 0,
+                 plain: bool = False) -> None:
         if drafted:
             self.budget_rounds.labels(draft_tokens=str(tree_tokens)).inc()
             self.budget_kept.labels(draft_tokens=str(tree_tokens)).inc(produced)
@@ -88,6 +91,8 @@ class TargetMetrics:
                 self.accepted_per_pos.labels(position=str(i)).inc()
         if fallback:
             self.fallback_rounds.inc()
+        if plain:
+            self.plain_rounds.inc()
         self.generated_tokens.inc(produced)
         self._rounds += 1
         self._tokens += produced

@@ -91,6 +91,7 @@ class _Active:
     depth: AdaptiveDepth | None = None  # its draft-length controller (None: the cap every round)
     asked: int = 0  # drafts the request in flight (or the last one) asked for
     budget: int = 0  # the tree tokens it asked for (0: a chain)
+    plain: bool = False  # its controller chose this round to run without drafts (the target alone was faster)
 
     @property
     def verifiable(self) -> bool:
@@ -101,9 +102,10 @@ class _Active:
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
                  max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0,
-                 adaptive_depth: bool = True):
+                 adaptive_depth: bool = True, adaptive_speculation: bool = True):
         self.engine = engine
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
+        self.adaptive_speculation = adaptive_speculation  # ...and may be none where the target alone is faster
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -285,7 +287,8 @@ class Scheduler:
         # rounds, so a length that followed measured times would make the same seed give other
         # tokens at another speed. Greedy output does not depend on the length at all.
         adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
-        self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
+        depth = AdaptiveDepth(plain=self.adaptive_speculation) if adapt else None
+        self.active.append(_Active(job, gen, drafts, depth=depth))
 
     def _request_drafts(self) -> None:
         """Draft requests for the generations that want one. One whose drafter needs features
@@ -302,7 +305,7 @@ class Scheduler:
     def _request(a: _Active, now: float) -> None:
         depth = a.gen.draft_depth()
         a.wanted = a.drafts is not None and depth > 0
-        a.resolved_at, a.reported = None, None
+        a.resolved_at, a.reported, a.plain = None, None, False
         if a.wanted:
             # a tree where the generation's budget and the daemon allow one (its depth then stays:
             # adaptive depth models chains), else a chain of the adaptive length
@@ -310,6 +313,10 @@ class Scheduler:
             if a.depth is not None and not budget:
                 depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
+            if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
+                a.wanted, a.plain = False, True
+                a.ready, a.proposal, a.ready_at = True, None, now
+                return
             a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget,
                                   feature_layers=a.gen.feature_layers)
             if a.seq is not None:
@@ -420,11 +427,14 @@ class Scheduler:
         times = self._profile(a, end)
         if a.depth is not None and a.proposal is not None and n is not None and not a.budget:
             a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
+        if a.plain:
+            s.plain_rounds += 1
+            a.depth.observe_plain(times)
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
             self.metrics.on_round(s.drafted - counts[1], s.accepted - counts[2], len(a.gen.tokens) - counts[4],
-                                  s.fallback_rounds > counts[3], a.budget)
+                                  s.fallback_rounds > counts[3], a.budget, plain=a.plain)
             self.metrics.active.set(len(self.active))
             self.metrics.queued.set(self.jobs.qsize())
         a.ready, a.proposal = False, None

@@ -34,25 +34,33 @@ class OracleBackend(DraftBackend):
         return Draft(truth if self.right else [(t + 1) % self.vocab_size for t in truth])
 
 
-@pytest.mark.parametrize("right", [True, False], ids=["always-right", "always-wrong"])
-def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_is_wrong(right, loaded_target):
-    engine = TargetEngine(loaded_target, depth=6)
+def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_token_s: float = 0.001):
+    """The target's greedy tokens for a code prompt, and the same generation through a draft
+    daemon serving an oracle drafter (adaptive speculation on, as the product's default)."""
+    engine = TargetEngine(loaded_target, depth=depth)
     prompt = engine.encode("def parse(line):\n    ")
-    # 96 tokens: the controller weighs measured costs, so one round slowed by the machine may
-    # choose a shorter draft; over 14 rounds that one round does not decide the mean
-    ref = engine.generate(prompt, 96, SamplingParams()).token_ids
-    backend = OracleBackend(loaded_target.vocab_size, loaded_target.fingerprint, prompt + ref, right)
-    with running_server(backend, max_depth=6) as (server, ctx):
+    ref = engine.generate(prompt, tokens, SamplingParams()).token_ids
+    backend = OracleBackend(loaded_target.vocab_size, loaded_target.fingerprint, prompt + ref, right, per_token_s)
+    with running_server(backend, max_depth=depth) as (server, ctx):
         client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
         client.handshake(10)
-        r = speculate(engine, client, prompt, 96, SamplingParams(), 30)
+        r = speculate(engine, client, prompt, tokens, SamplingParams(), 30, adaptive_speculation=True)
         client.close()
+    return ref, r
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["always-right", "always-wrong"])
+def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_is_wrong(right, loaded_target):
+    # 96 tokens: the controller weighs measured costs, so one round slowed by the machine may
+    # choose a shorter draft; over 14 rounds that one round does not decide the mean
+    ref, r = _oracle_generation(loaded_target, 6, 96, right)
     assert r.token_ids == ref and r.stats.fallback_rounds == 0
     requests = r.stats.rounds
     mean_asked = r.stats.asked_tokens / requests
     if right:
         assert r.stats.accepted == r.stats.drafted > 0
         assert mean_asked > 5.0, (mean_asked, r.stats)  # near the cap of 6
+        assert r.stats.plain_rounds == 0  # 7 tokens a round: never worth giving up
     else:
         assert r.stats.accepted == 0 and r.stats.drafted > 0
         assert mean_asked < 2.0, (mean_asked, r.stats)  # one draft most rounds
@@ -69,7 +77,7 @@ def test_the_choice_weighs_acceptance_against_the_cost_per_draft():
     for _ in range(20):  # every draft kept, drafts cheap beside the rest of the round
         sure.observe(4, 4, 4, _times(wall=0.060, drafting=0.004))
     assert sure.acceptance > 0.95 and sure.choose(8) == 8
-    unsure = AdaptiveDepth()
+    unsure = AdaptiveDepth(plain=False)  # a draft every round (a round without any: the tests below)
     for _ in range(20):  # every first draft rejected
         unsure.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
     assert unsure.acceptance < 0.1 and unsure.choose(8) == 1
@@ -89,3 +97,114 @@ def test_rounds_without_a_report_teach_nothing():
     ctl.observe(4, 4, 1, split_round(0.05, 0.01, None, 0.03, 0.0))  # a request given up, or an older daemon
     assert ctl.per_token_s is None and ctl.choose(4) == 4
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
+
+
+def _plain_times(wall):
+    return split_round(wall, 0.0, None, forward=wall, math=0.0, waited=False)
+
+
+def test_no_drafts_where_the_target_alone_is_faster_with_probe_rounds_that_back_off():
+    """Rounds with drafts that keep little and cost much: the controller runs rounds without
+    drafts, asks again in probe rounds (after 8, then 16, 32 ... plain rounds), and goes back to
+    drafts once a probe shows them ahead."""
+    from starsd_target.depth import PROBE_FIRST, PROBE_MAX
+
+    ctl = AdaptiveDepth()
+    for _ in range(10):  # every first draft rejected, 20 ms of drafting in a 60 ms round
+        ctl.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
+    choices = []
+    for _ in range(400):
+        d = ctl.choose(4)
+        choices.append(d)
+        if d == 0:
+            ctl.observe_plain(_plain_times(0.030))  # the target alone: 30 ms a token
+        else:
+            ctl.observe(d, d, 0, _times(wall=0.050, drafting=0.010))
+    probes = [i for i, d in enumerate(choices) if d > 0]
+    assert choices[0] == 0 and len(probes) >= 4
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # plain rounds between probes
+    assert gaps[0] >= PROBE_FIRST and all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:]))
+    assert max(gaps) <= PROBE_MAX + 1 and max(gaps) >= 4 * PROBE_FIRST
+    # the drafts get good (the text turned to one the draft knows): the next probe switches back
+    for _ in range(30):
+        ctl.observe(4, 4, 4, _times(wall=0.060, drafting=0.010))
+    assert [ctl.choose(4) for _ in range(5)] == [4] * 5
+
+
+def test_a_choice_holds_until_the_other_side_leads_by_the_margin():
+    from starsd_target.depth import SWITCH_MARGIN
+
+    ctl = AdaptiveDepth()
+    for _ in range(30):  # one draft in two kept: E(a, 1) = 1.5 tokens in a 60 ms round (25 tok/s)
+        ctl.observe(1, 1, 1, _times(wall=0.060, drafting=0.010))
+        ctl.observe(1, 1, 0, _times(wall=0.060, drafting=0.010))
+    a, c, f = ctl.acceptance, ctl.per_token_s, ctl.fixed_s
+    rate = max(expected_tokens(a, d) / (f + c * d) for d in range(1, 3))
+    # a target alone that is slightly faster does not win the round...
+    ctl.alone_s = 1.0 / (rate * (1 + SWITCH_MARGIN / 2))
+    assert ctl.choose(2) > 0
+    # ... one faster by more than the margin does, and keeps it while the lead stays within the margin
+    ctl.alone_s = 1.0 / (rate * (1 + 2 * SWITCH_MARGIN))
+    assert ctl.choose(2) == 0
+    ctl.alone_s = 1.0 / (rate * (1 - SWITCH_MARGIN / 2))
+    assert ctl.choose(2) == 0
+    ctl.alone_s = 1.0 / (rate * (1 - 2 * SWITCH_MARGIN))
+    assert ctl.choose(2) > 0
+
+
+def test_without_adaptive_speculation_every_round_drafts():
+    ctl = AdaptiveDepth(plain=False)
+    for _ in range(10):
+        ctl.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
+    ctl.alone_s = 0.001
+    assert all(ctl.choose(4) >= 1 for _ in range(50))
+
+
+def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exact(loaded_target):
+    """End to end through a draft daemon: drafts that are always wrong and cost 15 ms a token.
+    Most rounds run without drafts (counted as plain_rounds, not as fallback rounds); probe rounds
+    still ask; the tokens are the target's own."""
+    ref, r = _oracle_generation(loaded_target, 4, 64, right=False, per_token_s=0.015)
+    assert r.token_ids == ref and r.stats.fallback_rounds == 0
+    assert r.stats.plain_rounds > r.stats.rounds // 2, r.stats
+    assert r.stats.drafted > 0 and r.stats.accepted == 0  # the first rounds and the probes asked
+
+
+def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_plain_rounds(star, tiny_target,
+                                                                                            tiny_draft):
+    """The daemons as a user runs them, with ``--adaptive-speculation`` (the product's default,
+    off elsewhere in the tests): an unrelated draft whose tokens are mostly rejected, beside tiny
+    models whose target alone is faster. Two generations at once keep the target's own greedy
+    tokens; their rounds run mostly without drafts, counted as plain rounds in each result and
+    in the metrics, none as fallback rounds; the first rounds and the probes still drafted."""
+    import urllib.request
+
+    from common.sockets import free_tcp_endpoint, free_tcp_port
+    from fakes import run_concurrently
+    from tiny_models import reference_greedy
+
+    draft_ep = star.draftd(tiny_draft)
+    target_ep, metrics = free_tcp_endpoint(), free_tcp_port()
+    star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
+               target_ep, "--depth", "4", "--adaptive-speculation", "--metrics-port", str(metrics))
+    star.wait_ready("t0", target_ep)
+    engine = TargetEngine(loaded_target_of(tiny_target))
+    prompts = [engine.encode("def parse(line):\n    "), engine.encode("class Point:\n")]
+    results = run_concurrently([target_ep, target_ep], [{"id": i + 1, "prompt_ids": p, "max_tokens": 64}
+                                                        for i, p in enumerate(prompts)])
+    plain = 0
+    for p, res in zip(prompts, results):
+        s = res["stats"]
+        assert res["token_ids"] == reference_greedy(tiny_target, p, 64)
+        assert s["fallback_rounds"] == 0 and s["drafted"] > 0
+        assert s["plain_rounds"] > s["rounds"] // 2, s
+        plain += s["plain_rounds"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert f"starsd_target_plain_rounds_total {float(plain)}" in text
+
+
+def loaded_target_of(path):
+    from common.models import load_causal_lm
+
+    return load_causal_lm(str(path))
