@@ -90,8 +90,8 @@ def test_a_case_sends_the_prompts_streams_at_a_time_and_diffs_the_spec_counters(
 # ---------------------------------------------------------------- the report
 def _starsd_phase(jobs):
     return {"wall_s": 2.0, "results": [[{"token_ids": ids, "stats": {"rounds": r, "fallback_rounds": f,
-                                                                   "finish_reason": "length"}}]
-                                       for ids, r, f in jobs]}
+                                                                   "plain_rounds": p, "finish_reason": "length"}}]
+                                       for ids, r, f, p in jobs]}
 
 
 def _vllm_case(streams, outputs, drafts, accepted, wall):
@@ -103,8 +103,8 @@ def _vllm_case(streams, outputs, drafts, accepted, wall):
 @pytest.fixture
 def blocks():
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
-    alone = rep.starsd_case(1, [_starsd_phase([(a, 4, 0)]), _starsd_phase([(b, 4, 0)])])
-    spec = rep.starsd_case(1, [_starsd_phase([(a, 2, 0)]), _starsd_phase([(b, 3, 1)])])
+    alone = rep.starsd_case(1, [_starsd_phase([(a, 4, 0, 0)]), _starsd_phase([(b, 4, 0, 0)])])
+    spec = rep.starsd_case(1, [_starsd_phase([(a, 2, 0, 1)]), _starsd_phase([(b, 3, 1, 1)])])
     return [
         {"system": "vllm", "mode": "spec", "cores": [0, 1], "dtype": "float32", "label": "v-spec2",
          "start": {"import_s": 9.0, "engine_init_s": 40.0, "first_generation_s": 1.0, "warmup_tokens": 8,
@@ -129,6 +129,7 @@ def test_rows_put_the_reference_first_and_count_rounds_the_same_way_for_both(blo
     assert s_alone["vs_starsd_alone"] is None and s_alone["fallback_rounds"] is None
     assert s_alone["total_tps"] == pytest.approx(8 / 4.0)
     assert s_spec["kept_per_round"] == pytest.approx(8 / 5) and s_spec["fallback_rounds"] == 1
+    assert s_spec["plain_rounds"] == 2 and s_alone["plain_rounds"] is None and v_spec["plain_rounds"] is None
     assert s_spec["vs_starsd_alone"] == {"identical": 2, "of": 2, "mean_common_prefix": 4.0}
     assert v_alone["kept_per_round"] == 1.0 and v_alone["vllm_mean_acceptance_length"] is None
     # vLLM with drafts: 3 draft rounds + 2 prefill steps for 8 tokens; its own metric 1 + 3/3
@@ -144,16 +145,17 @@ def test_the_summary_and_markdown_state_identity_fallbacks_and_first_starts(bloc
     s = rep.summary(rows)
     assert s["starsd_spec_equals_starsd_alone"] == {"identical": 2, "of": 2}
     assert s["vllm_equals_starsd_alone"] == {"identical": 3, "of": 4}
-    assert s["starsd_fallback_rounds"] == 1
+    assert s["starsd_fallback_rounds"] == 1 and s["starsd_plain_rounds"] == 2
     report = {"created": "now", "machine": {"cpu": "X", "usable_cores": 2, "memory_gib": 8, "torch": "2"},
               "vllm_version": "0.32.0", "vllm_torch": "2", "config": {"prompts": 2, "max_tokens": 4, "depth": 4},
               "rows": rows, "summary": s, "blocks": blocks, "notes": ["a note"]}
     md = rep.format_markdown(report)
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert len(table) == 2 + 4 and all(ln.count("|") == table[0].count("|") for ln in table)
-    assert "1 of 5" in md and "n/a (co-located)" in md and "(reference)" in md
+    assert "1 of 5" in md and "2 of 5" in md and "n/a (co-located)" in md and "(reference)" in md
     assert "vLLM's metric 2.00" in md and "1/2 (common prefix 3)" in md
-    assert "identical to its target alone: 2/2" in md and "StarSD rounds without drafts: 1" in md
+    assert "identical to its target alone: 2/2" in md and "StarSD fallback rounds (drafts wanted, none in time): 1" in md
+    assert "rounds its adaptive speculation ran on the target alone: 2" in md
     assert "engine start 40.0 s" in md and "ready 10.0 s" in md and "- a note" in md
 
 
@@ -172,8 +174,8 @@ def test_each_starsd_dtype_is_compared_with_its_own_target_alone(blocks):
     dtype's target alone; the second dtype's target alone and vLLM to the first's (reported)."""
     a = [1, 2, 3, 4]
     other = [dict(b, dtype="bf16-weights", label=b["label"] + "-bf16") for b in blocks if b["system"] == "starsd"]
-    other[0] = dict(other[0], cases=[rep.starsd_case(1, [_starsd_phase([(a, 2, 0)]), _starsd_phase([([5, 6, 0, 0], 2, 0)])])])
-    other[1] = dict(other[1], cases=[rep.starsd_case(1, [_starsd_phase([(a, 4, 0)]), _starsd_phase([([5, 6, 0, 0], 4, 0)])])])
+    other[0] = dict(other[0], cases=[rep.starsd_case(1, [_starsd_phase([(a, 2, 0, 0)]), _starsd_phase([([5, 6, 0, 0], 2, 0, 0)])])])
+    other[1] = dict(other[1], cases=[rep.starsd_case(1, [_starsd_phase([(a, 4, 0, 0)]), _starsd_phase([([5, 6, 0, 0], 4, 0, 0)])])])
     rows = rep.build_rows(blocks + other, max_tokens=4)
     by = {(r["system"], r["mode"], r["dtype"]): r for r in rows}
     assert by[("starsd", "alone", "fp16-weights")]["vs_starsd_alone"] is None  # the first run's: the reference

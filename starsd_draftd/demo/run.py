@@ -57,7 +57,7 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
 
     def worker(i: int, ep: str) -> None:
         acc = {"tokens": 0, "wall_s": 0.0, "rounds": 0, "drafted": 0, "accepted": 0, "fallback_rounds": 0,
-               "texts": []}
+               "plain_rounds": 0, "texts": []}
         try:
             with ControlClient(ep, ctx) as cc:
                 for j in range(cfg.prompts_per_target):
@@ -70,8 +70,8 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
                     s = stats["stats"]
                     acc["tokens"] += s["generated"]
                     acc["wall_s"] += s["wall_s"]
-                    for k in ("rounds", "drafted", "accepted", "fallback_rounds"):
-                        acc[k] += s[k]
+                    for k in ("rounds", "drafted", "accepted", "fallback_rounds", "plain_rounds"):
+                        acc[k] += s.get(k, 0)
                     acc["texts"].append(stats["text"])
         except BaseException as exc:  # reported to the caller below
             failures.append(exc)
@@ -239,6 +239,7 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topo
                 "mean_accepted_length": s["tokens"] / s["rounds"] if s["rounds"] else 0.0,
                 "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
                 "fallback_rounds": s["fallback_rounds"],
+                "plain_rounds": s["plain_rounds"],
                 "same_text_as_alone": s["texts"] == a["texts"] if cfg.temperature == 0.0 else None,
                 "texts": s["texts"],
             }
@@ -266,14 +267,14 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topo
 def format_table(report: dict) -> str:
     names = report["config"]["backends"]
     head = f"{'':10} {'draft':>6} {'tok/s':>8} {'alone tok/s':>12} {'speedup':>8} {'mean acc len':>13} " \
-           f"{'accept %':>9} {'no-draft rounds':>16}"
+           f"{'accept %':>9} {'fallback rounds':>16} {'alone by choice':>16}"
     lines = [head, "-" * len(head)]
     for r in report["targets"]:
         for name in names:
             b = r["backends"][name]
             lines.append(f"{r['target']:10} {name:>6} {b['tokens_per_s']:8.1f} {r['alone_tokens_per_s']:12.1f} "
                          f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f} {100 * b['acceptance_rate']:8.1f}% "
-                         f"{b['fallback_rounds']:16d}")
+                         f"{b['fallback_rounds']:16d} {b['plain_rounds']:16d}")
     lines.append("-" * len(head))
     s = report["system"]
     for name in names:

@@ -40,6 +40,7 @@ def starsd_case(streams: int, phases: list[dict]) -> dict:
                 s = j["stats"]
                 outputs.append({"token_ids": list(j["token_ids"]), "finish_reason": s.get("finish_reason"),
                                 "rounds": s["rounds"], "fallback_rounds": s["fallback_rounds"],
+                                "plain_rounds": s.get("plain_rounds", 0),
                                 "drafted": s.get("drafted", 0), "accepted": s.get("accepted", 0)})
     return {"streams": streams, "wall_s": sum(ph["wall_s"] for ph in phases),
             "tokens": sum(len(o["token_ids"]) for o in outputs), "outputs": outputs}
@@ -59,19 +60,20 @@ def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max
     spec = block["mode"] == "spec"
     if system == "vllm":
         rounds = vllm_rounds(case, spec)
-        fallback = None  # co-located: every step drafts
+        fallback = plain = None  # co-located: every step drafts
         c = case["spec"]
         own = 1.0 + c["accepted_tokens"] / c["drafts"] if spec and c["drafts"] else None
     else:
         rounds = sum(o["rounds"] for o in case["outputs"])
         fallback = sum(o["fallback_rounds"] for o in case["outputs"]) if spec else None
+        plain = sum(o.get("plain_rounds", 0) for o in case["outputs"]) if spec else None
         own = None
     tps = case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
     return {"system": system, "mode": block["mode"], "cores": block["cores"], "dtype": block["dtype"],
             "label": block["label"], "streams": case["streams"], "tokens": case["tokens"], "wall_s": case["wall_s"],
             "total_tps": tps, "per_stream_tps": tps / case["streams"], "rounds": rounds,
             "kept_per_round": case["tokens"] / rounds if rounds else None,
-            "vllm_mean_acceptance_length": own, "fallback_rounds": fallback,
+            "vllm_mean_acceptance_length": own, "fallback_rounds": fallback, "plain_rounds": plain,
             "stopped_early": sum(len(o["token_ids"]) < max_tokens for o in case["outputs"]),
             "vs_starsd_alone": compare_outputs(case["outputs"], reference)}
 
@@ -113,7 +115,8 @@ def summary(rows: list[dict]) -> dict:
 
     return {"starsd_spec_equals_starsd_alone": tally(lambda r: r["system"] == "starsd" and r["mode"] == "spec"),
             "vllm_equals_starsd_alone": tally(lambda r: r["system"] == "vllm"),
-            "starsd_fallback_rounds": sum(r["fallback_rounds"] or 0 for r in rows if r["system"] == "starsd")}
+            "starsd_fallback_rounds": sum(r["fallback_rounds"] or 0 for r in rows if r["system"] == "starsd"),
+            "starsd_plain_rounds": sum(r.get("plain_rounds") or 0 for r in rows if r["system"] == "starsd")}
 
 
 def _cores(cores: list[int]) -> str:
@@ -127,7 +130,7 @@ def _fmt(x, spec: str = ".1f", none: str = "n/a") -> str:
 def format_table(report: dict) -> str:
     """The rows as one Markdown table."""
     head = ("| streams | system | mode | cores | dtype | tok/s total | tok/s per stream | tokens kept per round "
-            "| rounds without drafts | output = StarSD target alone |")
+            "| fallback rounds | rounds on the target alone by choice | output = StarSD target alone |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in report["rows"]:
         cmp = r["vs_starsd_alone"]
@@ -138,10 +141,11 @@ def format_table(report: dict) -> str:
             kept += f" (vLLM's metric {r['vllm_mean_acceptance_length']:.2f})"
         fallback = "n/a (co-located)" if r["system"] == "vllm" and r["mode"] == "spec" else (
             "-" if r["fallback_rounds"] is None else f"{r['fallback_rounds']} of {r['rounds']}")
+        plain = "-" if r.get("plain_rounds") is None else f"{r['plain_rounds']} of {r['rounds']}"
         system = "StarSD" if r["system"] == "starsd" else "vLLM"
         lines.append(f"| {r['streams']} | {system} | {'speculative' if r['mode'] == 'spec' else 'target alone'} "
                      f"| {_cores(r['cores'])} | {r['dtype']} | {r['total_tps']:.1f} | {r['per_stream_tps']:.1f} "
-                     f"| {kept} | {fallback} | {same} |")
+                     f"| {kept} | {fallback} | {plain} | {same} |")
     return "\n".join(lines)
 
 
@@ -176,7 +180,8 @@ def format_markdown(report: dict) -> str:
     if sa is not None:
         out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"
                    + ("" if sa["identical"] == sa["of"] else " (NOT all)")
-                   + f"; StarSD rounds without drafts: {s['starsd_fallback_rounds']}.")
+                   + f"; StarSD fallback rounds (drafts wanted, none in time): {s['starsd_fallback_rounds']}; "
+                   f"rounds its adaptive speculation ran on the target alone: {s.get('starsd_plain_rounds', 0)}.")
     if va is not None:
         out.append(f"vLLM's greedy outputs identical to StarSD's target alone: {va['identical']}/{va['of']} "
                    "(reported, not required: other kernels, other dtypes).")
