@@ -36,11 +36,11 @@ def model_options(f):
                     "the rest of a round); off: --depth every round. Seeded sampled generations keep --depth, so that "
                     "a seed gives the same tokens at any speed."),
         option("--adaptive-speculation/--no-adaptive-speculation", default=_d.adaptive_speculation,
-               help="With --adaptive-depth: a round may ask for no drafts at all, where the generation's rounds on "
-                    "the target alone are measured to produce more tokens per second (a target batching several "
-                    "generations, a saturated draft daemon, a text the draft does not know); a probe round with "
-                    "drafts every 8 to 128 such rounds re-measures. Counted apart from fallback rounds "
-                    "(plain_rounds). Off: every round asks for at least one draft."),
+               help="Experimental, off by default. With --adaptive-depth: the target's adaptive generations run "
+                    "their rounds without drafts, all together, where such rounds were measured to produce more "
+                    "tokens per second than rounds with drafts; probes of 3 rounds the other way re-measure, after "
+                    "8 to 128 rounds. Counted as plain_rounds, apart from fallback rounds. On the demo pair it has "
+                    "not yet shown a gain (docs/bench.md)."),
         option("--draft-tokens", type=click.IntRange(1, 256), default=_d.draft_tokens,
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "

@@ -61,7 +61,7 @@ class TargetConfig:
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
-    adaptive_speculation: bool = True  # ...and may be 0 where the target alone is measured faster
+    adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
 
 

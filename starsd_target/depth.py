@@ -19,19 +19,23 @@ estimate follows the text (code the draft knows, prose it does not). ``c`` and `
 exponentially weighted means. The length is chosen in 1..the cap (``--depth``, or the request's
 ``max_draft_tokens``); until a round has been measured the cap is used.
 
-**No drafts at all** (``plain``, the target daemon's ``--adaptive-speculation``): a round that
-asks for none keeps one token and lasts ``T0``, the generation's own rounds on the target alone,
-which run at once (no wire, no draft daemon) and share a forward with other generations' rounds.
-Where ``1 / T0`` beats the best ``E(a, d) / (F + c d)``, the round runs without drafts: a target
-batching several generations' decode steps, a draft daemon saturated by other targets, or a text
-the draft does not know. ``T0`` is measured on such rounds, and estimated from the rounds with
-drafts (their wall time less the draft wait: a slight over-estimate, since verifying 1 + d tokens
-costs a little more than one); the lower of the two is used, as each is measured only on its own
-kind of round and a high outlier in one must not rule that kind out for good. A choice holds
-until the other side leads by ``SWITCH_MARGIN`` (no flapping on noise). While running without
-drafts, ``a``, ``c`` and ``F`` are not measured: a probe round asks for drafts after
-``PROBE_FIRST`` rounds, and each probe that confirms the choice doubles the wait, up to
-``PROBE_MAX``.
+**No drafts at all** (``PlainOrDrafts``, the target daemon's ``--adaptive-speculation``,
+experimental and off by default: docs/bench.md shows no gain yet on the demo pair): a round that
+asks for none keeps one token, starts at once (no wire, no draft daemon) and shares one forward
+with the other generations' rounds. The choice is the target's, for all its adaptive generations
+together: one generation drafting while another does not slows the other's rounds (a 5-token
+verification beside its 1-token step), and plain rounds are only as cheap as they can be when
+all are plain. Each generation measures the tokens per second of its rounds of each kind
+(weighted tokens over weighted seconds, each round's wall time from the end of the one before;
+a generation's first drafted round and the first after plain ones are not counted, as they pay
+the draft daemon's catch-up); where the sum of their rates without drafts beats the sum with by
+``SWITCH_MARGIN``, they all run without (and the reverse). The model above is not used for this:
+it predicts a round's length well enough to choose ``d``, but not the rate a plain round reaches
+beside the others. Each side is measured only while chosen, so the other is probed: after
+``PROBE_FIRST`` rounds per generation, every generation runs ``PROBE_ROUNDS`` rounds the other
+way, all at once so that plain rounds share their forward as they would; each probe that
+confirms the choice doubles the wait, up to ``PROBE_MAX``. A generation that has not yet been
+measured drafting drafts.
 
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
@@ -48,8 +52,10 @@ PRIOR_ROUNDS = 2.0
 DISCOUNT = 0.9  # weight of the previous estimate per round
 SMOOTHING = 0.3  # weight of a new cost sample
 SWITCH_MARGIN = 0.05  # drafts or none: the other side must lead by this much to change the choice
-PROBE_FIRST = 8  # rounds without drafts before a probe round asks for them again,
+PROBE_FIRST = 8  # rounds per generation before a probe round goes the other way,
 PROBE_MAX = 128  # doubling after each probe that confirmed the choice, up to this
+PROBE_ROUNDS = 3  # rounds per generation a probe goes the other way
+RATE_SMOOTHING = 0.1  # weight of a new round in the measured rates (rounds vary in tokens kept)
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -61,17 +67,19 @@ class AdaptiveDepth:
     """One generation's draft-length controller: ``choose(cap)`` before a round asks for
     drafts, ``observe(...)`` once it has been verified."""
 
-    def __init__(self, prior: float = PRIOR_ACCEPTANCE, plain: bool = True):
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE):
         self.kept = prior * PRIOR_ROUNDS  # discounted acceptances,
         self.trials = PRIOR_ROUNDS  # and discounted trials (acceptances plus rejections)
         self.per_token_s: float | None = None  # c
         self.fixed_s: float | None = None  # F
-        self.plain = plain  # a round may ask for no drafts at all
-        self.alone_s: float | None = None  # T0, measured on rounds without drafts
-        self.alone_guess_s: float | None = None  # T0 as estimated from rounds with drafts
-        self.plain_streak = 0  # rounds without drafts since the last round that asked for some
-        self.probe_after = PROBE_FIRST  # rounds without drafts before the next probe
-        self.running_plain = False  # the choice stands at no drafts (probe rounds aside)
+        # for adaptive speculation, its rounds with drafts and without as weighted (tokens,
+        # seconds, rounds so far), None before the first: a mean of the rounds until there are
+        # 1 / RATE_SMOOTHING of them (one odd first round does not linger), then exponential
+        self.drafted: tuple[float, float, int] | None = None
+        self.alone: tuple[float, float, int] | None = None
+        # its next round with drafts pays a catch-up at the draft daemon, not counted: the first
+        # one carries the prompt's prefill there, one after plain rounds the tokens they added
+        self.catching_up = True
         self.last = 0  # the length chosen last
 
     @property
@@ -89,47 +97,99 @@ class AdaptiveDepth:
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
-        self.alone_guess_s = _ewma(self.alone_guess_s, max(times.wall - times.draft_wait, 0.0))
+        if not self.catching_up:
+            self.drafted = _ewma2(self.drafted, kept + 1, times.wall)
+        self.catching_up = False
 
     def observe_plain(self, times: RoundTimes) -> None:
         """A round this controller chose to run without drafts (``choose`` gave 0), ``times`` its parts."""
-        self.alone_s = _ewma(self.alone_s, times.wall)
+        self.alone = _ewma2(self.alone, 1, times.wall)
+        self.catching_up = True
+
+    def best(self, cap: int) -> tuple[int, float | None]:
+        """The length in 1..cap that maximises expected tokens per second, and that rate (None:
+        nothing measured yet, the cap)."""
+        if self.per_token_s is None or self.fixed_s is None:
+            return cap, None
+        best = max(range(1, max(cap, 1) + 1), key=lambda d: (self._rate(d), -d))
+        return best, self._rate(best)
+
+    def _rate(self, d: int) -> float:
+        return expected_tokens(self.acceptance, d) / (max(self.fixed_s, 1e-6) + self.per_token_s * d)
+
+    def drafted_rate(self) -> float | None:
+        """Measured tokens per second of its rounds with drafts (None: none yet)."""
+        return _rate_of(self.drafted)
+
+    def plain_rate(self) -> float | None:
+        """Measured tokens per second of its rounds without drafts (None: none yet)."""
+        return _rate_of(self.alone)
 
     def choose(self, cap: int) -> int:
-        """The draft length for the next round, in 0..cap (0: no drafts; always 0 when cap is 0)."""
-        if cap <= 0 or self.per_token_s is None or self.fixed_s is None:
-            self.last = max(cap, 0)
-            return self.last
-        a, c, f = self.acceptance, self.per_token_s, max(self.fixed_s, 1e-6)
-        best = max(range(1, cap + 1), key=lambda d: (expected_tokens(a, d) / (f + c * d), -d))
-        choice = self._plain_or(best, expected_tokens(a, best) / (f + c * best))
-        self.last = choice
-        return choice
+        """The draft length for the next round, in 1..cap (0 when cap is 0)."""
+        self.last = max(cap, 0) if cap <= 0 else self.best(cap)[0]
+        return self.last
 
-    def _plain_or(self, best: int, rate: float) -> int:
-        """0 where a round without drafts is expected to produce more tokens per second than
-        ``best`` drafts at ``rate``, else ``best``; with hysteresis and probe rounds."""
-        # the lower of the two: a plain round that happened to carry another generation's prefill
-        # chunk must not rule plain rounds out for good (they are measured only when chosen)
-        alone = min((t for t in (self.alone_s, self.alone_guess_s) if t is not None), default=None)
-        if not self.plain or alone is None:
-            return best
-        plain_rate = 1.0 / max(alone, 1e-6)
-        if self.running_plain:
-            if rate > plain_rate * (1.0 + SWITCH_MARGIN):  # drafts lead again (a probe showed it)
-                self.running_plain, self.plain_streak, self.probe_after = False, 0, PROBE_FIRST
-                return best
-            self.plain_streak += 1
-            if self.plain_streak > self.probe_after:  # re-measure the drafts' side
-                self.plain_streak = 0
-                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-                return best
-            return 0
-        if plain_rate > rate * (1.0 + SWITCH_MARGIN):
-            self.running_plain, self.plain_streak = True, 1
-            return 0
-        return best
+
+class PlainOrDrafts:
+    """Target-wide: whether the adaptive generations' next rounds ask for drafts or run on the
+    target alone (see the module's docstring). ``plain_for(key, members)`` before one of them
+    asks: ``members`` maps every adaptive generation (its key) to its controller and cap."""
+
+    def __init__(self):
+        self.plain = False  # the choice stands at no drafts (probe rounds aside)
+        self.streak = 0  # rounds, all generations together, since the last probe or switch
+        self.probe_after = PROBE_FIRST  # rounds per generation before the next probe
+        self.probing: dict = {}  # generations in a probe: rounds of it left
+        self.switches = 0  # changes of the choice,
+        self.probes = 0  # and probe waves, for STATS and tests
+
+    def plain_for(self, key, members: dict) -> bool:
+        self.probing = {k: n for k, n in self.probing.items() if k in members}  # those that finished
+        if key in self.probing:  # a probe round goes the other way
+            self.probing[key] -= 1
+            if self.probing[key] <= 0:
+                del self.probing[key]
+            return not self.plain
+        if members[key][0].drafted_rate() is None:
+            return False  # this generation has not drafted a round yet: it does now
+        spec = plain = 0.0
+        both = True  # every generation measured both ways (those yet to draft aside)
+        for ctl, _cap in members.values():
+            rate, alone = ctl.drafted_rate(), ctl.plain_rate()
+            if rate is None:
+                continue
+            if alone is None:
+                both = False
+                continue
+            spec, plain = spec + rate, plain + alone
+        if both and ((spec > plain * (1.0 + SWITCH_MARGIN)) if self.plain
+                     else (plain > spec * (1.0 + SWITCH_MARGIN))):
+            self.plain, self.streak, self.probe_after = not self.plain, 0, PROBE_FIRST
+            self.switches += 1
+            return self.plain
+        self.streak += 1
+        if self.streak > self.probe_after * len(members):  # measure the other side, all at once
+            self.streak = 0
+            self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+            self.probing = {k: PROBE_ROUNDS - (k == key) for k in members}  # this round is the key's first
+            self.probing = {k: n for k, n in self.probing.items() if n > 0}
+            self.probes += 1
+            return not self.plain
+        return self.plain
 
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + SMOOTHING * (new - old)
+
+
+def _ewma2(old: tuple[float, float, int] | None, tokens: float, seconds: float) -> tuple[float, float, int]:
+    if old is None:
+        return float(tokens), seconds, 1
+    n = old[2] + 1
+    w = max(RATE_SMOOTHING, 1.0 / n)
+    return old[0] + w * (tokens - old[0]), old[1] + w * (seconds - old[1]), n
+
+
+def _rate_of(m: tuple[float, float, int] | None) -> float | None:
+    return None if m is None else m[0] / max(m[1], 1e-6)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ from typing import Callable
 
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
-from starsd_target.depth import AdaptiveDepth
+from starsd_target.depth import AdaptiveDepth, PlainOrDrafts
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile, RoundTimes, split_round
@@ -92,6 +93,7 @@ class _Active:
     asked: int = 0  # drafts the request in flight (or the last one) asked for
     budget: int = 0  # the tree tokens it asked for (0: a chain)
     plain: bool = False  # its controller chose this round to run without drafts (the target alone was faster)
+    key: int = field(default_factory=itertools.count().__next__)  # unique for the daemon's life (ids are reused)
 
     @property
     def verifiable(self) -> bool:
@@ -102,10 +104,11 @@ class _Active:
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
                  max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0,
-                 adaptive_depth: bool = True, adaptive_speculation: bool = True):
+                 adaptive_depth: bool = True, adaptive_speculation: bool = False):
         self.engine = engine
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
-        self.adaptive_speculation = adaptive_speculation  # ...and may be none where the target alone is faster
+        # ...and may be none, for all adaptive generations together, where the target alone is faster
+        self.speculation = PlainOrDrafts() if adaptive_speculation else None
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -166,7 +169,10 @@ class Scheduler:
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
                 "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
-                "batched_rounds": self.batched_rounds}
+                "batched_rounds": self.batched_rounds,
+                "adaptive_speculation": None if self.speculation is None else
+                {"plain": self.speculation.plain, "switches": self.speculation.switches,
+                 "probes": self.speculation.probes}}
 
     def _refusal(self) -> ShuttingDown:
         if self.failure is not None:
@@ -287,8 +293,7 @@ class Scheduler:
         # rounds, so a length that followed measured times would make the same seed give other
         # tokens at another speed. Greedy output does not depend on the length at all.
         adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
-        depth = AdaptiveDepth(plain=self.adaptive_speculation) if adapt else None
-        self.active.append(_Active(job, gen, drafts, depth=depth))
+        self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
 
     def _request_drafts(self) -> None:
         """Draft requests for the generations that want one. One whose drafter needs features
@@ -301,8 +306,18 @@ class Scheduler:
             with self._confined(a):
                 self._request(a, now)
 
-    @staticmethod
-    def _request(a: _Active, now: float) -> None:
+    def _plain(self, a: _Active, cap: int) -> bool:
+        """Whether ``a``'s next round runs without drafts (adaptive speculation: the target alone
+        is expected to be faster, all adaptive generations taken together)."""
+        if self.speculation is None:
+            return False
+        members = {o.key: (o.depth, o.gen.draft_depth()) for o in self.active
+                   if o.depth is not None and o.drafts is not None}
+        members = {k: m for k, m in members.items() if m[1] > 0}
+        members[a.key] = (a.depth, cap)
+        return self.speculation.plain_for(a.key, members)
+
+    def _request(self, a: _Active, now: float) -> None:
         depth = a.gen.draft_depth()
         a.wanted = a.drafts is not None and depth > 0
         a.resolved_at, a.reported, a.plain = None, None, False
@@ -311,7 +326,7 @@ class Scheduler:
             # adaptive depth models chains), else a chain of the adaptive length
             budget = a.gen.draft_budget() if a.drafts.trees else 0
             if a.depth is not None and not budget:
-                depth = a.depth.choose(depth)
+                depth = 0 if self._plain(a, depth) else a.depth.choose(depth)
             a.asked, a.budget = depth, budget
             if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
                 a.wanted, a.plain = False, True

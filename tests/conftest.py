@@ -6,11 +6,6 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The tiny test models make the target alone faster than any round with drafts, so adaptive
-# speculation would (rightly) run most rounds without drafts, and the tests of the speculation
-# path would exercise little of it. Target daemons started by the tests therefore ask for drafts
-# every round; the tests of adaptive speculation turn it on by flag (test_adaptive_depth.py).
-os.environ.setdefault("STARSD_TARGET_ADAPTIVE_SPECULATION", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 

@@ -99,7 +99,7 @@ def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.
               on_round=None, adaptive_speculation: bool = False):
     """One generation through the draft link, driven as the daemons drive it (the scheduler with
     one job): the same rounds, deadlines and link rules as ``starsd-target generate``. Every
-    round asks for drafts unless ``adaptive_speculation`` (see conftest.py)."""
+    round asks for drafts unless ``adaptive_speculation`` (off by default, as in the daemon)."""
     from starsd_target.scheduler import Job, Scheduler
 
     sched = Scheduler(engine, lambda: client, timeout_s, adaptive_speculation=adaptive_speculation)

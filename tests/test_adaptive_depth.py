@@ -34,9 +34,10 @@ class OracleBackend(DraftBackend):
         return Draft(truth if self.right else [(t + 1) % self.vocab_size for t in truth])
 
 
-def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_token_s: float = 0.001):
+def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_token_s: float = 0.001,
+                       plain: bool = True):
     """The target's greedy tokens for a code prompt, and the same generation through a draft
-    daemon serving an oracle drafter (adaptive speculation on, as the product's default)."""
+    daemon serving an oracle drafter, adaptive speculation on where ``plain``."""
     engine = TargetEngine(loaded_target, depth=depth)
     prompt = engine.encode("def parse(line):\n    ")
     ref = engine.generate(prompt, tokens, SamplingParams()).token_ids
@@ -44,7 +45,7 @@ def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_
     with running_server(backend, max_depth=depth) as (server, ctx):
         client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
         client.handshake(10)
-        r = speculate(engine, client, prompt, tokens, SamplingParams(), 30, adaptive_speculation=True)
+        r = speculate(engine, client, prompt, tokens, SamplingParams(), 30, adaptive_speculation=plain)
         client.close()
     return ref, r
 
@@ -53,14 +54,14 @@ def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_
 def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_is_wrong(right, loaded_target):
     # 96 tokens: the controller weighs measured costs, so one round slowed by the machine may
     # choose a shorter draft; over 14 rounds that one round does not decide the mean
-    ref, r = _oracle_generation(loaded_target, 6, 96, right)
+    ref, r = _oracle_generation(loaded_target, 6, 96, right, plain=False)
     assert r.token_ids == ref and r.stats.fallback_rounds == 0
     requests = r.stats.rounds
     mean_asked = r.stats.asked_tokens / requests
     if right:
         assert r.stats.accepted == r.stats.drafted > 0
         assert mean_asked > 5.0, (mean_asked, r.stats)  # near the cap of 6
-        assert r.stats.plain_rounds == 0  # 7 tokens a round: never worth giving up
+        assert r.stats.plain_rounds == 0  # adaptive speculation off
     else:
         assert r.stats.accepted == 0 and r.stats.drafted > 0
         assert mean_asked < 2.0, (mean_asked, r.stats)  # one draft most rounds
@@ -77,7 +78,7 @@ def test_the_choice_weighs_acceptance_against_the_cost_per_draft():
     for _ in range(20):  # every draft kept, drafts cheap beside the rest of the round
         sure.observe(4, 4, 4, _times(wall=0.060, drafting=0.004))
     assert sure.acceptance > 0.95 and sure.choose(8) == 8
-    unsure = AdaptiveDepth(plain=False)  # a draft every round (a round without any: the tests below)
+    unsure = AdaptiveDepth()
     for _ in range(20):  # every first draft rejected
         unsure.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
     assert unsure.acceptance < 0.1 and unsure.choose(8) == 1
@@ -103,61 +104,105 @@ def _plain_times(wall):
     return split_round(wall, 0.0, None, forward=wall, math=0.0, waited=False)
 
 
+def _drive(policy, ctls, rounds, plain_s, drafted):
+    """``rounds`` passes over the generations ``ctls`` (name -> controller), each asking
+    ``policy`` before its round; plain rounds take ``plain_s``, drafted ones are observed by
+    ``drafted(name, controller, d)``. The choices, per generation."""
+    choices = {name: [] for name in ctls}
+    for _ in range(rounds):
+        for name, ctl in ctls.items():
+            members = {n: (c, 4) for n, c in ctls.items()}
+            d = 0 if policy.plain_for(name, members) else ctl.choose(4)
+            choices[name].append(d)
+            if d == 0:
+                ctl.observe_plain(_plain_times(plain_s))
+            else:
+                drafted(name, ctl, d)
+    return choices
+
+
+def _runs(choices, pred):
+    """(start, length) of each run of consecutive choices for which ``pred`` holds."""
+    runs = []
+    for i, d in enumerate(choices):
+        if pred(d):
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
 def test_no_drafts_where_the_target_alone_is_faster_with_probe_rounds_that_back_off():
-    """Rounds with drafts that keep little and cost much: the controller runs rounds without
+    """Rounds with drafts that keep little and cost much: the generation runs rounds without
     drafts, asks again in probe rounds (after 8, then 16, 32 ... plain rounds), and goes back to
     drafts once a probe shows them ahead."""
-    from starsd_target.depth import PROBE_FIRST, PROBE_MAX
+    from starsd_target.depth import PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS, PlainOrDrafts
 
-    ctl = AdaptiveDepth()
+    ctl, policy = AdaptiveDepth(), PlainOrDrafts()
     for _ in range(10):  # every first draft rejected, 20 ms of drafting in a 60 ms round
         ctl.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
-    choices = []
-    for _ in range(400):
-        d = ctl.choose(4)
-        choices.append(d)
-        if d == 0:
-            ctl.observe_plain(_plain_times(0.030))  # the target alone: 30 ms a token
-        else:
-            ctl.observe(d, d, 0, _times(wall=0.050, drafting=0.010))
-    probes = [i for i, d in enumerate(choices) if d > 0]
-    assert choices[0] == 0 and len(probes) >= 4
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # plain rounds between probes
+    choices = _drive(policy, {"g": ctl}, 400, 0.030,
+                     lambda n, c, d: c.observe(d, d, 0, _times(wall=0.050, drafting=0.010)))["g"]
+    # the target alone is unmeasured: probed after 8 rounds, found faster (33 against 20 tok/s)
+    assert choices[PROBE_FIRST] == 0 and all(choices[:PROBE_FIRST]) and policy.plain
+    probes = _runs(choices[PROBE_FIRST:], lambda d: d > 0)
+    assert len(probes) >= 4 and all(n == PROBE_ROUNDS for _, n in probes[:-1])
+    gaps = [b[0] - a[0] - a[1] for a, b in zip(probes, probes[1:])]  # plain rounds between probes
     assert gaps[0] >= PROBE_FIRST and all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:]))
     assert max(gaps) <= PROBE_MAX + 1 and max(gaps) >= 4 * PROBE_FIRST
     # the drafts get good (the text turned to one the draft knows): the next probe switches back
     for _ in range(30):
         ctl.observe(4, 4, 4, _times(wall=0.060, drafting=0.010))
-    assert [ctl.choose(4) for _ in range(5)] == [4] * 5
+    assert [0 if policy.plain_for("g", {"g": (ctl, 4)}) else ctl.choose(4) for _ in range(5)] == [4] * 5
+    assert not policy.plain and policy.switches == 2
+
+
+def test_the_choice_is_the_targets_for_all_its_generations_together():
+    """Two generations: one whose drafts pay on their own, one whose drafts do not. Together the
+    target alone wins (their plain rounds share a forward), so both run without drafts, and both
+    take part in the probes; a generation not yet measured drafts its first round."""
+    from starsd_target.depth import PlainOrDrafts
+
+    good, bad, policy = AdaptiveDepth(), AdaptiveDepth(), PlainOrDrafts()
+    for _ in range(10):
+        good.observe(2, 2, 2, _times(wall=0.050, drafting=0.020))  # all kept: 3 tokens in 50 ms, 60 tok/s
+        bad.observe(2, 2, 0, _times(wall=0.080, drafting=0.020))  # none kept: 1 token in 80 ms
+    for ctl in (good, bad):  # each alone: 1 token in 20 ms (50 tok/s)
+        ctl.observe_plain(_plain_times(0.020))
+    # the good one's drafts win on their own, the sum does not
+    assert good.drafted_rate() > good.plain_rate() and bad.drafted_rate() < bad.plain_rate()
+
+    def drafted(name, ctl, d):
+        ctl.observe(d, d, d if name == "good" else 0, _times(wall=0.080, drafting=0.010 * d))
+
+    choices = _drive(policy, {"good": good, "bad": bad}, 60, 0.020, drafted)
+    assert policy.plain and choices["good"][0] == 0 and choices["bad"][0] == 0
+    assert sum(d == 0 for d in choices["good"]) > 40 and sum(d == 0 for d in choices["bad"]) > 40
+    assert any(choices["good"]) and any(choices["bad"])  # the probes asked both
+    fresh = AdaptiveDepth()
+    assert not policy.plain_for("new", {"good": (good, 4), "bad": (bad, 4), "new": (fresh, 4)})
 
 
 def test_a_choice_holds_until_the_other_side_leads_by_the_margin():
-    from starsd_target.depth import SWITCH_MARGIN
+    from starsd_target.depth import SWITCH_MARGIN, PlainOrDrafts
 
-    ctl = AdaptiveDepth()
-    for _ in range(30):  # one draft in two kept: E(a, 1) = 1.5 tokens in a 60 ms round (25 tok/s)
+    ctl, policy = AdaptiveDepth(), PlainOrDrafts()
+    for _ in range(30):  # one draft in two kept
         ctl.observe(1, 1, 1, _times(wall=0.060, drafting=0.010))
         ctl.observe(1, 1, 0, _times(wall=0.060, drafting=0.010))
-    a, c, f = ctl.acceptance, ctl.per_token_s, ctl.fixed_s
-    rate = max(expected_tokens(a, d) / (f + c * d) for d in range(1, 3))
+    rate = ctl.drafted_rate()
+    one = {"g": (ctl, 2)}
     # a target alone that is slightly faster does not win the round...
-    ctl.alone_s = 1.0 / (rate * (1 + SWITCH_MARGIN / 2))
-    assert ctl.choose(2) > 0
+    ctl.alone = (1.0, 1.0 / (rate * (1 + SWITCH_MARGIN / 2)), 10)
+    assert not policy.plain_for("g", one)
     # ... one faster by more than the margin does, and keeps it while the lead stays within the margin
-    ctl.alone_s = 1.0 / (rate * (1 + 2 * SWITCH_MARGIN))
-    assert ctl.choose(2) == 0
-    ctl.alone_s = 1.0 / (rate * (1 - SWITCH_MARGIN / 2))
-    assert ctl.choose(2) == 0
-    ctl.alone_s = 1.0 / (rate * (1 - 2 * SWITCH_MARGIN))
-    assert ctl.choose(2) > 0
-
-
-def test_without_adaptive_speculation_every_round_drafts():
-    ctl = AdaptiveDepth(plain=False)
-    for _ in range(10):
-        ctl.observe(4, 4, 0, _times(wall=0.060, drafting=0.020))
-    ctl.alone_s = 0.001
-    assert all(ctl.choose(4) >= 1 for _ in range(50))
+    ctl.alone = (1.0, 1.0 / (rate * (1 + 2 * SWITCH_MARGIN)), 10)
+    assert policy.plain_for("g", one)
+    ctl.alone = (1.0, 1.0 / (rate * (1 - SWITCH_MARGIN / 2)), 10)
+    assert policy.plain_for("g", one)
+    ctl.alone = (1.0, 1.0 / (rate * (1 - 2 * SWITCH_MARGIN)), 10)
+    assert not policy.plain_for("g", one)
 
 
 def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exact(loaded_target):
@@ -179,6 +224,8 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
     in the metrics, none as fallback rounds; the first rounds and the probes still drafted."""
     import urllib.request
 
+    from common.control import ControlClient
+    from common.protocol import Message, MsgType
     from common.sockets import free_tcp_endpoint, free_tcp_port
     from fakes import run_concurrently
     from tiny_models import reference_greedy
@@ -202,9 +249,37 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as r:
         text = r.read().decode()
     assert f"starsd_target_plain_rounds_total {float(plain)}" in text
+    with ControlClient(target_ep) as cc:
+        stats = cc.call(Message(MsgType.STATS, {}), timeout_s=30).header["stats"]
+    assert stats["adaptive_speculation"]["switches"] >= 1  # STATS says which way the target stands
 
 
 def loaded_target_of(path):
     from common.models import load_causal_lm
 
     return load_causal_lm(str(path))
+
+
+def test_while_drafting_the_target_alone_is_probed_and_wins_where_its_rounds_measure_faster():
+    """A target that batches its generations' plain rounds is found faster only by measuring
+    them: while drafts lead, probe rounds on the target alone come after 8, 16, 32 ... rounds;
+    a probe that measures plain rounds faster switches."""
+    from starsd_target.depth import PROBE_FIRST, PROBE_ROUNDS, PlainOrDrafts
+
+    ctl, policy = AdaptiveDepth(), PlainOrDrafts()
+    for _ in range(10):  # 2 tokens in 200 ms: 10 tok/s
+        ctl.observe(4, 4, 1, _times(wall=0.200, drafting=0.100))
+    assert ctl.plain_rate() is None
+    slow = _drive(policy, {"g": ctl}, 100, 0.150,  # plain rounds measured slower (6.7 tok/s): drafts stay
+                  lambda n, c, d: c.observe(4, 4, 1, _times(wall=0.200, drafting=0.100)))["g"]
+    probes = _runs(slow, lambda d: d == 0)
+    assert probes and probes[0] == (PROBE_FIRST, PROBE_ROUNDS) and not policy.plain
+    # a probe's first round starts the count: 2 more, then 16 + 1 rounds with drafts, then 32 + 1
+    assert [b[0] - a[0] for a, b in zip(probes, probes[1:])][:2] == [PROBE_ROUNDS - 1 + 2 * PROBE_FIRST + 1,
+                                                                   PROBE_ROUNDS - 1 + 4 * PROBE_FIRST + 1]
+    ctl2, policy2 = AdaptiveDepth(), PlainOrDrafts()
+    for _ in range(10):
+        ctl2.observe(4, 4, 1, _times(wall=0.200, drafting=0.100))
+    fast = _drive(policy2, {"g": ctl2}, 40, 0.060,  # plain rounds at 16.7 tok/s: the probe switches
+                  lambda n, c, d: c.observe(4, 4, 1, _times(wall=0.200, drafting=0.100)))["g"]
+    assert fast[PROBE_FIRST] == 0 and policy2.plain and sum(d == 0 for d in fast[PROBE_FIRST:]) > 25

@@ -162,7 +162,7 @@ def test_the_scheduler_batches_concurrent_generations_exactly(loaded_target, bac
         with running_server(backend, batch_max=4) as (server, ctx):
             client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
             client.handshake(10)
-            sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4, adaptive_speculation=False)
+            sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4)
             sched.start()
             futures = [sched.submit(Job(engine.encode(p), 40, sp)) for p, sp in zip(PROMPTS, PARAMS)]
             outs[max_batch] = [f.result(120) for f in futures]

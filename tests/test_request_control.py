@@ -202,7 +202,7 @@ def served(tiny_target, loaded_target, near_draft):
     backend = CountingModelBackend(load_causal_lm(str(near_draft)))
     with running_server(backend) as (server, ctx):
         cfg = TargetConfig(model=str(tiny_target), draft=server.endpoint, listen=free_tcp_endpoint(), depth=DEPTH,
-                           draft_timeout_s=10, adaptive_speculation=False)
+                           draft_timeout_s=10)
         d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
         assert d.connect()
         ready = threading.Event()

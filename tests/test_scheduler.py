@@ -32,7 +32,7 @@ def backend(tiny_target, tmp_path_factory):
 
 
 def _scheduler(engine, client, **kw):
-    s = Scheduler(engine, lambda: client, draft_timeout_s=10, **{"adaptive_speculation": False, **kw})
+    s = Scheduler(engine, lambda: client, draft_timeout_s=10, **kw)
     s.start()
     return s
 

@@ -152,7 +152,7 @@ def test_a_job_whose_draft_session_fails_to_open_fails_alone(loaded_target, tiny
     with running_server(backend) as (server, ctx):
         client = OpenFails(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
         client.handshake(10)
-        sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4, adaptive_speculation=False)
+        sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4)
         sched.start()
         try:
             prompt = engine.encode(PROMPT)
