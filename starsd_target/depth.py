@@ -106,6 +106,13 @@ class AdaptiveDepth:
         self.alone = _ewma2(self.alone, 1, times.wall)
         self.catching_up = True
 
+    def observe_fallback(self, times: RoundTimes) -> None:
+        """A round that asked for drafts and verified without them (none came in time): one
+        token for its wait, on the drafted side's rate."""
+        if not self.catching_up:
+            self.drafted = _ewma2(self.drafted, 1, times.wall)
+        self.catching_up = False
+
     def best(self, cap: int) -> tuple[int, float | None]:
         """The length in 1..cap that maximises expected tokens per second, and that rate (None:
         nothing measured yet, the cap)."""

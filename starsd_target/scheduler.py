@@ -131,6 +131,7 @@ class Scheduler:
         self.on_round: Callable[[Generation, int | None, bool, float], None] | None = None  # observer hook
         self.metrics: TargetMetrics | None = None
         self.profile = RoundProfile()  # where every generation's rounds spent their time, daemon-wide
+        self._next_beat = time.monotonic() + heartbeat_s  # when the idle link's next heartbeat is due
 
     # ------------------------------------------------------------ public
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -208,16 +209,16 @@ class Scheduler:
                 self._finish(a, self._refusal())
 
     def _loop(self) -> None:
-        next_beat = time.monotonic() + self.heartbeat_s
+        self._next_beat = time.monotonic() + self.heartbeat_s
         while True:
             self.last_pass = time.monotonic()
             self._admit()
             if not self.active:
                 client = self.link()
                 if client is not None:
-                    if time.monotonic() >= next_beat:
+                    if time.monotonic() >= self._next_beat:
                         client.heartbeat()
-                        next_beat = time.monotonic() + self.heartbeat_s
+                        self._next_beat = time.monotonic() + self.heartbeat_s
                     else:
                         client.poll(0)  # take a WELCOME, send a HELLO that is due: never a wait
                 if self._stop.is_set():
@@ -250,6 +251,7 @@ class Scheduler:
             self._finish(a, Cancelled("the request was cancelled"))
         self._request_drafts()
         self._collect()
+        self._keep_link()
         if self._prefill_one():
             self._collect()  # replies that came during the chunk: their rounds run now, not a chunk later
         self._verify_one()
@@ -311,8 +313,8 @@ class Scheduler:
         is expected to be faster, all adaptive generations taken together)."""
         if self.speculation is None:
             return False
-        members = {o.key: (o.depth, o.gen.draft_depth()) for o in self.active
-                   if o.depth is not None and o.drafts is not None}
+        members = {o.key: (o.depth, o.gen.draft_depth()) for o in self.active  # chains: trees keep --depth
+                   if o.depth is not None and o.drafts is not None and not (o.drafts.trees and o.gen.draft_budget())}
         members = {k: m for k, m in members.items() if m[1] > 0}
         members[a.key] = (a.depth, cap)
         return self.speculation.plain_for(a.key, members)
@@ -339,6 +341,18 @@ class Scheduler:
                 a.sent_at = time.perf_counter()
                 return
         a.ready, a.proposal, a.ready_at = True, None, now
+
+    def _keep_link(self) -> None:
+        """Generations busy but none asking for drafts (adaptive speculation running them on the
+        target alone): the link still gets its heartbeat, or the draft daemon would drop this
+        peer as silent and the next probe would find no session."""
+        if self.speculation is None or not self.speculation.plain or any(a.seq is not None for a in self.active):
+            return
+        if time.monotonic() >= self._next_beat:
+            client = self.link()
+            if client is not None:
+                client.heartbeat()
+            self._next_beat = time.monotonic() + self.heartbeat_s
 
     def _busy(self) -> bool:
         """The target has work besides waiting for drafts: a round to verify or a chunk to prefill."""
@@ -445,6 +459,8 @@ class Scheduler:
         if a.plain:
             s.plain_rounds += 1
             a.depth.observe_plain(times)
+        elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
+            a.depth.observe_fallback(times)  # drafts that did not come cost their round too
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:

@@ -217,8 +217,7 @@ def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exa
 
 def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_plain_rounds(star, tiny_target,
                                                                                             tiny_draft):
-    """The daemons as a user runs them, with ``--adaptive-speculation`` (the product's default,
-    off elsewhere in the tests): an unrelated draft whose tokens are mostly rejected, beside tiny
+    """The daemons as a user runs them, with ``--adaptive-speculation`` (opt-in): an unrelated draft whose tokens are mostly rejected, beside tiny
     models whose target alone is faster. Two generations at once keep the target's own greedy
     tokens; their rounds run mostly without drafts, counted as plain rounds in each result and
     in the metrics, none as fallback rounds; the first rounds and the probes still drafted."""
@@ -283,3 +282,37 @@ def test_while_drafting_the_target_alone_is_probed_and_wins_where_its_rounds_mea
     fast = _drive(policy2, {"g": ctl2}, 40, 0.060,  # plain rounds at 16.7 tok/s: the probe switches
                   lambda n, c, d: c.observe(4, 4, 1, _times(wall=0.200, drafting=0.100)))["g"]
     assert fast[PROBE_FIRST] == 0 and policy2.plain and sum(d == 0 for d in fast[PROBE_FIRST:]) > 25
+
+
+def test_rounds_whose_drafts_never_came_count_against_drafting():
+    ctl = AdaptiveDepth()
+    for _ in range(5):  # 3 tokens in 60 ms
+        ctl.observe(2, 2, 2, _times(wall=0.060, drafting=0.020))
+    before = ctl.drafted_rate()
+    for _ in range(5):  # a saturated daemon: the drafts do not come in time, 1 token in 100 ms
+        ctl.observe_fallback(split_round(0.100, 0.090, None, 0.010, 0.0, waited=True))
+    assert ctl.drafted_rate() < 0.6 * before
+
+
+def test_the_link_keeps_its_heartbeat_while_rounds_run_without_drafts():
+    """With every generation on the target alone nothing goes to the draft daemon, which drops
+    a silent peer: the scheduler sends the heartbeat it sends when idle."""
+    from starsd_target.scheduler import Scheduler
+
+    class Link:
+        beats = 0
+
+        def heartbeat(self):
+            self.beats += 1
+
+    link = Link()
+    sched = Scheduler(None, lambda: link, draft_timeout_s=1, heartbeat_s=0.0, adaptive_speculation=True)
+    sched._keep_link()
+    assert link.beats == 0  # drafting: requests keep the link alive
+    sched.speculation.plain = True
+    sched._keep_link()
+    sched._keep_link()
+    assert link.beats == 2
+    off = Scheduler(None, lambda: link, draft_timeout_s=1, heartbeat_s=0.0)
+    off._keep_link()
+    assert link.beats == 2
