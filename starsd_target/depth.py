@@ -97,9 +97,7 @@ class AdaptiveDepth:
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
-        if not self.catching_up:
-            self.drafted = _ewma2(self.drafted, kept + 1, times.wall)
-        self.catching_up = False
+        self._drafted_round(kept + 1, times.wall)
 
     def observe_plain(self, times: RoundTimes) -> None:
         """A round this controller chose to run without drafts (``choose`` gave 0), ``times`` its parts."""
@@ -109,20 +107,12 @@ class AdaptiveDepth:
     def observe_fallback(self, times: RoundTimes) -> None:
         """A round that asked for drafts and verified without them (none came in time): one
         token for its wait, on the drafted side's rate."""
+        self._drafted_round(1, times.wall)
+
+    def _drafted_round(self, tokens: int, wall: float) -> None:
         if not self.catching_up:
-            self.drafted = _ewma2(self.drafted, 1, times.wall)
+            self.drafted = _ewma2(self.drafted, tokens, wall)
         self.catching_up = False
-
-    def best(self, cap: int) -> tuple[int, float | None]:
-        """The length in 1..cap that maximises expected tokens per second, and that rate (None:
-        nothing measured yet, the cap)."""
-        if self.per_token_s is None or self.fixed_s is None:
-            return cap, None
-        best = max(range(1, max(cap, 1) + 1), key=lambda d: (self._rate(d), -d))
-        return best, self._rate(best)
-
-    def _rate(self, d: int) -> float:
-        return expected_tokens(self.acceptance, d) / (max(self.fixed_s, 1e-6) + self.per_token_s * d)
 
     def drafted_rate(self) -> float | None:
         """Measured tokens per second of its rounds with drafts (None: none yet)."""
@@ -134,14 +124,19 @@ class AdaptiveDepth:
 
     def choose(self, cap: int) -> int:
         """The draft length for the next round, in 1..cap (0 when cap is 0)."""
-        self.last = max(cap, 0) if cap <= 0 else self.best(cap)[0]
-        return self.last
+        if cap <= 1 or self.per_token_s is None or self.fixed_s is None:
+            self.last = cap
+            return cap
+        a, c, f = self.acceptance, self.per_token_s, max(self.fixed_s, 1e-6)
+        best = max(range(1, cap + 1), key=lambda d: (expected_tokens(a, d) / (f + c * d), -d))
+        self.last = best
+        return best
 
 
 class PlainOrDrafts:
     """Target-wide: whether the adaptive generations' next rounds ask for drafts or run on the
     target alone (see the module's docstring). ``plain_for(key, members)`` before one of them
-    asks: ``members`` maps every adaptive generation (its key) to its controller and cap."""
+    asks: ``members`` maps every adaptive generation (its key) to its controller."""
 
     def __init__(self):
         self.plain = False  # the choice stands at no drafts (probe rounds aside)
@@ -154,15 +149,12 @@ class PlainOrDrafts:
     def plain_for(self, key, members: dict) -> bool:
         self.probing = {k: n for k, n in self.probing.items() if k in members}  # those that finished
         if key in self.probing:  # a probe round goes the other way
-            self.probing[key] -= 1
-            if self.probing[key] <= 0:
-                del self.probing[key]
-            return not self.plain
-        if members[key][0].drafted_rate() is None:
+            return self._probe_round(key)
+        if members[key].drafted_rate() is None:
             return False  # this generation has not drafted a round yet: it does now
         spec = plain = 0.0
         both = True  # every generation measured both ways (those yet to draft aside)
-        for ctl, _cap in members.values():
+        for ctl in members.values():
             rate, alone = ctl.drafted_rate(), ctl.plain_rate()
             if rate is None:
                 continue
@@ -179,11 +171,17 @@ class PlainOrDrafts:
         if self.streak > self.probe_after * len(members):  # measure the other side, all at once
             self.streak = 0
             self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-            self.probing = {k: PROBE_ROUNDS - (k == key) for k in members}  # this round is the key's first
-            self.probing = {k: n for k, n in self.probing.items() if n > 0}
+            self.probing = dict.fromkeys(members, PROBE_ROUNDS)
             self.probes += 1
-            return not self.plain
+            return self._probe_round(key)
         return self.plain
+
+    def _probe_round(self, key) -> bool:
+        """One of ``key``'s probe rounds: the other way."""
+        self.probing[key] -= 1
+        if self.probing[key] <= 0:
+            del self.probing[key]
+        return not self.plain
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -215,12 +215,8 @@ class Scheduler:
             self._admit()
             if not self.active:
                 client = self.link()
-                if client is not None:
-                    if time.monotonic() >= self._next_beat:
-                        client.heartbeat()
-                        self._next_beat = time.monotonic() + self.heartbeat_s
-                    else:
-                        client.poll(0)  # take a WELCOME, send a HELLO that is due: never a wait
+                if client is not None and not self._beat(client):
+                    client.poll(0)  # take a WELCOME, send a HELLO that is due: never a wait
                 if self._stop.is_set():
                     return
                 try:
@@ -308,15 +304,15 @@ class Scheduler:
             with self._confined(a):
                 self._request(a, now)
 
-    def _plain(self, a: _Active, cap: int) -> bool:
+    def _plain(self, a: _Active) -> bool:
         """Whether ``a``'s next round runs without drafts (adaptive speculation: the target alone
         is expected to be faster, all adaptive generations taken together)."""
         if self.speculation is None:
             return False
-        members = {o.key: (o.depth, o.gen.draft_depth()) for o in self.active  # chains: trees keep --depth
-                   if o.depth is not None and o.drafts is not None and not (o.drafts.trees and o.gen.draft_budget())}
-        members = {k: m for k, m in members.items() if m[1] > 0}
-        members[a.key] = (a.depth, cap)
+        members = {o.key: o.depth for o in self.active  # chains only: trees keep --depth
+                   if o.depth is not None and o.drafts is not None and o.gen.draft_depth() > 0
+                   and not (o.drafts.trees and o.gen.draft_budget())}
+        members[a.key] = a.depth
         return self.speculation.plain_for(a.key, members)
 
     def _request(self, a: _Active, now: float) -> None:
@@ -328,7 +324,7 @@ class Scheduler:
             # adaptive depth models chains), else a chain of the adaptive length
             budget = a.gen.draft_budget() if a.drafts.trees else 0
             if a.depth is not None and not budget:
-                depth = 0 if self._plain(a, depth) else a.depth.choose(depth)
+                depth = 0 if self._plain(a) else a.depth.choose(depth)
             a.asked, a.budget = depth, budget
             if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
                 a.wanted, a.plain = False, True
@@ -348,11 +344,17 @@ class Scheduler:
         peer as silent and the next probe would find no session."""
         if self.speculation is None or not self.speculation.plain or any(a.seq is not None for a in self.active):
             return
-        if time.monotonic() >= self._next_beat:
-            client = self.link()
-            if client is not None:
-                client.heartbeat()
-            self._next_beat = time.monotonic() + self.heartbeat_s
+        client = self.link()
+        if client is not None:
+            self._beat(client)
+
+    def _beat(self, client: DraftClient) -> bool:
+        """The link's heartbeat, if one is due; whether it went."""
+        if time.monotonic() < self._next_beat:
+            return False
+        client.heartbeat()
+        self._next_beat = time.monotonic() + self.heartbeat_s
+        return True
 
     def _busy(self) -> bool:
         """The target has work besides waiting for drafts: a round to verify or a chunk to prefill."""

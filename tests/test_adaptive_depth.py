@@ -111,8 +111,7 @@ def _drive(policy, ctls, rounds, plain_s, drafted):
     choices = {name: [] for name in ctls}
     for _ in range(rounds):
         for name, ctl in ctls.items():
-            members = {n: (c, 4) for n, c in ctls.items()}
-            d = 0 if policy.plain_for(name, members) else ctl.choose(4)
+            d = 0 if policy.plain_for(name, ctls) else ctl.choose(4)
             choices[name].append(d)
             if d == 0:
                 ctl.observe_plain(_plain_times(plain_s))
@@ -154,7 +153,7 @@ def test_no_drafts_where_the_target_alone_is_faster_with_probe_rounds_that_back_
     # the drafts get good (the text turned to one the draft knows): the next probe switches back
     for _ in range(30):
         ctl.observe(4, 4, 4, _times(wall=0.060, drafting=0.010))
-    assert [0 if policy.plain_for("g", {"g": (ctl, 4)}) else ctl.choose(4) for _ in range(5)] == [4] * 5
+    assert [0 if policy.plain_for("g", {"g": ctl}) else ctl.choose(4) for _ in range(5)] == [4] * 5
     assert not policy.plain and policy.switches == 2
 
 
@@ -181,7 +180,7 @@ def test_the_choice_is_the_targets_for_all_its_generations_together():
     assert sum(d == 0 for d in choices["good"]) > 40 and sum(d == 0 for d in choices["bad"]) > 40
     assert any(choices["good"]) and any(choices["bad"])  # the probes asked both
     fresh = AdaptiveDepth()
-    assert not policy.plain_for("new", {"good": (good, 4), "bad": (bad, 4), "new": (fresh, 4)})
+    assert not policy.plain_for("new", {"good": good, "bad": bad, "new": fresh})
 
 
 def test_a_choice_holds_until_the_other_side_leads_by_the_margin():
@@ -192,7 +191,7 @@ def test_a_choice_holds_until_the_other_side_leads_by_the_margin():
         ctl.observe(1, 1, 1, _times(wall=0.060, drafting=0.010))
         ctl.observe(1, 1, 0, _times(wall=0.060, drafting=0.010))
     rate = ctl.drafted_rate()
-    one = {"g": (ctl, 2)}
+    one = {"g": ctl}
     # a target alone that is slightly faster does not win the round...
     ctl.alone = (1.0, 1.0 / (rate * (1 + SWITCH_MARGIN / 2)), 10)
     assert not policy.plain_for("g", one)
