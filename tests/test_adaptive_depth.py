@@ -215,7 +215,7 @@ def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exa
 
 
 def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_plain_rounds(star, tiny_target,
-                                                                                            tiny_draft):
+                                                                                            tiny_draft, loaded_target):
     """The daemons as a user runs them, with ``--adaptive-speculation`` (opt-in): an unrelated draft whose tokens are mostly rejected, beside tiny
     models whose target alone is faster. Two generations at once keep the target's own greedy
     tokens; their rounds run mostly without drafts, counted as plain rounds in each result and
@@ -233,7 +233,7 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
     star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
                target_ep, "--depth", "4", "--adaptive-speculation", "--metrics-port", str(metrics))
     star.wait_ready("t0", target_ep)
-    engine = TargetEngine(loaded_target_of(tiny_target))
+    engine = TargetEngine(loaded_target)
     prompts = [engine.encode("def parse(line):\n    "), engine.encode("class Point:\n")]
     results = run_concurrently([target_ep, target_ep], [{"id": i + 1, "prompt_ids": p, "max_tokens": 64}
                                                         for i, p in enumerate(prompts)])
@@ -251,11 +251,6 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
         stats = cc.call(Message(MsgType.STATS, {}), timeout_s=30).header["stats"]
     assert stats["adaptive_speculation"]["switches"] >= 1  # STATS says which way the target stands
 
-
-def loaded_target_of(path):
-    from common.models import load_causal_lm
-
-    return load_causal_lm(str(path))
 
 
 def test_while_drafting_the_target_alone_is_probed_and_wins_where_its_rounds_measure_faster():
