@@ -70,7 +70,8 @@ PROTOCOL_VERSION = 4  # 2: ERROR names the request it answers (re); WELCOME says
 # Optional fields added to a message without a version bump, because a peer of the same version
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every
-# older peer off.) DRAFTED: queued_us, draft_us.
+# older peer off.) DRAFTED: queued_us, draft_us. DRAFT: min_survival, with WELCOME: stops_drafts
+# (a daemon that predates them drafts `depth`; a target that predates them never asks it to stop).
 
 
 class MsgType(bytes, enum.Enum):
@@ -161,7 +162,7 @@ class RemoteError(Exception):
 
 
 # ---------------------------------------------------------------- schema
-# Field kinds: "int" (not bool), "uint", "float" (int accepted), "str", "bool",
+# Field kinds: "int" (not bool), "uint", "float" (int accepted), "prob" (a float in [0, 1]), "str", "bool",
 # "ids" (list of uints < 2**31), "strs", "map", "opt_int", "opt_uint", "us", "any".
 _U31 = (1 << 31) - 1
 # "us": a duration a daemon reports, in whole microseconds, at most an hour (no request's time
@@ -190,6 +191,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "max_len": ("uint", False),  # longest sequence (verified + drafts) it drafts for; 0: no bound
         "tree_topk": ("uint", False),  # branching of the trees it drafts (absent or 1: chains only)
         "max_tree_tokens": ("uint", False),  # the most tree_tokens a DRAFT may ask for (absent: no trees)
+        "stops_drafts": ("bool", False),  # greedy chains stop early on DRAFT.min_survival (absent: never)
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
     MsgType.DRAFT: {
@@ -200,6 +202,9 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "pos": ("uint", True),
         "depth": ("uint", True),
         "tree_tokens": ("uint", False),  # > depth: a tree of at most this many tokens may answer
+        # a greedy chain may stop before `depth` once the chance that all its drafts are kept
+        # falls below this (WELCOME.stops_drafts; absent or 0: `depth` drafts)
+        "min_survival": ("prob", False),
     },
     MsgType.DRAFTED: {
         "session": ("uint", True),
@@ -265,6 +270,7 @@ _CHECKS: dict[str, Any] = {
     "opt_uint": lambda v: v is None or (_is_int(v) and 0 <= v <= _U63),
     "us": lambda v: _is_int(v) and 0 <= v <= MAX_REPORTED_US,
     "float": lambda v: (isinstance(v, float) or _is_int(v)) and v == v,  # rejects NaN
+    "prob": lambda v: (isinstance(v, float) or _is_int(v)) and 0.0 <= v <= 1.0,  # rejects NaN too
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "ids": _ids,

@@ -63,11 +63,7 @@ class LookaheadServing:
                 st["failed"] += 1
                 continue
             st["late_hits" if late else "hits"] += 1
-            n = req.depth
-            out[i] = (Draft(draft.tokens[:n], None if draft.q_ids is None else draft.q_ids[:n],
-                            None if draft.q_probs is None else draft.q_probs[:n],
-                            None if draft.alternatives is None else draft.alternatives[:n]),
-                      time.perf_counter() - t0)
+            out[i] = (self.backend.finish_ahead(session.state, req, draft), time.perf_counter() - t0)
         return out
 
     def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:

@@ -93,6 +93,16 @@ class DraftMetrics:
                                 value=self.busy_fraction)
         yield CounterMetricFamily("starsd_draftd_requests", "Draft requests served", value=s["requests"])
         yield from self._lookahead(s.get("lookahead"))
+        stop = s.get("stopping")
+        if stop is not None:
+            chains = CounterMetricFamily("starsd_draftd_stopping_requests",
+                                         "Chain requests that let the daemon stop early (min_survival), by outcome: "
+                                         "stopped (fewer drafts than asked) or full", labels=["outcome"])
+            chains.add_metric(["stopped"], stop["stopped"])
+            chains.add_metric(["full"], stop["requests"] - stop["stopped"])
+            yield chains
+            yield CounterMetricFamily("starsd_draftd_stopping_drafts_saved",
+                                      "Drafts not made because a chain stopped early", value=stop["drafts_saved"])
         yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
         parts = CounterMetricFamily("starsd_draftd_request_seconds",
                                     "Time of the draft requests served, by part: queue (waiting for its batch), "

@@ -499,6 +499,7 @@ class DraftServer(LookaheadServing):
             "feature_size": need, "instance": self.instance, "server": self.config.name,
             "max_len": self.backend.max_len or 0, "tree_topk": self.backend.tree_topk,
             "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0,
+            "stops_drafts": self.backend.stops_drafts,
             **({"feature_layers": list(self.backend.feature_layers)} if self.backend.feature_layers else {})}))
 
     def _feature_refusal(self, h: dict) -> str | None:
@@ -652,7 +653,7 @@ class DraftServer(LookaheadServing):
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:
             session.features += features.shape[0]
-        return DraftRequest(session.state, session.verified, h["depth"], features, tree)
+        return DraftRequest(session.state, session.verified, h["depth"], features, tree, h.get("min_survival", 0.0))
 
     def _tree_budget(self, session: Session, h: dict) -> int:
         """The tree tokens a DRAFT is drafted with (0: a chain): what it asks, where the backend
@@ -740,6 +741,11 @@ class DraftServer(LookaheadServing):
             if draft.parents is not None:
                 self.stats.trees["requests"] += 1
                 self.stats.trees["tokens"] += len(draft.tokens)
+            elif req.min_survival > 0.0 and self.backend.stops_drafts:
+                stop = self.stats.stopping
+                stop["requests"] += 1
+                stop["stopped"] += len(draft.tokens) < req.depth
+                stop["drafts_saved"] += max(req.depth - len(draft.tokens), 0)
             if session is not None:
                 # a tree's kept path is no prefix of its tokens: the target reports it as new tokens
                 session.last_draft = list(draft.tokens) if draft.parents is None else []

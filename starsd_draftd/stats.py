@@ -43,6 +43,9 @@ class Stats:
         # Draft trees: replies that were trees, their tokens, and trees drafted smaller than
         # asked because requests were queued behind their batch
         self.trees = {"requests": 0, "tokens": 0, "shrunk": 0}
+        # Adaptive draft length on this side: chain requests that asked it to stop early
+        # (min_survival), those answered with fewer drafts than their depth, and the drafts not made
+        self.stopping = {"requests": 0, "stopped": 0, "drafts_saved": 0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -73,4 +76,5 @@ class Stats:
             "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},
             "lookahead": dict(self.lookahead),
             "trees": dict(self.trees),
+            "stopping": dict(self.stopping),
         }

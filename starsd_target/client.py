@@ -50,6 +50,7 @@ class Welcome:
     tree_topk: int = 1  # branching of its draft trees (1: chains only)
     max_tree_tokens: int = 0  # the most tree tokens a request may ask for (0: no trees)
     feature_layers: tuple[int, ...] | None = None  # the hidden states fused per feature (None: the final one)
+    stops_drafts: bool = False  # its greedy chains stop early on a request's min_survival
 
     @property
     def trees(self) -> bool:
@@ -346,7 +347,7 @@ class DraftClient:
         w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
                     h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0),
                     h.get("tree_topk", 1), h.get("max_tree_tokens", 0), tuple(h["feature_layers"])
-                    if h.get("feature_layers") else None)
+                    if h.get("feature_layers") else None, h.get("stops_drafts", False))
         if (w.vocab_size, w.tokenizer) != (self.vocab_size, self.fingerprint):
             self._refused(HandshakeRefused(
                 f"draft daemon at {self.endpoint} serves vocabulary {w.vocab_size} (tokenizer "
@@ -400,13 +401,17 @@ class DraftClient:
         self._send(Message(MsgType.CLOSE, {"session": session}))
 
     def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
-                features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> bool:
+                features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
+                min_survival: float = 0.0) -> bool:
         """Send a draft request; its reply is then routed to ``take(session, seq)``.
-        ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer."""
+        ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer.
+        ``min_survival`` > 0: a greedy chain may stop early (WELCOME.stops_drafts)."""
         tensors = {} if features is None else {"features": features}
         header = {"session": session, "seq": seq, "accepted": accepted, "new": list(new), "pos": pos, "depth": depth}
         if tree_tokens > depth:
             header["tree_tokens"] = tree_tokens
+        if min_survival > 0.0:
+            header["min_survival"] = float(min(min_survival, 1.0))
         if not self._send(Message(MsgType.DRAFT, header, tensors)):
             return False
         self._pending[(session, seq)] = time.monotonic()
@@ -549,14 +554,22 @@ class RemoteDraftSession:
         """The draft daemon drafts trees (a request's tree_tokens is then heeded)."""
         return self.client.welcome is not None and self.client.welcome.trees
 
+    @property
+    def stops_drafts(self) -> bool:
+        """The draft daemon stops greedy chains early (a request's min_survival is then heeded)."""
+        return self.client.welcome is not None and self.client.welcome.stops_drafts
+
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
-             tree_tokens: int = 0, feature_layers: tuple[int, ...] | None = None) -> int | None:
+             tree_tokens: int = 0, feature_layers: tuple[int, ...] | None = None,
+             min_survival: float = 0.0) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link not up, no features): the round then runs without drafts.
         ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer, where the
         daemon drafts trees (within its ``max_tree_tokens``). ``feature_layers``: the hidden
         states ``features`` were fused from (None: the final one); features the daemon's head
-        does not read (another head since the generation started) end its drafting, logged."""
+        does not read (another head since the generation started) end its drafting, logged.
+        ``min_survival``: where the daemon stops greedy chains early (``stops_drafts``), the
+        chance of all drafts kept below which it stops."""
         client = self.client
         if self.disabled or not client.ready() or time.monotonic() < self._retry_at:
             return None
@@ -593,7 +606,7 @@ class RemoteDraftSession:
         depth = min(depth, welcome.max_depth)
         tree = min(tree_tokens, welcome.max_tree_tokens) if welcome.trees else 0
         if not client.request(self.session, self.seq, self.accepted, new, len(tokens), depth, new_features,
-                              tree if tree > depth else 0):
+                              tree if tree > depth else 0, min_survival if welcome.stops_drafts else 0.0):
             client.mark_down("not connected")
             self.instance = None  # whatever the daemon holds is unknown now
             return None

@@ -19,6 +19,18 @@ estimate follows the text (code the draft knows, prose it does not). ``c`` and `
 exponentially weighted means. The length is chosen in 1..the cap (``--depth``, or the request's
 ``max_draft_tokens``); until a round has been measured the cap is used.
 
+**Where the draft daemon stops chains itself** (its WELCOME says ``stops_drafts``; greedy
+generations): a round asks for the cap and sends ``min_survival()``, and the daemon stops the
+chain once the chance that all its drafts are kept falls below it, each draft's chance from the
+draft model's own probability of its pick (or, for a token copied from the context, how often
+copies were kept), calibrated on the session's outcomes (``starsd_draftd.backends.base.Stopping``).
+That follows the text token by token, where the geometric model above sees one mean acceptance:
+a run copied from the context goes on to the cap, a guess the draft is unsure of ends the chain.
+The threshold is the marginal rule: one more draft, kept with chance ``s``, adds ``s`` tokens and
+costs ``c + v`` seconds (``v``: the verification forward's cost per token verified, from a
+weighted regression over the rounds' lengths), so it pays while ``s / (c + v)`` exceeds the
+rate the rounds reach, ``R``: ``min_survival = R * (c + v)``.
+
 **No drafts at all** (``PlainOrDrafts``, the target daemon's ``--adaptive-speculation``,
 experimental and off by default: docs/bench.md shows no gain yet on the demo pair): a round that
 asks for none keeps one token, starts at once (no wire, no draft daemon) and shares one forward
@@ -56,6 +68,9 @@ PROBE_FIRST = 8  # rounds per generation before a probe round goes the other way
 PROBE_MAX = 128  # doubling after each probe that confirmed the choice, up to this
 PROBE_ROUNDS = 3  # rounds per generation a probe goes the other way
 RATE_SMOOTHING = 0.1  # weight of a new round in the measured rates (rounds vary in tokens kept)
+PRIOR_MIN_SURVIVAL = 0.2  # until its rounds are measured (the demo pair's rule settles near 0.2)
+MIN_SURVIVAL_RANGE = (0.02, 0.9)  # the rule's threshold is kept within these
+SLOPE_DISCOUNT = 0.95  # weight of older rounds in the verification cost's regression
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -81,6 +96,9 @@ class AdaptiveDepth:
         # one carries the prompt's prefill there, one after plain rounds the tokens they added
         self.catching_up = True
         self.last = 0  # the length chosen last
+        # the verification forward's seconds against the tokens it verified, weighted sums of
+        # (weight, n, t, n*n, n*t): its slope is the cost of one more token verified
+        self._verify = [0.0] * 5
 
     @property
     def acceptance(self) -> float:
@@ -93,7 +111,11 @@ class AdaptiveDepth:
             return
         self.kept = DISCOUNT * self.kept + kept
         self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
-        c = (times.draft_forward + times.draft_queue) / asked
+        n = proposed + 1  # tokens the verification forward ran over
+        self._verify = [SLOPE_DISCOUNT * x + y for x, y in
+                        zip(self._verify, (1.0, n, times.verify_forward, n * n, n * times.verify_forward))]
+        # per token drafted: a chain the daemon stopped early cost what it drafted, not what was asked
+        c = (times.draft_forward + times.draft_queue) / min(asked, proposed)
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
@@ -121,6 +143,27 @@ class AdaptiveDepth:
     def plain_rate(self) -> float | None:
         """Measured tokens per second of its rounds without drafts (None: none yet)."""
         return _rate_of(self.alone)
+
+    def verify_slope(self) -> float | None:
+        """Seconds the verification forward costs per token verified (None: the rounds measured
+        so far do not vary enough in length to tell)."""
+        w, n, t, nn, nt = self._verify
+        if w <= 0.0:
+            return None
+        var = nn / w - (n / w) ** 2
+        if var < 0.05:
+            return None
+        return max((nt / w - (n / w) * (t / w)) / var, 0.0)
+
+    def min_survival(self) -> float:
+        """The threshold a round that asks the daemon to stop its chain sends (the module's
+        docstring): the measured rate times what one more draft costs."""
+        rate = self.drafted_rate()
+        if rate is None or self.per_token_s is None:
+            return PRIOR_MIN_SURVIVAL
+        cost = self.per_token_s + (self.verify_slope() or 0.0)
+        lo, hi = MIN_SURVIVAL_RANGE
+        return min(max(rate * cost, lo), hi)
 
     def choose(self, cap: int) -> int:
         """The draft length for the next round, in 1..cap (0 when cap is 0)."""

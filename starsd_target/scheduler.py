@@ -323,15 +323,22 @@ class Scheduler:
             # a tree where the generation's budget and the daemon allow one (its depth then stays:
             # adaptive depth models chains), else a chain of the adaptive length
             budget = a.gen.draft_budget() if a.drafts.trees else 0
+            survival = 0.0
             if a.depth is not None and not budget:
-                depth = 0 if self._plain(a) else a.depth.choose(depth)
+                if self._plain(a):
+                    depth = 0
+                elif a.drafts.stops_drafts and a.drafts.params.greedy:
+                    survival = a.depth.min_survival()  # the daemon ends the chain, within the cap
+                    a.depth.last = depth
+                else:
+                    depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
             if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
                 a.wanted, a.plain = False, True
                 a.ready, a.proposal, a.ready_at = True, None, now
                 return
             a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget,
-                                  feature_layers=a.gen.feature_layers)
+                                  feature_layers=a.gen.feature_layers, min_survival=survival)
             if a.seq is not None:
                 a.gen.stats.asked_tokens += max(depth, budget)
                 a.sent_at = time.perf_counter()

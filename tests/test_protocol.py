@@ -139,6 +139,10 @@ GOOD_DRAFT = dict(session=1, seq=1, accepted=0, new=[1], pos=5, depth=3)
     ([b"DRAFT", hdr(**{**GOOD_DRAFT, "seq": "one"})], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**{**GOOD_DRAFT, "new": [1, -2]})], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**{**GOOD_DRAFT, "depth": True})], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=1.5)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=-0.1)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=float("nan"))], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival="0.3")], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(session=1)], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT), b"extra"], ErrorCode.MALFORMED),
     ([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": {"dtype": "float32", "shape": [4], "frame": 0}}), b"abc"],
@@ -153,6 +157,11 @@ def test_decode_errors_are_typed(frames, code):
     with pytest.raises(ProtocolError) as info:
         P.decode(frames)
     assert info.value.code == code
+
+
+def test_min_survival_is_a_probability():
+    for value in (0, 0.0, 0.25, 1.0):
+        assert P.decode([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=value)]).header["min_survival"] == value
 
 
 def test_fields_outside_the_schema_are_dropped():

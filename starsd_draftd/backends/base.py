@@ -27,6 +27,7 @@ class DraftRequest:
     depth: int
     new_features: np.ndarray | torch.Tensor | None = None
     tree_tokens: int = 0
+    min_survival: float = 0.0  # a greedy chain stops early below this chance of being kept whole (``Stopping``)
 
 
 @dataclass
@@ -46,6 +47,10 @@ class Draft:
     # (kept on this side; never sent)
     alternatives: list[int | None] | None = None
     parents: list[int] | None = None
+    # per token of a greedy chain, the draft model's probability of its pick (None: copied from
+    # the context, or not measured): what ``Calibration`` turns into the chance it is kept
+    # (kept on this side; never sent)
+    top_probs: list[float | None] | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -85,10 +90,14 @@ class ChainDrafter:
         self.seed, self.start = seed, start
         self.tokens: list[int] = []
         self.alternatives: list[int | None] = []
+        self.top_probs: list[float | None] = []
         self._ids: list[torch.Tensor] = []
         self._probs: list[torch.Tensor] = []
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def pick(self, logits: torch.Tensor, top_prob: float | None = None) -> int:
+        """Draw (or, greedy, take the best of) the next token from ``logits``; ``top_prob``: the
+        model's probability of its best token there, when measured (greedy stopping)."""
+        self.top_probs.append(top_prob)
         if self.params.greedy:
             best = torch.topk(logits, 2).indices.tolist() if logits.shape[-1] > 1 else [int(torch.argmax(logits))] * 2
             tok = best[0]
@@ -110,17 +119,120 @@ class ChainDrafter:
         self.tokens.append(tok)
         return tok
 
-    def take(self, tok: int, alternative: int | None = None) -> int:
+    def take(self, tok: int, alternative: int | None = None, top_prob: float | None = None) -> int:
         """Record a greedy pick made outside (one argmax over a whole batch, a token copied from
-        the context), with the model's most likely other token there if known."""
+        the context), with the model's most likely other token there if known, and the model's
+        probability of the token when it is the model's pick and was measured."""
+        self.top_probs.append(top_prob)
         self.tokens.append(tok)
         self.alternatives.append(alternative)
         return tok
 
     def result(self) -> Draft:
         if not self._ids:
-            return Draft(self.tokens, alternatives=list(self.alternatives))
-        return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs), list(self.alternatives))
+            return Draft(self.tokens, alternatives=list(self.alternatives), top_probs=list(self.top_probs))
+        return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs), list(self.alternatives),
+                     top_probs=list(self.top_probs))
+
+
+def top_prob(logits: torch.Tensor) -> float:
+    """The probability softmax(logits) gives its most likely token."""
+    return float(torch.exp(logits.max() - torch.logsumexp(logits, -1)))
+
+
+# Calibration's priors, each worth PRIOR_WEIGHT outcomes: a token copied from the context was kept
+# 80-93% of the time on the demo pair (teacher-forced over its prompts: 93% where the model's own
+# pick agrees, 80% where not), and the model's probability of its pick is taken at its word.
+PRIOR_COPIED = 0.85
+PRIOR_WEIGHT = 8.0
+CALIBRATION_DISCOUNT = 0.98  # weight of older outcomes per outcome learned (a session's text changes)
+MAX_CHANCE = 0.99  # no draft is sure: a chain's chance keeps falling with its length
+
+
+class Calibration:
+    """One greedy session's estimate of the chance that a draft token is kept, given that the
+    drafts before it were: for the model's pick, its probability ``top_prob`` scaled by how often
+    such picks were kept against what their probabilities promised; for a token copied from the
+    context (``top_prob`` None), the share of copies kept. Learned from the session's own
+    outcomes: ``sent`` records a draft as it leaves, ``learn`` reads the next verified sequence
+    (tokens up to the first rejection were kept, the first rejected one was not, the rest teach
+    nothing)."""
+
+    def __init__(self):
+        self.copied_kept, self.copied_tried = PRIOR_COPIED * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.model_kept, self.model_promised = PRIOR_WEIGHT, PRIOR_WEIGHT
+        self._last: tuple[int, list[int], list[float | None]] | None = None
+
+    def chance(self, top_prob: float | None) -> float:
+        if top_prob is None:
+            return min(self.copied_kept / self.copied_tried, MAX_CHANCE)
+        return min(top_prob * self.model_kept / self.model_promised, MAX_CHANCE)
+
+    def sent(self, start: int, draft: Draft) -> None:
+        """``draft`` (a chain measured for stopping) went out for the sequence position ``start``."""
+        probs = draft.top_probs
+        self._last = (start, list(draft.tokens), list(probs)) if probs and draft.parents is None else None
+
+    def learn(self, verified: list[int]) -> None:
+        """The session's verified sequence now: its outcome for the draft last sent, once."""
+        if self._last is None:
+            return
+        start, tokens, probs = self._last
+        self._last = None
+        if len(verified) <= start:
+            return  # nothing verified past the drafts' start yet
+        for tok, p, actual in zip(tokens, probs, verified[start:]):
+            kept = float(tok == actual)
+            d = CALIBRATION_DISCOUNT
+            if p is None:
+                self.copied_kept, self.copied_tried = d * self.copied_kept + kept, d * self.copied_tried + 1.0
+            else:
+                self.model_kept, self.model_promised = d * self.model_kept + kept, d * self.model_promised + p
+            if not kept:
+                break
+
+
+class Stopping:
+    """Where a greedy chain stops (adaptive draft length on the draft's side, after SpecDec++ and
+    AdaEDL): the chain takes its next token only while the chance that every draft so far is kept
+    stays at or above ``min_survival``, each draft's chance from ``Calibration``. The first draft
+    always goes (the round's trip is paid anyway). The target sets ``min_survival`` from its
+    measured costs (``starsd_target.depth``): one more draft pays when the chance it is kept
+    exceeds the round's rate times what the draft costs; 0 turns stopping off."""
+
+    def __init__(self, calibration: Calibration | None, min_survival: float):
+        self.calibration = calibration
+        self.min_survival = min_survival if calibration is not None else 0.0
+        self.survival = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self.min_survival > 0.0
+
+    def go_on(self, drafted: int, top_prob: float | None) -> bool:
+        """Whether the chain, ``drafted`` tokens long, takes a next token whose model probability
+        is ``top_prob`` (None: copied from the context)."""
+        if not self.active:
+            return True
+        survival = self.survival * self.calibration.chance(top_prob)
+        if drafted >= 1 and survival < self.min_survival:
+            return False
+        self.survival = survival
+        return True
+
+
+def clip_draft(draft: Draft, depth: int, stopping: Stopping | None = None) -> Draft:
+    """A chain's first ``depth`` drafts, cut where ``stopping`` would have stopped it (drafts
+    made ahead of the request, before its ``min_survival`` was known)."""
+    n = min(depth, len(draft.tokens))
+    if stopping is not None and stopping.active and draft.top_probs is not None:
+        n = next((j for j in range(n) if not stopping.go_on(j, draft.top_probs[j])), n)
+
+    def cut(x):
+        return None if x is None else x[:n]
+
+    return Draft(draft.tokens[:n], cut(draft.q_ids), cut(draft.q_probs), cut(draft.alternatives), draft.parents,
+                 cut(draft.top_probs))
 
 
 class ContextLookup:
@@ -273,6 +385,7 @@ class DraftBackend(abc.ABC):
         return [self.draft(r.state, r.verified, r.depth, r.new_features, tree_tokens=r.tree_tokens) for r in requests]
 
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
+    stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
 
     def lookahead_rows(self, drafts: int) -> int:
         """How many copies of a session's cache its work ahead holds after ``drafts`` drafts."""
@@ -283,6 +396,11 @@ class DraftBackend(abc.ABC):
         ``verified`` is its verified sequence and ``draft`` the drafts just sent for it. None:
         this backend does not draft ahead (the default)."""
         return None
+
+    def finish_ahead(self, state: object, request: DraftRequest, draft: Draft) -> Draft:
+        """What a request answered from work done ahead gets of its drafts: by default the first
+        ``request.depth`` (a backend that stops chains early cuts them as it would have)."""
+        return clip_draft(draft, request.depth)
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""

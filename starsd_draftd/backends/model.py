@@ -14,8 +14,8 @@ from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_p
 from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import (ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest, Lookahead,
-                                        frontier_width, session_seed)
+from starsd_draftd.backends.base import (Calibration, ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest,
+                                        Lookahead, Stopping, clip_draft, frontier_width, session_seed, top_prob)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
@@ -29,10 +29,12 @@ class ModelSession:
     cache: object
     cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds
     seed: int = 0  # the base of its draws' position seeds (base.position_seed)
+    calibration: Calibration = field(default_factory=Calibration)  # greedy stopping's chances (base.Stopping)
 
 
 class ModelBackend(DraftBackend):
     name = "model"
+    stops_drafts = True
 
     def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None,
                  runner: ModelRunner | None = None, tree_topk: int = 1):
@@ -109,11 +111,28 @@ class ModelBackend(DraftBackend):
         del st.cached[keep:]
         return keep
 
+    def _stopping(self, st: ModelSession, verified: list[int], min_survival: float) -> Stopping:
+        """A greedy chain's stopping rule for this request (inactive for sampled sessions and at
+        ``min_survival`` 0), its calibration first taught by the request's verified sequence."""
+        if not st.params.greedy or min_survival <= 0.0:
+            return Stopping(None, 0.0)
+        st.calibration.learn(verified)
+        return Stopping(st.calibration, min_survival)
+
+    @staticmethod
+    def _sent(st: ModelSession, stop: Stopping, start: int, draft: Draft) -> Draft:
+        if stop.active:
+            st.calibration.sent(start, draft)
+        return draft
+
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
+              min_survival: float = 0.0) -> Draft:
+        """``min_survival`` > 0 (greedy chains): stop before ``depth`` where ``Stopping`` says."""
         st: ModelSession = state  # type: ignore[assignment]
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
             return self._greedy_tree(st, verified, depth, tree_tokens)
+        stop = self._stopping(st, verified, min_survival)
         keep = self._rewind(st, verified)
         chain = chain_drafter(self, st, len(verified), depth, tree_tokens)
         seq = self._context(st.params, verified, depth)
@@ -125,13 +144,24 @@ class ModelBackend(DraftBackend):
             if found is None:
                 if pending:
                     logits, pending = self._forward(st, pending), []
-                tok = chain.pick(logits)
+                p = top_prob(logits) if stop.active else None
+                if not stop.go_on(j, p):
+                    break
+                tok = chain.pick(logits, p)
             else:
+                if not stop.go_on(j, None):
+                    break
                 tok = chain.take(found)
             if seq is not None:
                 seq[len(verified) + j] = tok
             pending.append(tok)
-        return chain.result()
+        return self._sent(st, stop, len(verified), chain.result())
+
+    def finish_ahead(self, state: object, request: DraftRequest, draft: Draft) -> Draft:
+        """A greedy chain drafted ahead, cut where drafting it on request would have stopped."""
+        st: ModelSession = state  # type: ignore[assignment]
+        stop = self._stopping(st, request.verified, request.min_survival)
+        return self._sent(st, stop, len(request.verified), clip_draft(draft, request.depth, stop))
 
     @torch.inference_mode()
     def _greedy_tree(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> Draft:
@@ -236,13 +266,14 @@ class ModelBackend(DraftBackend):
         for j in range(depth + 1):
             if j > 0 or rows > 1:
                 top = torch.topk(logits, 2, dim=-1).indices.tolist() if greedy else None
+                probs = self._top_probs(logits) if greedy else None  # for the request's stopping rule
                 for b in range(rows):
                     if b == last and j == 0:
                         continue
                     chain = chains[b]
                     if greedy:
                         n = len(task.guesses[b]) + len(chain.tokens)
-                        picks[b] = self._take_greedy(chain, seqs[b], n, top[b])
+                        picks[b] = self._take_greedy(chain, seqs[b], n, top[b], probs[b])
                     else:
                         picks[b] = chain.pick(logits[b])
             if j == depth:
@@ -274,16 +305,26 @@ class ModelBackend(DraftBackend):
             self.lookup_hits += 1
         return found
 
-    def _take_greedy(self, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int]) -> int:
+    def _take_greedy(self, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int],
+                     prob: float | None = None, stop: Stopping | None = None) -> int | None:
         """A greedy row's pick at position ``n`` in a batch: the context's token (lookup) or the
         model's best, with the model's most likely other token as its alternative; ``top`` is the
-        row's best two."""
+        row's best two and ``prob`` the model's probability of its best. None: ``stop`` ends the
+        chain here."""
         found = self._look(seq, n)
+        measured = prob if found is None else None
+        if stop is not None and not stop.go_on(len(chain.tokens), measured):
+            return None
         best, second = top
-        tok = chain.take(best if found is None else found, second if found in (None, best) else best)
+        tok = chain.take(best if found is None else found, second if found in (None, best) else best, measured)
         if seq is not None:
             seq[n] = tok
         return tok
+
+    @staticmethod
+    def _top_probs(logits: torch.Tensor) -> list[float]:
+        """Each row's probability of its most likely token ([B, V] logits)."""
+        return torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1)).tolist()
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -299,7 +340,8 @@ class ModelBackend(DraftBackend):
                 batch.append(i)
         if len(batch) == 1:
             r = requests[batch[0]]
-            out[batch[0]] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
+            out[batch[0]] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens,
+                                       min_survival=r.min_survival)
         elif batch:
             for i, d in zip(batch, self._batched([requests[i] for i in batch])):
                 out[i] = d
@@ -307,6 +349,7 @@ class ModelBackend(DraftBackend):
 
     def _batched(self, requests: list[DraftRequest]) -> list[Draft]:
         sessions: list[ModelSession] = [r.state for r in requests]  # type: ignore[misc]
+        stops = [self._stopping(st, r.verified, r.min_survival) for st, r in zip(sessions, requests)]
         feeds = []
         for st, r in zip(sessions, requests):
             keep = self._rewind(st, r.verified)
@@ -317,23 +360,31 @@ class ModelBackend(DraftBackend):
         chains = [chain_drafter(self, st, len(r.verified), r.depth, r.tree_tokens) for st, r in zip(sessions, requests)]
         greedy = [st.params.greedy for st in sessions]
         seqs = [self._context(st.params, r.verified, r.depth) for st, r in zip(sessions, requests)]
-        depth = max(r.depth for r in requests)
+        ends = [r.depth for r in requests]  # a row's chain ends at its depth, or where it stops
+        depth = max(ends)
         for j in range(depth):
             # every greedy row's best two in one op (the second is lookahead's guess on a rejection)
             top = torch.topk(logits, 2, dim=-1).indices.tolist() if any(greedy) else None
+            probs = self._top_probs(logits) if any(s.active for s in stops) else [None] * len(requests)
             picks = []
             for b, (chain, r) in enumerate(zip(chains, requests)):
-                if j >= r.depth:
-                    picks.append(0)
+                tok = 0
+                if j >= ends[b]:
+                    pass
                 elif greedy[b]:
-                    picks.append(self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b]))
+                    tok = self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b], probs[b], stops[b])
+                    if tok is None:
+                        ends[b], tok = j, 0  # stopped: its drafts so far are its chain
                 else:
-                    picks.append(chain.pick(logits[b]))
-            if j + 1 < depth:
-                live = [j + 1 < r.depth for r in requests]
-                logits = batch.step(picks, live)[:, : self.vocab_size].float()
+                    tok = chain.pick(logits[b])
+                picks.append(tok)
+            live = [j + 1 < end for end in ends]
+            if not any(live):
+                break
+            logits = batch.step(picks, live)[:, : self.vocab_size].float()
         for b, (st, r, feed) in enumerate(zip(sessions, requests, feeds)):
             batch.split(b, st.cache)
             st.cached.extend(feed)
-            st.cached.extend(chains[b].tokens[: r.depth - 1])
-        return [c.result() for c in chains]
+            st.cached.extend(chains[b].tokens[: batch.live_steps[b]])
+        return [self._sent(st, stop, len(r.verified), c.result())
+                for st, stop, r, c in zip(sessions, stops, requests, chains)]

@@ -172,9 +172,9 @@ class CaterpillarDrafter(ChainDrafter):
         self.nodes: list[tuple[int, int, int]] = []  # (token, parent, q row)
         self._last = ROOT  # the chain's latest node
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def pick(self, logits: torch.Tensor, top_prob: float | None = None) -> int:
         position = self.start + len(self.tokens)
-        tok = super().pick(logits)
+        tok = super().pick(logits, top_prob)
         row = len(self._ids) - 1
         parent, self._last = self._last, len(self.nodes)
         self.nodes.append((tok, parent, row))
