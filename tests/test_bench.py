@@ -469,6 +469,7 @@ def test_quick_bench_lookahead_fields(quick_report):
         assert c["fallback_rounds"] == 0 and c["rounds"] > 0 and c["kept_per_round"] > 1.0, name
         assert c["same_as_alone"] == c["of"] > 0, name  # exact with every combination
         assert 0 < c["asked_per_round"] <= r["config"]["depth"], name
+        assert 0 < c["drafted_per_round"] <= c["asked_per_round"], name
         if c["lookahead"]:  # drafted ahead, and requests were checked against it
             assert c["hit_rate"] is not None and 0.0 <= c["hit_rate"] <= 1.0 and c["idle_s"] > 0, name
         else:

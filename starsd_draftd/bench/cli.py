@@ -47,6 +47,9 @@ _b = BenchConfig()
         help=f"Real section: tokens per job [default: {_b.max_tokens}; quick: 24].")
 @option("--jobs", type=click.IntRange(1), default=None,
         help=f"Real section: jobs per target [default: {_b.jobs_per_target}; quick: 1].")
+@option("--repeats", type=click.IntRange(1), default=None,
+        help=f"Lookahead section: runs of each configuration, in alternating order, each beside the target "
+             f"alone (more runs: less of a shared machine's noise) [default: {_b.repeats}; quick: 1].")
 @option("--batch-max", type=click.IntRange(2, 64), default=_b.batch_max,
         help="Batched section: batch_max compared with one session at a time.")
 @option("--seed", type=int, default=_b.seed, help="Seed of the emulated acceptance chains.")
@@ -56,13 +59,13 @@ _b = BenchConfig()
 @logging_options(option, default_level="warning")  # the progress bar is the bench's running report
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
 def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
-          single_ms, acceptance, models, max_tokens, jobs, batch_max, seed, no_plot, no_progress, as_json, log_level,
-          log_format) -> None:
+          single_ms, acceptance, models, max_tokens, jobs, repeats, batch_max, seed, no_plot, no_progress, as_json,
+          log_level, log_format) -> None:
     """Measure the star on this machine: wire cost, accelerator emulation beside the analytic model,
     real models beside the target alone and co-located speculative decoding, batched drafting."""
     setup_logging(log_level, log_format)
     given = {"n_max": n_max, "real_n_max": real_n_max, "models": models, "max_tokens": max_tokens,
-             "jobs_per_target": jobs}
+             "jobs_per_target": jobs, "repeats": repeats}
     kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
               draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
               acceptance=acceptance, batch_max=batch_max, seed=seed, plot=not no_plot, progress=not no_progress,

@@ -57,6 +57,7 @@ class BenchConfig:
     real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores
     jobs_per_target: int = 2
     max_tokens: int = 64
+    repeats: int = 2  # lookahead section: runs of each configuration, in alternating order
     real_pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores (as separate machines)
     real_batch_max: int = 1  # the draft daemon of the real section serves one session at a time, as the model assumes
     # batched drafting
@@ -75,7 +76,8 @@ class BenchConfig:
         """A few seconds of measurement, N up to 3, tiny random models: for CI."""
         base = dict(quick=True, n_max=3, min_rounds=30, min_window_s=0.4, max_window_s=1.0, warmup_s=0.15,
                     calib_rounds=10, capacity_s=0.4, wire_rounds=200, wire_paced_rounds=15, wire_gap_ms=5.0,
-                    models="tiny", real_n_max=2, jobs_per_target=1, max_tokens=24, batch_ks=(1, 8), prestart=True)
+                    models="tiny", real_n_max=2, jobs_per_target=1, max_tokens=24, batch_ks=(1, 8), prestart=True,
+                    repeats=1)
         base.update(overrides)
         return cls(**base)
 
