@@ -56,14 +56,15 @@ class LookaheadServing:
                 continue
             t0 = time.perf_counter()
             try:
-                draft = task.take(guess)  # a late hit's remaining steps are drafting, on the request's time
+                # a late hit's remaining steps are drafting, on the request's time
+                draft = self.backend.finish_ahead(session.state, req, task.take(guess))
             except Exception:  # work ahead is optional: drafted afresh instead
                 log.exception("finishing the work ahead failed for session %d", key[1])
                 task.close()
                 st["failed"] += 1
                 continue
             st["late_hits" if late else "hits"] += 1
-            out[i] = (self.backend.finish_ahead(session.state, req, draft), time.perf_counter() - t0)
+            out[i] = (draft, time.perf_counter() - t0)
         return out
 
     def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
@@ -84,7 +85,7 @@ class LookaheadServing:
         if self.backend.max_len is not None and length > self.backend.max_len:
             return  # near the end of the drafter's context: drafted on request, within its bounds
         try:  # every guess is a copy of the session's cache: its memory is the session's too
-            self.sessions.reserve(session, length * self.backend.lookahead_rows(len(draft.tokens)), seq,
+            self.sessions.reserve(session, length * self.backend.lookahead_rows(draft), seq,
                                   keep=set(self.sessions.sessions))
         except ProtocolError:
             return  # no room: the next request is drafted on arrival

@@ -71,6 +71,9 @@ RATE_SMOOTHING = 0.1  # weight of a new round in the measured rates (rounds vary
 PRIOR_MIN_SURVIVAL = 0.2  # until its rounds are measured (the demo pair's rule settles near 0.2)
 MIN_SURVIVAL_RANGE = (0.02, 0.9)  # the rule's threshold is kept within these
 SLOPE_DISCOUNT = 0.95  # weight of older rounds in the verification cost's regression
+# the least variance (tokens verified squared) of the rounds' lengths for a slope: below it they are
+# about all one length (a fixed depth, every draft kept) and the slope is noise
+SLOPE_MIN_VARIANCE = 0.05
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -151,7 +154,7 @@ class AdaptiveDepth:
         if w <= 0.0:
             return None
         var = nn / w - (n / w) ** 2
-        if var < 0.05:
+        if var < SLOPE_MIN_VARIANCE:
             return None
         return max((nt / w - (n / w) * (t / w)) / var, 0.0)
 

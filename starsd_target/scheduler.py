@@ -329,7 +329,6 @@ class Scheduler:
                     depth = 0
                 elif a.drafts.stops_drafts and a.drafts.params.greedy:
                     survival = a.depth.min_survival()  # the daemon ends the chain, within the cap
-                    a.depth.last = depth
                 else:
                     depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget

@@ -237,7 +237,7 @@ def test_model_lookahead_drafts_each_guess_as_a_request_would(params, near_draft
     guesses = task.guesses
     assert guesses[-1][:-1] == verified + sent.tokens
     rows = ahead.MAX_ALTERNATIVE_ROWS  # rejections guessed at the first positions only
-    assert len(guesses) == rows + 1 == ahead.lookahead_rows(4)
+    assert len(guesses) == rows + 1 == ahead.lookahead_rows(sent)
     assert [g[len(verified):] for g in guesses[:-1]] == [sent.tokens[:j] + [sent.alternatives[j]] for j in range(rows)]
     for g, d in zip(guesses, task.result):
         assert d.tokens == fresh.draft(ref, g, len(d.tokens)).tokens

@@ -143,6 +143,8 @@ GOOD_DRAFT = dict(session=1, seq=1, accepted=0, new=[1], pos=5, depth=3)
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=-0.1)], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=float("nan"))], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival="0.3")], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=True)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=float("inf"))], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(session=1)], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT), b"extra"], ErrorCode.MALFORMED),
     ([b"DRAFT", hdr(**GOOD_DRAFT, tensors={"x": {"dtype": "float32", "shape": [4], "frame": 0}}), b"abc"],

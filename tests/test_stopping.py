@@ -99,16 +99,22 @@ def test_model_backend_stops_a_greedy_chain_where_stopping_says_and_its_cache_st
 
 
 def test_batched_drafting_stops_each_chain_as_drafting_it_alone_would(near):
+    """Rows of one batch stop at their own places (a stopped row leaves the batch while the
+    others go on); a sampled row is never stopped; every row's cache holds what it fed."""
     b, alone = ModelBackend(near), ModelBackend(near)
-    seqs = [[1, 5, 9, 30, 2, 77, 8], [3, 4, 5, 6], [9, 9, 8, 7, 6, 5, 4, 3]]
-    taus = [0.3, 0.0, 0.05]
-    states = [b.new_state(SamplingParams()) for _ in seqs]
+    seqs = [[1, 5, 9, 30, 2, 77, 8], [3, 4, 5, 6], [9, 9, 8, 7, 6, 5, 4, 3], [2, 4, 6, 8, 10]]
+    taus = [0.5, 0.0, 0.05, 0.9]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=7)]
+    states = [b.new_state(p) for p in params]
     got = b.draft_many([DraftRequest(st, s, 5, min_survival=t) for st, s, t in zip(states, seqs, taus)])
-    for st, s, t, d in zip(states, seqs, taus, got):
-        ref = alone.draft(alone.new_state(SamplingParams()), s, 5, min_survival=t)
+    lengths = [len(d.tokens) for d in got]
+    assert min(lengths[:3]) < 5 and lengths[1] == 5 and lengths[3] == 5, lengths  # stopped beside full
+    for st, s, t, p, d in zip(states, seqs, taus, params, got):
+        ref = alone.draft(alone.new_state(p), s, 5, min_survival=t)
         assert d.tokens == ref.tokens
         nxt = s + d.tokens + [2]  # every row's cache holds what its chain fed
-        assert b.draft(st, nxt, 3).tokens == alone.draft(alone.new_state(SamplingParams()), nxt, 3).tokens
+        if p.greedy:
+            assert b.draft(st, nxt, 3).tokens == alone.draft(alone.new_state(p), nxt, 3).tokens
 
 
 def test_the_target_sets_the_threshold_from_its_rate_and_what_a_draft_costs():
@@ -149,3 +155,61 @@ def test_the_star_stops_greedy_chains_and_stays_exact(params, near, loaded_targe
         assert r.stats.drafted < 6 * stop["requests"]
     else:
         assert stop == {"requests": 0, "stopped": 0, "drafts_saved": 0}
+
+
+def test_work_ahead_stops_each_guess_as_a_request_for_it_would(near):
+    """Lookahead drafts each guess with the session's last threshold: every guess's drafts are
+    what a request for it would get, some of them stopped short of the depth."""
+    ahead, fresh = ModelBackend(near), ModelBackend(near)
+    st = ahead.new_state(SamplingParams())
+    verified = [1, 5, 9, 30, 2, 77, 8]
+    tau = 0.3
+    sent = ahead.draft(st, verified, 4, min_survival=tau)
+    assert len(sent.tokens) == 4 and sent.next_top is None  # not stopped: the guesses of a full chain
+    task = ahead.lookahead(st, verified, sent, 4)
+    while not task.step():
+        pass
+    short = 0
+    for b, (g, d) in enumerate(zip(task.guesses, task.result)):
+        most = 4 if b == len(task.guesses) - 1 else 5  # the all-kept row's first pick is its guess
+        assert d.tokens == fresh.draft(fresh.new_state(SamplingParams()), g, most, min_survival=tau).tokens
+        short += len(d.tokens) < most
+    assert short > 0
+    # taking a guess leaves the session as drafting it on request would; the request first
+    # teaches the calibration its outcome (the first draft kept, the second not), which can
+    # only cut the drafts made ahead
+    pick = 1
+    got = ahead.finish_ahead(st, DraftRequest(st, task.guesses[pick], 5, min_survival=tau), task.take(pick))
+    assert got.tokens == clip_draft(task.result[pick], 5, Stopping(st.calibration, tau)).tokens
+    assert 1 <= len(got.tokens) and got.tokens == task.result[pick].tokens[: len(got.tokens)]
+    nxt = task.guesses[pick] + got.tokens + [3]
+    assert ahead.draft(st, nxt, 4).tokens == fresh.draft(fresh.new_state(SamplingParams()), nxt, 4).tokens
+
+
+def test_after_a_chain_stopped_unsure_work_ahead_guesses_the_likeliest_next_tokens(near):
+    """A chain that stopped where the model was unsure says the model's likeliest next tokens;
+    lookahead then guesses the chain all kept followed by each of them (and rejections), ranked
+    by their chance, at most MAX_ROWS, each drafted as a request for it would be."""
+    ahead, fresh = ModelBackend(near), ModelBackend(near)
+    st = ahead.new_state(SamplingParams())
+    verified = [1, 5, 9, 30, 2, 77, 8]
+    tau = 0.5
+    sent = ahead.draft(st, verified, 6, min_survival=tau)
+    assert len(sent.tokens) < 6 and len(sent.next_top) == ahead.NEXT_GUESSES
+    probs = [p for _, p in sent.next_top]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-6
+    seq = verified + sent.tokens
+    task = ahead.lookahead(st, verified, sent, 4)
+    assert all(g is not None for g in task.guesses) and len(task.guesses) <= ahead.MAX_ROWS
+    after_all_kept = [g[-1] for g in task.guesses if g[:-1] == seq]
+    assert after_all_kept and set(after_all_kept) <= {t for t, _ in sent.next_top}
+    assert after_all_kept[0] == sent.next_top[0][0]  # the likeliest outcome first
+    while not task.step():
+        pass
+    for g, d in zip(task.guesses, task.result):
+        assert d.tokens == fresh.draft(fresh.new_state(SamplingParams()), g, 5, min_survival=tau).tokens
+    # taking the likeliest guess leaves the session's cache as drafting on request would
+    got = ahead.finish_ahead(st, DraftRequest(st, task.guesses[0], 5, min_survival=tau), task.take(0))
+    assert got.tokens and got.tokens == task.result[0].tokens[: len(got.tokens)]
+    nxt = task.guesses[0] + got.tokens + [3]
+    assert ahead.draft(st, nxt, 4).tokens == fresh.draft(fresh.new_state(SamplingParams()), nxt, 4).tokens

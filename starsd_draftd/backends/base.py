@@ -51,6 +51,9 @@ class Draft:
     # the context, or not measured): what ``Calibration`` turns into the chance it is kept
     # (kept on this side; never sent)
     top_probs: list[float | None] | None = None
+    # a chain that stopped at a model pick: the model's likeliest tokens after its last draft, with
+    # their probabilities (lookahead's guesses of the target's next token after an all-kept round)
+    next_top: list[tuple[int, float]] | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -91,6 +94,7 @@ class ChainDrafter:
         self.tokens: list[int] = []
         self.alternatives: list[int | None] = []
         self.top_probs: list[float | None] = []
+        self.next_top: list[tuple[int, float]] | None = None  # set where a stopped chain knows it (Draft.next_top)
         self._ids: list[torch.Tensor] = []
         self._probs: list[torch.Tensor] = []
 
@@ -130,14 +134,21 @@ class ChainDrafter:
 
     def result(self) -> Draft:
         if not self._ids:
-            return Draft(self.tokens, alternatives=list(self.alternatives), top_probs=list(self.top_probs))
+            return Draft(self.tokens, alternatives=list(self.alternatives), top_probs=list(self.top_probs),
+                         next_top=self.next_top)
         return Draft(self.tokens, torch.stack(self._ids), torch.stack(self._probs), list(self.alternatives),
-                     top_probs=list(self.top_probs))
+                     top_probs=list(self.top_probs), next_top=self.next_top)
 
 
-def top_prob(logits: torch.Tensor) -> float:
-    """The probability softmax(logits) gives its most likely token."""
-    return float(torch.exp(logits.max() - torch.logsumexp(logits, -1)))
+def top_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The probability softmax(logits) gives its most likely token, per row ([..., V] -> [...])."""
+    return torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))
+
+
+def likeliest(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of softmax(logits) [V], with their probabilities."""
+    top = torch.topk(torch.softmax(logits.float(), -1), min(k, logits.shape[-1]))
+    return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 # Calibration's priors, each worth PRIOR_WEIGHT outcomes: a token copied from the context was kept
@@ -167,6 +178,13 @@ class Calibration:
         if top_prob is None:
             return min(self.copied_kept / self.copied_tried, MAX_CHANCE)
         return min(top_prob * self.model_kept / self.model_promised, MAX_CHANCE)
+
+    def chain_chance(self, top_probs: list[float | None]) -> float:
+        """The chance that a whole chain with these model probabilities (None: copied) is kept."""
+        chance = 1.0
+        for p in top_probs:
+            chance *= self.chance(p)
+        return chance
 
     def sent(self, start: int, draft: Draft) -> None:
         """``draft`` (a chain measured for stopping) went out for the sequence position ``start``."""
@@ -231,8 +249,9 @@ def clip_draft(draft: Draft, depth: int, stopping: Stopping | None = None) -> Dr
     def cut(x):
         return None if x is None else x[:n]
 
+    whole = n == len(draft.tokens)  # a cut chain's next token is its own next draft, not next_top's
     return Draft(draft.tokens[:n], cut(draft.q_ids), cut(draft.q_probs), cut(draft.alternatives), draft.parents,
-                 cut(draft.top_probs))
+                 cut(draft.top_probs), draft.next_top if whole else None)
 
 
 class ContextLookup:
@@ -266,8 +285,9 @@ class ContextLookup:
 class Lookahead:
     """A session's next round drafted ahead of its request, in small steps (one model forward
     each) while the draft daemon has nothing queued, for one or more guesses of the sequence
-    its next request brings (the drafts just sent all kept and the draft's guess of the
-    target's next token; or kept up to a position and the draft's second choice there).
+    its next request brings (the drafts just sent all kept and the draft's guess, or after a
+    chain that stopped unsure its likeliest guesses, of the target's next token; or kept up to
+    a position and the draft's second choice there).
 
     ``guesses`` holds each guessed sequence once known (None until then: the all-kept guess
     needs the first forward); ``result`` the drafts for each once done. ``step()`` runs one
@@ -387,8 +407,8 @@ class DraftBackend(abc.ABC):
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
     stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
 
-    def lookahead_rows(self, drafts: int) -> int:
-        """How many copies of a session's cache its work ahead holds after ``drafts`` drafts."""
+    def lookahead_rows(self, draft: Draft) -> int:
+        """How many copies of a session's cache its work ahead holds after ``draft`` was sent."""
         return 1
 
     def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:

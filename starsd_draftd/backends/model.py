@@ -15,7 +15,8 @@ from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (Calibration, ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest,
-                                        Lookahead, Stopping, clip_draft, frontier_width, session_seed, top_prob)
+                                        Lookahead, Stopping, clip_draft, frontier_width, likeliest, session_seed,
+                                        top_probs)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
@@ -30,6 +31,7 @@ class ModelSession:
     cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds
     seed: int = 0  # the base of its draws' position seeds (base.position_seed)
     calibration: Calibration = field(default_factory=Calibration)  # greedy stopping's chances (base.Stopping)
+    min_survival: float = 0.0  # its last request's stopping threshold (its work ahead stops by it too)
 
 
 class ModelBackend(DraftBackend):
@@ -115,8 +117,10 @@ class ModelBackend(DraftBackend):
         """A greedy chain's stopping rule for this request (inactive for sampled sessions and at
         ``min_survival`` 0), its calibration first taught by the request's verified sequence."""
         if not st.params.greedy or min_survival <= 0.0:
+            st.min_survival = 0.0
             return Stopping(None, 0.0)
         st.calibration.learn(verified)
+        st.min_survival = min_survival
         return Stopping(st.calibration, min_survival)
 
     @staticmethod
@@ -140,18 +144,21 @@ class ModelBackend(DraftBackend):
         # costs no forward, and is fed with the next one the model picks after it (or next time).
         pending, logits = list(verified[keep:]), None
         for j in range(depth):
-            found = self._look(seq, len(verified) + j)
+            found = self._look(seq, len(verified) + j, count=False)
             if found is None:
                 if pending:
                     logits, pending = self._forward(st, pending), []
-                p = top_prob(logits) if stop.active else None
+                p = float(top_probs(logits)) if stop.active else None
                 if not stop.go_on(j, p):
+                    chain.next_top = likeliest(logits, self.NEXT_GUESSES)
                     break
                 tok = chain.pick(logits, p)
             else:
                 if not stop.go_on(j, None):
                     break
                 tok = chain.take(found)
+            if seq is not None:
+                self._count(found)
             if seq is not None:
                 seq[len(verified) + j] = tok
             pending.append(tok)
@@ -205,20 +212,32 @@ class ModelBackend(DraftBackend):
 
     drafts_ahead = True
     MAX_ALTERNATIVE_ROWS = 3  # guesses of a rejection: at the first positions, where rejections are likeliest
+    MAX_ROWS = MAX_ALTERNATIVE_ROWS + 1  # guesses drafted ahead at most (one batch)
+    NEXT_GUESSES = 3  # a stopped chain's likeliest next tokens, each an all-kept guess
+    # the share of rejections where the target's token is the draft's second choice: 8 of 77 on
+    # the demo pair (replayed offline); ranks the rejection guesses against the all-kept ones
+    ALTERNATIVE_SHARE = 0.1
 
-    def lookahead_rows(self, drafts: int) -> int:
-        return min(drafts, self.MAX_ALTERNATIVE_ROWS) + 1
+    def lookahead_rows(self, draft: Draft) -> int:
+        rows = min(len(draft.tokens), self.MAX_ALTERNATIVE_ROWS)
+        if draft.next_top and draft.top_probs is not None:  # ranked guesses (``_ranked``)
+            return min(rows + len(draft.next_top), self.MAX_ROWS)
+        return rows + 1
 
     def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:
         """Draft the next round ahead for every outcome the draft can guess, as one batch:
         the drafts just sent all kept, followed by the draft's own next token (known after the
         batch's first forward); and for each draft position with an alternative, the drafts
         kept up to it and the alternative in its place (what the target most likely puts there
-        if it rejects the draft), at the first MAX_ALTERNATIVE_ROWS positions. ``depth`` tokens
-        after the all-kept guess, ``depth`` + 1 after the others, ``depth`` + 1 batched forwards,
-        over copies of the session's cache, which stays as it is until a guess is taken. None
-        when the session's cache lags its sequence by much (lookup-copied tokens not fed yet):
-        the first step would feed them once per row."""
+        if it rejects the draft), at the first MAX_ALTERNATIVE_ROWS positions. A chain that
+        stopped where the model was unsure of its next token (``Draft.next_top``) is guessed
+        all kept followed by each of the model's likeliest next tokens, and its guesses are
+        ranked by their chance (``Calibration``), the MAX_ROWS likeliest drafted. ``depth``
+        tokens after the all-kept guess, ``depth`` + 1 after the others, ``depth`` + 1 batched
+        forwards at most (a row stops where its request would: ``Stopping``), over copies of the
+        session's cache, which stays as it is until a guess is taken. None when the session's
+        cache lags its sequence by much (lookup-copied tokens not fed yet): the first step would
+        feed them once per row."""
         st: ModelSession = state  # type: ignore[assignment]
         if draft.parents is not None:
             return None  # after a tree: its next request's sequence is any of the tree's paths
@@ -228,7 +247,10 @@ class ModelBackend(DraftBackend):
         alts = (draft.alternatives or [None] * len(draft.tokens))[: self.MAX_ALTERNATIVE_ROWS]
         branches = [(list(verified) + list(draft.tokens[:j]), alt) for j, alt in enumerate(alts)
                     if alt is not None and alt < self.vocab_size]
-        branches.append((seq, None))  # all kept: its token is the first forward's pick
+        if draft.next_top and draft.top_probs is not None:
+            branches = self._ranked(st.calibration, verified, draft, seq, branches)
+        else:
+            branches.append((seq, None))  # all kept: its token is the first forward's pick
         guesses = [prefix + [tok] if tok is not None else None for prefix, tok in branches]
         box: dict = {}
 
@@ -238,13 +260,28 @@ class ModelBackend(DraftBackend):
                 batch.split(i, st.cache)
             st.cached = fed[i]
 
-        return Lookahead(lambda task: self._branch_steps(st, branches, depth, task, box), guesses, adopt,
+        return Lookahead(lambda task: self._branch_steps(st, seq, branches, depth, task, box), guesses, adopt,
                          steps=depth + 1)
 
-    def _branch_steps(self, st: ModelSession, branches: list[tuple[list[int], int | None]], depth: int,
-                      task: Lookahead, box: dict) -> Generator[None, None, list[Draft]]:
+    def _ranked(self, cal: Calibration, verified: list[int], draft: Draft, seq: list[int],
+                rejections: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+        """The guesses after a chain that stopped at a model pick, likeliest first, MAX_ROWS at
+        most: all kept and then each of ``draft.next_top`` (the chain's chance times the token's),
+        or kept up to a position and the alternative there (the chance of that rejection times
+        ALTERNATIVE_SHARE)."""
+        scored = [(cal.chain_chance(draft.top_probs) * cal.chance(p), (seq, tok))
+                  for tok, p in draft.next_top if tok < self.vocab_size]
+        for prefix, alt in rejections:
+            j = len(prefix) - len(verified)
+            scored.append((cal.chain_chance(draft.top_probs[:j]) * (1.0 - cal.chance(draft.top_probs[j]))
+                           * self.ALTERNATIVE_SHARE, (prefix, alt)))
+        scored.sort(key=lambda x: -x[0])
+        return [branch for _, branch in scored[: self.MAX_ROWS]]
+
+    def _branch_steps(self, st: ModelSession, seq: list[int], branches: list[tuple[list[int], int | None]],
+                      depth: int, task: Lookahead, box: dict) -> Generator[None, None, list[Draft]]:
         views, feeds, fed = [], [], []
-        common = common_prefix_len(st.cached, branches[-1][0])  # every prefix is one of the all-kept one
+        common = common_prefix_len(st.cached, seq)  # every prefix is one of the all-kept one, ``seq``
         for prefix, tok in branches:
             hold = min(common, len(prefix) - (1 if tok is None else 0))
             views.append(CacheView(st.cache, hold))
@@ -255,33 +292,41 @@ class ModelBackend(DraftBackend):
             logits = batch.first()[:, : self.vocab_size].float()
         yield
         rows = len(branches)
-        last = rows - 1  # the all-kept row: its first pick is the guess, not a draft
-        guess = int(torch.argmax(logits[last]))
-        task.guesses[last] = branches[last][0] + [guess]
+        # the all-kept row whose token the first forward picks (-1: none), its pick the guess, not a draft
+        last = next((b for b, (_, tok) in enumerate(branches) if tok is None), -1)
+        picks = [0] * rows
+        if last >= 0:
+            picks[last] = int(torch.argmax(logits[last]))
+            task.guesses[last] = branches[last][0] + [picks[last]]
         chains = [ChainDrafter(st.params, st.generator, self.q_topk, st.seed, len(task.guesses[b])) for b in range(rows)]
         greedy = st.params.greedy
         seqs = [self._context(st.params, task.guesses[b], depth + 1) for b in range(rows)]
-        picks = [0] * rows
-        picks[last] = guess
+        # each row stops where its request would stop it, at the session's last threshold (a
+        # request with another cuts the row again, never lengthens it): done sooner, hit more often
+        stops = [Stopping(st.calibration if greedy else None, st.min_survival) for _ in range(rows)]
+        live = [True] * rows
         for j in range(depth + 1):
-            if j > 0 or rows > 1:
+            if j > 0 or last != 0 or rows > 1:
                 top = torch.topk(logits, 2, dim=-1).indices.tolist() if greedy else None
-                probs = self._top_probs(logits) if greedy else None  # for the request's stopping rule
+                probs = top_probs(logits).tolist() if stops[0].active else [None] * rows  # the stopping rule's
                 for b in range(rows):
-                    if b == last and j == 0:
+                    if (b == last and j == 0) or not live[b]:
                         continue
                     chain = chains[b]
                     if greedy:
                         n = len(task.guesses[b]) + len(chain.tokens)
-                        picks[b] = self._take_greedy(chain, seqs[b], n, top[b], probs[b])
+                        tok = self._take_greedy(chain, seqs[b], n, top[b], probs[b], stops[b], logits[b])
+                        live[b] = tok is not None
+                        picks[b] = 0 if tok is None else tok
                     else:
                         picks[b] = chain.pick(logits[b])
-            if j == depth:
+            if j == depth or not any(live):
                 break
             with torch.inference_mode():
-                logits = batch.step(picks, [True] * rows)[:, : self.vocab_size].float()
+                logits = batch.step(picks, live)[:, : self.vocab_size].float()
             for b in range(rows):
-                fed[b].append(picks[b])
+                if live[b]:
+                    fed[b].append(picks[b])
             yield
         box["batch"], box["fed"] = batch, fed
         return [c.result() for c in chains]
@@ -294,37 +339,43 @@ class ModelBackend(DraftBackend):
         seq[: len(verified)] = verified
         return seq
 
-    def _look(self, seq: np.ndarray | None, n: int) -> int | None:
-        """The lookup's draft for position ``n`` (None: let the model pick)."""
+    def _look(self, seq: np.ndarray | None, n: int, count: bool = True) -> int | None:
+        """The lookup's draft for position ``n`` (None: let the model pick). ``count``: count the
+        position as drafted now (else ``_count`` does, once the chain takes it)."""
         if seq is None:
             return None
         found = self.lookup(seq[:n])
+        if count:
+            self._count(found)
+        return found
+
+    def _count(self, found: int | None) -> None:
         if found is None:
             self.model_picks += 1
         else:
             self.lookup_hits += 1
-        return found
 
     def _take_greedy(self, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int],
-                     prob: float | None = None, stop: Stopping | None = None) -> int | None:
+                     prob: float | None = None, stop: Stopping | None = None,
+                     logits: torch.Tensor | None = None) -> int | None:
         """A greedy row's pick at position ``n`` in a batch: the context's token (lookup) or the
         model's best, with the model's most likely other token as its alternative; ``top`` is the
-        row's best two and ``prob`` the model's probability of its best. None: ``stop`` ends the
-        chain here."""
-        found = self._look(seq, n)
+        row's best two, ``prob`` the model's probability of its best and ``logits`` the row's.
+        None: ``stop`` ends the chain here (where the model picked, its likeliest tokens are the
+        chain's ``next_top``)."""
+        found = self._look(seq, n, count=False)
         measured = prob if found is None else None
         if stop is not None and not stop.go_on(len(chain.tokens), measured):
+            if found is None and logits is not None:
+                chain.next_top = likeliest(logits, self.NEXT_GUESSES)
             return None
+        if seq is not None:
+            self._count(found)
         best, second = top
         tok = chain.take(best if found is None else found, second if found in (None, best) else best, measured)
         if seq is not None:
             seq[n] = tok
         return tok
-
-    @staticmethod
-    def _top_probs(logits: torch.Tensor) -> list[float]:
-        """Each row's probability of its most likely token ([B, V] logits)."""
-        return torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1)).tolist()
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -365,14 +416,15 @@ class ModelBackend(DraftBackend):
         for j in range(depth):
             # every greedy row's best two in one op (the second is lookahead's guess on a rejection)
             top = torch.topk(logits, 2, dim=-1).indices.tolist() if any(greedy) else None
-            probs = self._top_probs(logits) if any(s.active for s in stops) else [None] * len(requests)
+            probs = top_probs(logits).tolist() if any(s.active for s in stops) else [None] * len(requests)
             picks = []
             for b, (chain, r) in enumerate(zip(chains, requests)):
                 tok = 0
                 if j >= ends[b]:
                     pass
                 elif greedy[b]:
-                    tok = self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b], probs[b], stops[b])
+                    tok = self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b], probs[b], stops[b],
+                                            logits[b])
                     if tok is None:
                         ends[b], tok = j, 0  # stopped: its drafts so far are its chain
                 else:
