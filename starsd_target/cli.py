@@ -31,10 +31,12 @@ def model_options(f):
         option("--depth", type=click.IntRange(1, 64), default=_d.depth,
                help="Most draft tokens asked for per round (capped by the draft daemon's maximum)."),
         option("--adaptive-depth/--no-adaptive-depth", default=_d.adaptive_depth,
-               help="Per generation, ask for the number of drafts (1..--depth) that maximises expected tokens "
-                    "per second, from its measured acceptance and costs (drafting and queueing per token, "
-                    "the rest of a round); off: --depth every round. Seeded sampled generations keep --depth, so that "
-                    "a seed gives the same tokens at any speed."),
+               help="Per generation, draft as many tokens (1..--depth) as pay, from its measured costs: greedy "
+                    "chains are stopped by the draft daemon once the chance that all their drafts are kept falls "
+                    "below the measured rate times one draft's cost (daemons that stop chains: the model "
+                    "backend); otherwise the target asks for the length that maximises expected tokens per "
+                    "second from its measured acceptance. Off: --depth every round. Seeded sampled generations "
+                    "keep --depth, so that a seed gives the same tokens at any speed."),
         option("--adaptive-speculation/--no-adaptive-speculation", default=_d.adaptive_speculation,
                help="Experimental, off by default. With --adaptive-depth: the target's adaptive generations run "
                     "their rounds without drafts, all together, where such rounds were measured to produce more "
