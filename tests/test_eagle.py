@@ -271,10 +271,11 @@ def test_incremental_drafts_equal_a_fresh_session(backend, loaded_target, seed):
     _run_rounds(backend, loaded_target, seed)
 
 
-def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=6):
+def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=6, min_survival=0.0, asked=None):
     """Several sessions (ragged prompts, one of a single token) through rounds that keep a random
     part of each draft, or now and then repeat a request (no new features); every round's
-    requests served together or one at a time."""
+    requests served together or one at a time, greedy chains stopped at ``min_survival``.
+    ``asked``: a list that gets each round's depths."""
     rng = random.Random(seed)
     verified = [[rng.randrange(3, 259) for _ in range(1 if i == 0 else rng.randint(2, 12))] for i in range(n_sessions)]
     states = [backend.new_state(params) for _ in range(n_sessions)]
@@ -286,9 +287,11 @@ def _run_sessions(backend, target, seed, params, batched, n_sessions=5, rounds=6
             feats = _features(target.model, verified[i][:-1])[sent[i]:].half() if len(verified[i]) > 1 \
                 else torch.zeros(0, HIDDEN)
             sent[i] = len(verified[i]) - 1
-            reqs.append(DraftRequest(states[i], list(verified[i]), rng.randint(1, 5), feats))
+            reqs.append(DraftRequest(states[i], list(verified[i]), rng.randint(1, 5), feats, min_survival=min_survival))
         drafts = backend.draft_many(reqs) if batched else \
-            [backend.draft(r.state, r.verified, r.depth, r.new_features) for r in reqs]
+            [backend.draft(r.state, r.verified, r.depth, r.new_features, min_survival=r.min_survival) for r in reqs]
+        if asked is not None:
+            asked.append([r.depth for r in reqs])
         log.append([d.tokens for d in drafts])
         for i, d in enumerate(drafts):
             if rng.random() < 0.2:
@@ -310,6 +313,24 @@ def test_batched_drafts_and_caches_equal_one_at_a_time(backend, loaded_target, s
         for (ka, va), (kb, vb) in zip(a.past, b.past):
             assert ka.shape == kb.shape and va.shape == vb.shape
             assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_chains_stop_where_one_at_a_time_they_would(backend, loaded_target, seed):
+    """Greedy chains stopped by their requests' threshold: batched as one at a time, the same
+    drafts and caches; some chains stopped short of their depth beside others that went on."""
+    tau = 0.001  # this random head's picks are unsure: chains of 1 to 5 stop beside full ones
+    asked: list = []
+    one, s1 = _run_sessions(backend, loaded_target, seed, SamplingParams(), batched=False, min_survival=tau,
+                            asked=asked)
+    many, s2 = _run_sessions(backend, loaded_target, seed, SamplingParams(), batched=True, min_survival=tau)
+    assert one == many
+    lengths = [(len(t), d) for round_, depths in zip(many, asked) for t, d in zip(round_, depths) if t]
+    assert any(n < d for n, d in lengths) and any(n > 1 for n, _ in lengths)
+    for a, b in zip(s1, s2):
+        assert a.pairs == b.pairs
+        for (ka, va), (kb, vb) in zip(a.past, b.past):
+            assert ka.shape == kb.shape and torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
 
 
 def test_feature_count_must_match_the_verified_tokens(backend, loaded_target):

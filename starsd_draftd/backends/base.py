@@ -239,6 +239,24 @@ class Stopping:
         return True
 
 
+def request_stopping(params: SamplingParams, calibration: Calibration, verified: list[int],
+                     min_survival: float) -> Stopping:
+    """A session's stopping rule for one request: inactive for sampled sessions and at
+    ``min_survival`` 0; else its calibration first learns the outcome the request's ``verified``
+    sequence brings."""
+    if not params.greedy or min_survival <= 0.0:
+        return Stopping(None, 0.0)
+    calibration.learn(verified)
+    return Stopping(calibration, min_survival)
+
+
+def stopped_sent(stop: Stopping, calibration: Calibration, start: int, draft: Draft) -> Draft:
+    """``draft``, recorded as sent (from sequence position ``start``) where ``stop`` measured it."""
+    if stop.active:
+        calibration.sent(start, draft)
+    return draft
+
+
 def clip_draft(draft: Draft, depth: int, stopping: Stopping | None = None) -> Draft:
     """A chain's first ``depth`` drafts, cut where ``stopping`` would have stopped it (drafts
     made ahead of the request, before its ``min_survival`` was known)."""

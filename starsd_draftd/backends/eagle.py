@@ -32,7 +32,8 @@ from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, r
 from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest, frontier_width, session_seed
+from starsd_draftd.backends.base import (Calibration, Draft, DraftBackend, DraftRequest, Stopping, frontier_width,
+                                        likeliest, request_stopping, session_seed, stopped_sent, top_probs)
 from starsd_draftd.backends.batching import left_padded, row_slots
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
@@ -294,6 +295,7 @@ class EagleSession:
     pairs: list[int] = field(default_factory=list)  # t_{i+1} of each pair built from a real feature f_i
     last_hidden: torch.Tensor | None = None  # head output at the last real pair (f^_n), [1, 1, hidden]
     seed: int = 0  # the base of its draws' position seeds (base.position_seed)
+    calibration: Calibration = field(default_factory=Calibration)  # greedy stopping's chances (base.Stopping)
 
     @property
     def features(self) -> int:
@@ -303,6 +305,8 @@ class EagleSession:
 
 class EagleBackend(DraftBackend):
     name = "eagle"
+    stops_drafts = True
+    NEXT_GUESSES = 3  # a stopped chain's likeliest next tokens it reports (Draft.next_top)
 
     def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32,
                  tree_topk: int = 1):
@@ -397,14 +401,24 @@ class EagleBackend(DraftBackend):
             st.last_hidden = out[:, -1:]
         return st.last_hidden
 
-    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int = 0) -> Draft:
+    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int = 0,
+               stop: Stopping | None = None) -> Draft:
+        """A chain of ``depth`` drafts, or fewer where ``stop`` ends it (the predicted pairs it
+        feeds are dropped by the next request's crop either way)."""
         # the first draft's position: after the verified tokens, one more than the pairs held
-        chain = chain_drafter(self, st, len(st.pairs) + 1, depth, tree_tokens)
+        start = len(st.pairs) + 1
+        chain = chain_drafter(self, st, start, depth, tree_tokens)
+        stop = stop or Stopping(None, 0.0)
         for j in range(depth):
-            tok = chain.pick(self._logits(hidden))
+            logits = self._logits(hidden)
+            p = float(top_probs(logits)) if stop.active else None
+            if not stop.go_on(j, p):
+                chain.next_top = likeliest(logits, self.NEXT_GUESSES)
+                break
+            chain.pick(logits, p)
             if j + 1 < depth:
-                hidden = self._step(st, hidden, [tok])
-        return chain.result()
+                hidden = self._step(st, hidden, [chain.tokens[-1]])
+        return stopped_sent(stop, st.calibration, start, chain.result())
 
     def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]]) -> list[Draft]:
         """Greedy sessions' dynamic trees (``trees.GreedyTree``; ``jobs``: session, its head
@@ -466,7 +480,7 @@ class EagleBackend(DraftBackend):
         return [t.draft(tokens) for t, (_, _, _, tokens) in zip(trees, jobs)]
 
     def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]],
-                 tree_tokens: list[int] | None = None) -> list[Draft]:
+                 tree_tokens: list[int] | None = None, stops: list[Stopping] | None = None) -> list[Draft]:
         """Several sessions' requests in one head forward for their new features and one head
         step per draft position, for all of them. ``jobs``: (session, cropped and checked; the
         token ids of its new pairs; their features [m, H]; depth).
@@ -477,8 +491,11 @@ class EagleBackend(DraftBackend):
         positions, and causality keeps a row's real pairs from seeing the padding after them.
         Each session then keeps exactly the positions drafting alone would have given it.
         ``tree_tokens``: per job, the request's tree budget (sampled trees only: their extra
-        nodes are leaves, drawn along with the chain)."""
+        nodes are leaves, drawn along with the chain). ``stops``: per job, where its greedy chain
+        stops (a stopped row is carried along unread to the batch's last step; the predicted pairs
+        it feeds are dropped by its next request's crop)."""
         k = len(jobs)
+        stops = stops or [Stopping(None, 0.0)] * k
         lengths = [0 if st.past is None else st.past[0][0].shape[2] for st, *_ in jobs]
         news = [len(ids) for _, ids, _, _ in jobs]
         depths = [d for *_, d in jobs]
@@ -510,11 +527,19 @@ class EagleBackend(DraftBackend):
             filler = torch.zeros(1, 1, self.predicted_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]
             toks = [0] * k
+            going = list(drafting)  # rows whose chains take tokens still
             for j in range(steps + 1):
                 logits = self.head.lm_logits(x[:, -1])[:, : self.vocab_size].float()
+                probs = top_probs(logits).tolist() if any(s.active for s in stops) else [None] * k
                 for i, chain in enumerate(chains):
-                    if drafting[i] and j < depths[i]:
-                        toks[i] = chain.pick(logits[i])
+                    if going[i] and j < depths[i]:
+                        if not stops[i].go_on(j, probs[i]):
+                            chain.next_top = likeliest(logits[i], self.NEXT_GUESSES)
+                            going[i] = False
+                            continue
+                        toks[i] = chain.pick(logits[i], probs[i])
+                if not any(g and j + 1 < d for g, d in zip(going, depths)):
+                    break  # every chain is done: the steps left would feed nothing read
                 if j < steps:
                     mask = torch.cat([mask, mask.new_ones(k, 1)], dim=1)
                     ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=dev)
@@ -524,22 +549,27 @@ class EagleBackend(DraftBackend):
         if wide or steps:  # split the merged cache back: each session keeps what drafting alone adds
             for i, (st, *_) in enumerate(jobs):
                 own = (longest - lengths[i], longest + news[i])
-                chain = (longest + wide, longest + wide + (depths[i] - 1 if drafting[i] else 0))
+                fed = min(len(chains[i].tokens), depths[i] - 1) if drafting[i] else 0  # a stopped chain fed fewer
+                chain = (longest + wide, longest + wide + fed)
                 if own[1] > own[0] or chain[1] > chain[0]:
                     st.past = tuple((row_slots(kk, i, own, chain), row_slots(vv, i, own, chain)) for kk, vv in past)
-        return [c.result() if ok else Draft([]) for c, ok in zip(chains, drafting)]
+        return [stopped_sent(stop, st.calibration, len(st.pairs) + 1, c.result()) if ok else Draft([])
+                for (st, *_), stop, c, ok in zip(jobs, stops, chains, drafting)]
 
     # ------------------------------------------------------------ the interface
     @torch.inference_mode()
     def draft(self, state: object, verified: list[int], depth: int,
-              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0) -> Draft:
+              new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
+              min_survival: float = 0.0) -> Draft:
+        """``min_survival`` > 0 (greedy chains): stop before ``depth`` where ``Stopping`` says."""
         st: EagleSession = state  # type: ignore[assignment]
         hidden = self._absorb(st, verified, None if new_features is None else as_torch(new_features))
         if hidden is None or depth < 1:
             return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
             return self._greedy_trees([(st, hidden, depth, tree_tokens)])[0]
-        return self._chain(st, hidden, depth, tree_tokens)
+        return self._chain(st, hidden, depth, tree_tokens,
+                           request_stopping(st.params, st.calibration, verified, min_survival))
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -564,15 +594,16 @@ class EagleBackend(DraftBackend):
                 out[i] = d
         if len(batch) == 1:
             r = requests[batch[0]]
-            out[batch[0]] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens)
+            out[batch[0]] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens, r.min_survival)
         elif batch:
-            jobs = []
+            jobs, stops = [], []
             for i in batch:
                 r = requests[i]
                 feats = None if r.new_features is None else as_torch(r.new_features)
                 ids = self._prepare(r.state, r.verified, feats)  # type: ignore[arg-type]
                 jobs.append((r.state, ids, feats if ids else None, r.depth))
-            for i, d in zip(batch, self._batched(jobs, [requests[i].tree_tokens for i in batch])):
+                stops.append(request_stopping(r.state.params, r.state.calibration, r.verified, r.min_survival))
+            for i, d in zip(batch, self._batched(jobs, [requests[i].tree_tokens for i in batch], stops)):
                 out[i] = d
         return out  # type: ignore[return-value]
 

@@ -15,8 +15,8 @@ from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (Calibration, ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest,
-                                        Lookahead, Stopping, clip_draft, frontier_width, likeliest, session_seed,
-                                        top_probs)
+                                        Lookahead, Stopping, clip_draft, frontier_width, likeliest, request_stopping,
+                                        session_seed, stopped_sent, top_probs)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
@@ -113,21 +113,17 @@ class ModelBackend(DraftBackend):
         del st.cached[keep:]
         return keep
 
-    def _stopping(self, st: ModelSession, verified: list[int], min_survival: float) -> Stopping:
-        """A greedy chain's stopping rule for this request (inactive for sampled sessions and at
-        ``min_survival`` 0), its calibration first taught by the request's verified sequence."""
-        if not st.params.greedy or min_survival <= 0.0:
-            st.min_survival = 0.0
-            return Stopping(None, 0.0)
-        st.calibration.learn(verified)
-        st.min_survival = min_survival
-        return Stopping(st.calibration, min_survival)
+    @staticmethod
+    def _stopping(st: ModelSession, verified: list[int], min_survival: float) -> Stopping:
+        """The request's stopping rule (``request_stopping``); its threshold stays with the
+        session, for the work done ahead of its next request."""
+        stop = request_stopping(st.params, st.calibration, verified, min_survival)
+        st.min_survival = stop.min_survival
+        return stop
 
     @staticmethod
     def _sent(st: ModelSession, stop: Stopping, start: int, draft: Draft) -> Draft:
-        if stop.active:
-            st.calibration.sent(start, draft)
-        return draft
+        return stopped_sent(stop, st.calibration, start, draft)
 
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
