@@ -145,12 +145,24 @@ def test_sigterm_target_finishes_current_job_and_refuses_queued(tmp_path, star):
                 except RemoteError as exc:
                     out[key] = exc
 
+        def load():
+            with ControlClient(ep) as cc:
+                return cc.call(Message(MsgType.STATS), 10).header["stats"]
+
+        def wait_for(cond):
+            deadline = time.monotonic() + 30
+            while not cond(load()):
+                assert time.monotonic() < deadline, load()
+                time.sleep(0.01)
+
+        # the signal comes once the first job runs and the second waits behind it, not after fixed
+        # sleeps: the tiny model writes its 1500 tokens in about a second on a fast machine
         first = threading.Thread(target=job, args=("first", 1))
         first.start()
-        time.sleep(1.0)  # the first job is running
+        wait_for(lambda st: st["active"] == 1)
         second = threading.Thread(target=job, args=("second", 2))
         second.start()
-        time.sleep(0.3)
+        wait_for(lambda st: st["queued"] == 1)
         d.procs["t"].send_signal(signal.SIGTERM)
         first.join(120), second.join(120)
         assert d.procs["t"].wait(30) == 0
