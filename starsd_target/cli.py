@@ -33,8 +33,8 @@ def model_options(f):
         option("--adaptive-depth/--no-adaptive-depth", default=_d.adaptive_depth,
                help="Per generation, draft as many tokens (1..--depth) as pay, from its measured costs: greedy "
                     "chains are stopped by the draft daemon once the chance that all their drafts are kept falls "
-                    "below the measured rate times one draft's cost (daemons that stop chains: the model "
-                    "backend); otherwise the target asks for the length that maximises expected tokens per "
+                    "below the measured rate times one draft's cost (the model and EAGLE backends); "
+                    "otherwise the target asks for the length that maximises expected tokens per "
                     "second from its measured acceptance. Off: --depth every round. Seeded sampled generations "
                     "keep --depth, so that a seed gives the same tokens at any speed."),
         option("--adaptive-speculation/--no-adaptive-speculation", default=_d.adaptive_speculation,
