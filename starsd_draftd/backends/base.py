@@ -179,12 +179,13 @@ class Calibration:
             return min(self.copied_kept / self.copied_tried, MAX_CHANCE)
         return min(top_prob * self.model_kept / self.model_promised, MAX_CHANCE)
 
-    def chain_chance(self, top_probs: list[float | None]) -> float:
-        """The chance that a whole chain with these model probabilities (None: copied) is kept."""
-        chance = 1.0
+    def survivals(self, top_probs: list[float | None]) -> list[float]:
+        """For a chain with these model probabilities (None: copied), the chance that its first
+        j drafts are all kept, for j = 0..len."""
+        out = [1.0]
         for p in top_probs:
-            chance *= self.chance(p)
-        return chance
+            out.append(out[-1] * self.chance(p))
+        return out
 
     def sent(self, start: int, draft: Draft) -> None:
         """``draft`` (a chain measured for stopping) went out for the sequence position ``start``."""

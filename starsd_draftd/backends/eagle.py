@@ -401,14 +401,12 @@ class EagleBackend(DraftBackend):
             st.last_hidden = out[:, -1:]
         return st.last_hidden
 
-    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int = 0,
-               stop: Stopping | None = None) -> Draft:
+    def _chain(self, st: EagleSession, hidden: torch.Tensor, depth: int, tree_tokens: int, stop: Stopping) -> Draft:
         """A chain of ``depth`` drafts, or fewer where ``stop`` ends it (the predicted pairs it
         feeds are dropped by the next request's crop either way)."""
         # the first draft's position: after the verified tokens, one more than the pairs held
         start = len(st.pairs) + 1
         chain = chain_drafter(self, st, start, depth, tree_tokens)
-        stop = stop or Stopping(None, 0.0)
         for j in range(depth):
             logits = self._logits(hidden)
             p = float(top_probs(logits)) if stop.active else None
@@ -480,7 +478,7 @@ class EagleBackend(DraftBackend):
         return [t.draft(tokens) for t, (_, _, _, tokens) in zip(trees, jobs)]
 
     def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]],
-                 tree_tokens: list[int] | None = None, stops: list[Stopping] | None = None) -> list[Draft]:
+                 tree_tokens: list[int], stops: list[Stopping]) -> list[Draft]:
         """Several sessions' requests in one head forward for their new features and one head
         step per draft position, for all of them. ``jobs``: (session, cropped and checked; the
         token ids of its new pairs; their features [m, H]; depth).
@@ -495,7 +493,6 @@ class EagleBackend(DraftBackend):
         stops (a stopped row is carried along unread to the batch's last step; the predicted pairs
         it feeds are dropped by its next request's crop)."""
         k = len(jobs)
-        stops = stops or [Stopping(None, 0.0)] * k
         lengths = [0 if st.past is None else st.past[0][0].shape[2] for st, *_ in jobs]
         news = [len(ids) for _, ids, _, _ in jobs]
         depths = [d for *_, d in jobs]
@@ -521,8 +518,7 @@ class EagleBackend(DraftBackend):
                 if news[i]:
                     st.pairs.extend(new_ids)
                     st.last_hidden = out[i:i + 1, news[i] - 1: news[i]].clone()
-        budgets = tree_tokens or [0] * k
-        chains = [chain_drafter(self, st, len(st.pairs) + 1, d, b) for (st, *_), d, b in zip(jobs, depths, budgets)]
+        chains = [chain_drafter(self, st, len(st.pairs) + 1, d, b) for (st, *_), d, b in zip(jobs, depths, tree_tokens)]
         if any(drafting):
             filler = torch.zeros(1, 1, self.predicted_size, dtype=self.head.dtype, device=dev)
             x = torch.cat([st.last_hidden if ok else filler for (st, *_), ok in zip(jobs, drafting)])  # [k, 1, H]

@@ -121,10 +121,6 @@ class ModelBackend(DraftBackend):
         st.min_survival = stop.min_survival
         return stop
 
-    @staticmethod
-    def _sent(st: ModelSession, stop: Stopping, start: int, draft: Draft) -> Draft:
-        return stopped_sent(stop, st.calibration, start, draft)
-
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
               min_survival: float = 0.0) -> Draft:
@@ -158,13 +154,13 @@ class ModelBackend(DraftBackend):
             if seq is not None:
                 seq[len(verified) + j] = tok
             pending.append(tok)
-        return self._sent(st, stop, len(verified), chain.result())
+        return stopped_sent(stop, st.calibration, len(verified), chain.result())
 
     def finish_ahead(self, state: object, request: DraftRequest, draft: Draft) -> Draft:
         """A greedy chain drafted ahead, cut where drafting it on request would have stopped."""
         st: ModelSession = state  # type: ignore[assignment]
         stop = self._stopping(st, request.verified, request.min_survival)
-        return self._sent(st, stop, len(request.verified), clip_draft(draft, request.depth, stop))
+        return stopped_sent(stop, st.calibration, len(request.verified), clip_draft(draft, request.depth, stop))
 
     @torch.inference_mode()
     def _greedy_tree(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> Draft:
@@ -265,12 +261,11 @@ class ModelBackend(DraftBackend):
         most: all kept and then each of ``draft.next_top`` (the chain's chance times the token's),
         or kept up to a position and the alternative there (the chance of that rejection times
         ALTERNATIVE_SHARE)."""
-        scored = [(cal.chain_chance(draft.top_probs) * cal.chance(p), (seq, tok))
-                  for tok, p in draft.next_top if tok < self.vocab_size]
+        kept = cal.survivals(draft.top_probs)  # kept[j]: the chance the first j drafts are all kept
+        scored = [(kept[-1] * cal.chance(p), (seq, tok)) for tok, p in draft.next_top if tok < self.vocab_size]
         for prefix, alt in rejections:
             j = len(prefix) - len(verified)
-            scored.append((cal.chain_chance(draft.top_probs[:j]) * (1.0 - cal.chance(draft.top_probs[j]))
-                           * self.ALTERNATIVE_SHARE, (prefix, alt)))
+            scored.append((kept[j] * (1.0 - cal.chance(draft.top_probs[j])) * self.ALTERNATIVE_SHARE, (prefix, alt)))
         scored.sort(key=lambda x: -x[0])
         return [branch for _, branch in scored[: self.MAX_ROWS]]
 
@@ -434,5 +429,5 @@ class ModelBackend(DraftBackend):
             batch.split(b, st.cache)
             st.cached.extend(feed)
             st.cached.extend(chains[b].tokens[: batch.live_steps[b]])
-        return [self._sent(st, stop, len(r.verified), c.result())
+        return [stopped_sent(stop, st.calibration, len(r.verified), c.result())
                 for st, stop, r, c in zip(sessions, stops, requests, chains)]
