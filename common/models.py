@@ -171,9 +171,10 @@ def resolve_model_path(name_or_dir: str) -> Path:
     return path
 
 
-def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", draft_vocab=None) -> LoadedModel:
     """Load a Hugging Face causal LM (and its tokenizer, when the directory has one) from a
-    local directory, or one of the cached demo checkpoints (``demo`` / ``demo-draft``)."""
+    local directory, or one of the cached demo checkpoints (``demo`` / ``demo-draft``).
+    ``draft_vocab`` (a ``common.draft_vocab.DraftVocab``): cut the output layer to its ids."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
@@ -195,11 +196,19 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") 
     tokenizer = load_tokenizer(path)
     head = model.get_output_embeddings().weight
     logits_size, feature_size = int(head.shape[0]), int(head.shape[1])
+    vocab = vocab_size(tokenizer, logits_size)
+    fingerprint = tokenizer_fingerprint(tokenizer, vocab)
+    if draft_vocab is not None:  # before packing: the kept rows are copied out of the full layer
+        from common.draft_vocab import restrict_head
+
+        draft_vocab.check(logits_size, fingerprint)
+        restrict_head(model, draft_vocab)
+        log.info("output layer cut to %d of %d token ids (%s)", len(draft_vocab.ids), logits_size,
+                 draft_vocab.path or "given ids")
     if dtype == "fp16-weights":
         from common.fp16_weights import pack_linears
 
         log.info("%d linear layers packed with float16 weights for fbgemm", pack_linears(model))
-    vocab = vocab_size(tokenizer, logits_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -209,7 +218,7 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto") 
         vocab_size=vocab,
         logits_size=logits_size,
         feature_size=feature_size,
-        fingerprint=tokenizer_fingerprint(tokenizer, vocab),
+        fingerprint=fingerprint,
         eos_token_ids=_eos_ids(model, tokenizer),
     )
 

@@ -24,6 +24,7 @@ class ServeConfig:
     threads: int = 1
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
+    draft_vocab: str = "auto"  # --backend model: auto, off or a vocabulary file (common.draft_vocab)
 
 
 def build_backend(cfg: ServeConfig):
@@ -34,11 +35,16 @@ def build_backend(cfg: ServeConfig):
         from common.runner import ModelRunner
         from starsd_draftd.backends.base import ContextLookup
 
-        loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype)
+        from common.draft_vocab import resolve_vocab
+
+        vocab = resolve_vocab(cfg.draft_vocab, resolve_model_path(cfg.model))
+        loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype, draft_vocab=vocab)
         backend = ModelBackend(loaded, q_topk=cfg.q_topk, lookup=ContextLookup() if cfg.lookup else None,
                                runner=ModelRunner(loaded, compile=cfg.compile), tree_topk=cfg.tree_topk)
         backend.warm_up(cfg.server.batch_max)
         return backend
+    if cfg.draft_vocab not in ("auto", "off"):
+        raise ValueError("--draft-vocab applies to --backend model; an EAGLE head drafts with the target's LM head")
     if cfg.backend == "eagle":
         if cfg.compile:
             raise ValueError("--compile applies to --backend model; the EAGLE head runs eagerly")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from common.draft_vocab import DEFAULT_SIZE, DRAFT_VOCAB_HELP, MIN_IDS
 from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
@@ -121,10 +122,11 @@ def main() -> None:
         help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
 @option("--compile/--no-compile", "compile_", default=False, help=COMPILE_HELP)
+@option("--draft-vocab", default="auto", show_default=True, metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_topk, threads, lookup, compile_,
-          log_level, log_format, **limits) -> None:
+          draft_vocab, log_level, log_format, **limits) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -133,7 +135,7 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_to
     server = _server_config(**limits)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
                             device=device, dtype=dtype, q_topk=q_topk, tree_topk=tree_topk, threads=threads,
-                            lookup=lookup, compile=compile_))
+                            lookup=lookup, compile=compile_, draft_vocab=draft_vocab))
 
 
 def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_tree_tokens, max_sessions, max_sessions_per_peer, max_peers,
@@ -163,6 +165,33 @@ def keygen(directory, name) -> None:
     daemon's --curve-allow directory, and the daemon's .key to targets (--curve-server-key)."""
     public, secret = keygen_pair(directory, name)
     click.echo(f"public key: {public}\nsecret key: {secret} (keep it private)")
+
+
+@main.command()
+@click.argument("texts", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@option("--model", default="demo-draft", show_default=True,
+        help="Draft checkpoint directory (its tokenizer counts the tokens; its output layer's width is checked).")
+@option("--size", type=click.IntRange(MIN_IDS), default=DEFAULT_SIZE, show_default=True,
+        help="Token ids to keep: the tokenizer's special tokens, then the most frequent in TEXTS.")
+@option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="File to write [default: the model directory's starsd_draft_vocab.json, which serve reads "
+             "with --draft-vocab auto].")
+@option("--glob", "pattern", default="*", show_default=True, help="Files taken from a TEXTS directory (recursive).")
+@option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@fail_cleanly(ModelLoadError, ValueError, OSError)
+def vocab(texts, model, size, out, pattern, no_progress) -> None:
+    """Count the draft model's tokens in TEXTS (files or directories of text like what the targets
+    generate) and write the token ids its output layer should keep (--draft-vocab).
+
+    Example: `starsd-draftd vocab --model /srv/draft ./samples` then restart serve: the cut head
+    drafts faster and outputs stay exactly the target's."""
+    from common.draft_vocab import build_vocab_file
+
+    written = build_vocab_file(model, [Path(t) for t in texts], size, out, pattern, progress=not no_progress)
+    cov = written["coverage"]
+    click.echo(f"{written['path']}: {written['size']} of {written['logits_size']} token ids, covering "
+               f"{'-' if cov is None else f'{100 * cov:.1f}%'} of the {written['tokens_counted']} tokens counted "
+               f"in {written['files']} files")
 
 
 def _describe(connect: str, s: dict) -> list[str]:

