@@ -201,7 +201,15 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
             f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
-        _lookahead_line(s) + _trees_line(s)
+        _lookahead_line(s) + _trees_line(s) + _vocab_line(s)
+
+
+def _vocab_line(s: dict) -> list[str]:
+    """The draft model's output layer, when cut to a vocabulary (--draft-vocab)."""
+    b = s.get("backend") or {}
+    if "output_ids" not in b or b["output_ids"] >= b["logits_size"]:
+        return []
+    return [f"  draft output layer: {b['output_ids']} of {b['logits_size']} token ids (--draft-vocab)"]
 
 
 def _trees_line(s: dict) -> list[str]:

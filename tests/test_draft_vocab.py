@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from common.control import ControlClient
 from common.draft_vocab import (DraftVocab, DraftVocabError, SubsetHead, VOCAB_FILE, choose_ids, load_vocab,
                                 resolve_vocab)
 from common.fp16_weights import fp16_weights_available
@@ -164,6 +165,12 @@ def test_greedy_through_the_daemons_with_a_cut_head(tiny_target, tmp_path, star)
         assert res["token_ids"] == ref
         assert res["stats"]["fallback_rounds"] == 0 and res["stats"]["accepted"] > 0
     star.check_alive("draftd")
+    with ControlClient(draft_ep) as cc:  # the daemon says its head is cut
+        backend = cc.stats()["backend"]
+    assert (backend["output_ids"], backend["logits_size"]) == (len(keep), BYTE_VOCAB_SIZE)
+    out = subprocess.run([sys.executable, "-m", "starsd_draftd", "status", "--connect", draft_ep], capture_output=True,
+                         text=True, timeout=60)
+    assert f"draft output layer: {len(keep)} of {BYTE_VOCAB_SIZE} token ids" in out.stdout, out.stdout
 
 
 def test_sampled_output_follows_the_target_when_the_draft_cannot_propose_some_tokens(tiny_target, loaded_target,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.draft_vocab import SubsetHead
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
 from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
@@ -63,6 +64,8 @@ class ModelBackend(DraftBackend):
             log.warning("drafting chains only: draft trees need a tree attention mask, which this draft model "
                         "cannot take: %s", why)
             self.tree_topk = 1
+        head = loaded.model.get_output_embeddings()  # a cut one (--draft-vocab) computes fewer ids
+        self.output_ids = len(head.ids) if isinstance(head, SubsetHead) else loaded.logits_size
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
@@ -91,7 +94,8 @@ class ModelBackend(DraftBackend):
         return self.runner.model
 
     def counters(self) -> dict:
-        return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks}
+        return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks,
+                "output_ids": self.output_ids, "logits_size": self.loaded.logits_size}
 
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), self.runner.new_cache(), seed=session_seed(params))
