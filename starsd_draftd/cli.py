@@ -170,14 +170,16 @@ def keygen(directory, name) -> None:
 @main.command()
 @click.argument("texts", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @option("--model", default="demo-draft", show_default=True,
-        help="Draft checkpoint directory (its tokenizer counts the tokens; its output layer's width is checked).")
-@option("--size", type=click.IntRange(MIN_IDS), default=DEFAULT_SIZE, show_default=True,
+        help="Draft checkpoint directory (its tokenizer counts the tokens; its output layer's width is checked). "
+             "Its environment variable is serve's, so a draft host's environment file names it once.")
+@click.option("--size", type=click.IntRange(MIN_IDS), default=DEFAULT_SIZE, show_default=True,
         help="Token ids to keep: the tokenizer's special tokens, then the most frequent in TEXTS.")
-@option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+# no environment variables for the rest: the bench's --out and --no-progress read the same names
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
         help="File to write [default: the model directory's starsd_draft_vocab.json, which serve reads "
              "with --draft-vocab auto].")
-@option("--glob", "pattern", default="*", show_default=True, help="Files taken from a TEXTS directory (recursive).")
-@option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@click.option("--glob", "pattern", default="*", show_default=True, help="Files taken from a TEXTS directory (recursive).")
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @fail_cleanly(ModelLoadError, ValueError, OSError)
 def vocab(texts, model, size, out, pattern, no_progress) -> None:
     """Count the draft model's tokens in TEXTS (files or directories of text like what the targets
