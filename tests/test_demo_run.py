@@ -24,3 +24,12 @@ def test_texts_show_each_targets_first_completion_after_its_prompt():
                           {"target": "target2", "backends": {"model": {"texts": ["alpha", "y"]}}}]}
     out = format_texts(report).splitlines()
     assert out == ["--- target1: p1 one", "    two", "    three", "--- target2: q1 alpha"]
+
+
+def test_the_draft_daemon_gets_the_demo_vocabulary_unless_the_full_head_is_asked_for():
+    from starsd_draftd.demo.run import _draftd_args
+
+    cut = _draftd_args(DemoConfig(), "model", "tcp://127.0.0.1:1")
+    full = _draftd_args(DemoConfig(draft_vocab=False, lookup=False), "model", "tcp://127.0.0.1:1")
+    assert "--draft-vocab" not in cut  # serve's default, auto: the demo draft's own file
+    assert full[-3:] == ["--no-lookup", "--draft-vocab", "off"]

@@ -37,6 +37,7 @@ class DemoConfig:
     dtype: str = "auto"  # auto: see demo_dtype
     pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
     lookup: bool = True  # the draft model's greedy drafts may come from the context (starsd-draftd serve --lookup)
+    draft_vocab: bool = True  # the draft's output layer cut to the demo's vocabulary file (serve --draft-vocab)
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
     workdir: Path | None = None
@@ -162,7 +163,8 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     if backend in ("eagle", "eagle3"):
         head = "demo-eagle" if backend == "eagle" else "demo-eagle3"
         return args + ["--backend", backend, "--eagle-head", head, "--base-model", cfg.target_model]
-    return args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
+    return (args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
+            + ([] if cfg.draft_vocab else ["--draft-vocab", "off"]))
 
 
 def prepare(cfg: DemoConfig) -> dict[str, Path]:
@@ -257,7 +259,7 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topo
     return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
                        "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
                        "temperature": cfg.temperature, "backends": spec_names, "dtype": demo_dtype(cfg),
-                       "lookup": cfg.lookup,
+                       "lookup": cfg.lookup, "draft_vocab": cfg.draft_vocab,
                        "topology": topo.describe(), "pinned": topo.draft is not None},
             "prompts": [DEMO_PROMPTS[(i * cfg.prompts_per_target + j) % len(DEMO_PROMPTS)]
                         for i in range(cfg.targets) for j in range(cfg.prompts_per_target)],
