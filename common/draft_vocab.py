@@ -37,7 +37,9 @@ DEFAULT_SIZE = 8192
 DRAFT_VOCAB_HELP = ("--backend model: the token ids the draft model's output layer computes (a file from "
                     "`starsd-draftd vocab`). auto: the draft model directory's " + VOCAB_FILE + " if it has "
                     "one, else the full vocabulary; off: the full vocabulary. A cut head drafts faster (most "
-                    "of a small draft's step is its output layer); outputs are unchanged.")
+                    "of a small draft's step is its output layer). Greedy outputs stay the target's own and "
+                    "sampled ones its distribution; a seed's sampled tokens depend on the drafts, so they "
+                    "change with the vocabulary.")
 
 
 class DraftVocabError(ValueError):
@@ -52,9 +54,10 @@ class DraftVocab:
     path: Path | None = None
     coverage: float | None = None
 
-    def check(self, logits_size: int, fingerprint: str) -> None:
+    def check(self, logits_size: int, fingerprint: str, vocab_size: int | None = None) -> None:
         """Raise DraftVocabError unless this vocabulary belongs to a model of this output width and
-        tokenizer."""
+        tokenizer, and keeps enough ids the tokenizer knows (``vocab_size``: drafts come from those
+        only; the rest of a padded output layer is never proposed)."""
         where = f" ({self.path})" if self.path else ""
         if self.logits_size != logits_size:
             raise DraftVocabError(f"the draft vocabulary{where} is for an output layer of {self.logits_size} "
@@ -63,6 +66,11 @@ class DraftVocab:
             raise DraftVocabError(f"the draft vocabulary{where} was built with another tokenizer (fingerprint "
                                   f"{self.fingerprint}, this model's {fingerprint}): rebuild it with "
                                   "`starsd-draftd vocab`")
+        if vocab_size is not None:
+            known = sum(1 for i in self.ids if i < vocab_size)
+            if known < min(MIN_IDS, vocab_size):
+                raise DraftVocabError(f"the draft vocabulary{where} keeps {known} ids the tokenizer knows (below "
+                                      f"{vocab_size}); at least {MIN_IDS} are needed")
 
 
 def load_vocab(path: Path) -> DraftVocab:
@@ -135,9 +143,12 @@ def write_vocab(path: Path, ids: list[int], logits_size: int, fingerprint: str |
             "coverage": round(covered / total, 6) if total else None, "ids": [int(i) for i in ids]}
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return data
 
 
@@ -178,8 +189,9 @@ def restrict_head(model: torch.nn.Module, vocab: DraftVocab) -> None:
 def _text_files(paths: list[Path], pattern: str) -> list[Path]:
     files: list[Path] = []
     for p in paths:
-        if p.is_dir():
-            files.extend(sorted(f for f in p.rglob(pattern) if f.is_file()))
+        if p.is_dir():  # hidden files and directories (.git, .venv) are not sample text
+            files.extend(sorted(f for f in p.rglob(pattern)
+                                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)))
         else:
             files.append(p)
     return files
@@ -205,7 +217,7 @@ def vocab_for_texts(model_dir: Path, texts: Iterable[str], size: int = DEFAULT_S
     directory). Reads the tokenizer and config only, not the weights. Returns what was written."""
     from transformers import AutoConfig
 
-    from common.models import ModelLoadError, load_tokenizer, tokenizer_identity
+    from common.models import ModelLoadError, load_tokenizer, tokenizer_fingerprint, vocab_size
 
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -225,8 +237,8 @@ def vocab_for_texts(model_dir: Path, texts: Iterable[str], size: int = DEFAULT_S
     always = set(getattr(tokenizer, "all_special_ids", None) or [])
     always.update([eos] if isinstance(eos, int) else list(eos or []))
     target = Path(out) if out is not None else model_dir / VOCAB_FILE
-    written = write_vocab(target, choose_ids(counts, size, always), logits_size,
-                          tokenizer_identity(model_dir, logits_size)[1], counts, source)
+    fingerprint = tokenizer_fingerprint(tokenizer, vocab_size(tokenizer, logits_size))
+    written = write_vocab(target, choose_ids(counts, size, always), logits_size, fingerprint, counts, source)
     return {**written, "path": target}
 
 

@@ -201,7 +201,7 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
     if draft_vocab is not None:  # before packing: the kept rows are copied out of the full layer
         from common.draft_vocab import restrict_head
 
-        draft_vocab.check(logits_size, fingerprint)
+        draft_vocab.check(logits_size, fingerprint, vocab)
         restrict_head(model, draft_vocab)
         log.info("output layer cut to %d of %d token ids (%s)", len(draft_vocab.ids), logits_size,
                  draft_vocab.path or "given ids")

@@ -44,7 +44,8 @@ def build_backend(cfg: ServeConfig):
         backend.warm_up(cfg.server.batch_max)
         return backend
     if cfg.draft_vocab not in ("auto", "off"):
-        raise ValueError("--draft-vocab applies to --backend model; an EAGLE head drafts with the target's LM head")
+        raise ValueError("--draft-vocab applies to --backend model: an EAGLE-1 head drafts with the target's LM "
+                         "head, and an EAGLE-3 head brings its own draft vocabulary")
     if cfg.backend == "eagle":
         if cfg.compile:
             raise ValueError("--compile applies to --backend model; the EAGLE head runs eagerly")

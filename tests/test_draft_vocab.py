@@ -95,6 +95,70 @@ def test_a_vocabulary_for_another_model_is_refused(tiny_draft, tmp_path):
         resolve_vocab(str(tmp_path / "missing.json"), tiny_draft)
 
 
+def test_a_vocabulary_must_keep_enough_ids_the_tokenizer_knows():
+    """A padded output layer has ids past the tokenizer's; drafts come from the known ones only."""
+    v = DraftVocab(tuple(range(40, 300)), 300, None)
+    v.check(300, "fp", vocab_size=120)  # 80 known ids
+    with pytest.raises(DraftVocabError, match="keeps 20 ids the tokenizer knows"):
+        v.check(300, "fp", vocab_size=60)
+
+
+def test_every_drafting_path_proposes_only_kept_ids(tiny_target, tmp_path):
+    """Chains (alone, stopped, batched), lookahead's rows, greedy trees and sampled chains and
+    trees: every drafted token and every id q gives mass to is a kept id, and q has no NaN."""
+    from starsd_draftd.backends.base import DraftRequest
+
+    near = make_near_copy(tiny_target, tmp_path / "near", noise=0.05)
+    keep = sorted({EOS_ID, *range(BYTE_OFFSET + 40, BYTE_OFFSET + 140)})
+    backend = ModelBackend(load_causal_lm(str(near), draft_vocab=load_vocab(_vocab_file(tmp_path / "v.json", keep))),
+                           tree_topk=3)
+    kept = set(keep)
+    prompt = [1, *range(BYTE_OFFSET + 30, BYTE_OFFSET + 50)]  # partly outside the kept ids
+
+    def check(d):
+        assert d.tokens and set(d.tokens) <= kept, d.tokens
+        if d.q_ids is not None:
+            q_ids, q_probs = torch.as_tensor(d.q_ids), torch.as_tensor(d.q_probs)
+            assert not torch.isnan(q_probs).any()
+            assert set(q_ids[q_probs > 0].tolist()) <= kept
+
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.5, seed=3)
+    st = backend.new_state(greedy)
+    sent = backend.draft(st, prompt, 6)
+    check(sent)
+    check(backend.draft(backend.new_state(greedy), prompt, 6, min_survival=0.3))
+    check(backend.draft(backend.new_state(greedy), prompt, 3, tree_tokens=9))
+    check(backend.draft(backend.new_state(sampled), prompt, 3, tree_tokens=9))
+    for d in backend.draft_many([DraftRequest(backend.new_state(p), prompt[: 10 + i], 4, min_survival=0.2 * (i % 2))
+                                 for i, p in enumerate([greedy, sampled, greedy, sampled])]):
+        check(d)
+    task = backend.lookahead(st, prompt, sent, 4)
+    while not task.step():
+        pass
+    assert task.result
+    for d in task.result:
+        check(d)
+
+
+def test_a_tree_ranks_the_subtree_under_a_copied_token_the_head_cannot_score():
+    """Lookup may copy a token a cut head gives -inf: that chain node is scored as the head's best
+    pick, so its other children compete with the other branches instead of falling below all."""
+    from common.tree import ROOT
+    from starsd_draftd.backends.trees import GreedyTree
+
+    logits = torch.full((10,), float("-inf"))
+    logits[:4] = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    tree = GreedyTree(topk=2)
+    tree.grow(ROOT, logits, first=9)  # the chain copies id 9, outside the head's ids; id 0 beside it
+    tree.grow(tree.chain[0], logits)  # the chain node's children: id 0 (the chain) and id 1
+    tree.grow(1, logits)  # the other root child's: ids 0 and 1, scored as the chain's
+    assert all(math.isfinite(n.score) for n in tree.nodes)
+    assert tree.nodes[0].score == tree.nodes[1].score  # the copy rated as the head's best pick
+    d = tree.draft(5)  # ties go to the earlier node: the chain node's second child before the branch's
+    under_copy = [t for t, p in zip(d.tokens, d.parents) if p == d.tokens.index(9)]
+    assert d.tokens[0] == 9 and under_copy == [0, 1]
+
+
 def test_choose_ids_keeps_special_tokens_then_the_most_frequent():
     counts = torch.tensor([0, 0, 0, 5, 9, 9, 1, 0])
     assert choose_ids(counts, 4, always=[2]) == [2, 3, 4, 5]  # ties: the lower id first
@@ -157,6 +221,7 @@ def test_greedy_through_the_daemons_with_a_cut_head(tiny_target, tmp_path, star)
     assert only_second, "the prompts should need different tokens"
     keep = sorted(first | set(only_second[: len(only_second) // 2]) | {EOS_ID})
     keep += [i for i in range(BYTE_OFFSET, BYTE_VOCAB_SIZE) if i not in keep][: max(0, 64 - len(keep))]
+    assert (set(refs[0]) | set(refs[1])) - set(keep), "some of the target's tokens must lie outside the head"
     _vocab_file(draft / VOCAB_FILE, sorted(keep), load_causal_lm(str(draft)))
     draft_ep = star.draftd(draft, "--no-lookahead")  # --draft-vocab auto: the file in its directory
     eps = star.targets(tiny_target, draft_ep, 2, "--connect-timeout", "120", "--draft-timeout", "30")
@@ -203,6 +268,7 @@ def test_sampled_output_follows_the_target_when_the_draft_cannot_propose_some_to
             accepted += r.stats.accepted
         client.close()
     assert 10 <= accepted < drafted
+    assert set(counts) <= set(exact)
     assert sum(c for k, c in counts.items() if k[0] == firsts[0]) > 0  # the token the draft lacks still comes
     chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())
     df = len(exact) - 1

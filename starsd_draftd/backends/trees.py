@@ -21,6 +21,9 @@ from common.verify import SamplingParams
 from starsd_draftd.backends.base import ChainDrafter, Draft, position_seed
 
 
+MIN_LOGP = -30.0  # a node's log-probability floor (-inf: an id a cut output layer never computes)
+
+
 @dataclass
 class _Node:
     token: int
@@ -64,7 +67,13 @@ class GreedyTree:
         top = torch.topk(logits, min(self.topk, logits.shape[-1])).indices.tolist()
         if first is not None:
             top = [first] + [t for t in top if t != first][: self.topk - 1]
-        logp = torch.log_softmax(logits.float(), dim=-1)[top].tolist()
+        full = torch.log_softmax(logits.float(), dim=-1)
+        logp = full[top].clamp(min=MIN_LOGP).tolist()
+        if first is not None and not torch.isfinite(full[first]):
+            # a token copied from the context that a cut output layer (common.draft_vocab) cannot
+            # score: rated as the head's own best pick (copies are kept at least as often), not
+            # -inf, which would rank the chain's whole subtree below every other branch
+            logp[0] = float(full.max())
         base, depth = (0.0, 1) if parent == ROOT else (self.nodes[parent].score, self.nodes[parent].depth + 1)
         for rank, (tok, lp) in enumerate(zip(top, logp)):
             if on_chain and rank == 0:

@@ -65,8 +65,12 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
     final = demo_dir()
     if _complete(final):
         if not (final / "draft" / VOCAB_FILE).is_file():  # a cache built before the draft's vocabulary
-            with exclusive_lock(final.parent / f"{final.name}.lock"):
-                _ensure_draft_vocab(final / "draft")
+            try:
+                with exclusive_lock(final.parent / f"{final.name}.lock"):
+                    _ensure_draft_vocab(final / "draft")
+            except OSError as exc:  # a read-only cache still serves, with the draft's full output layer
+                log.warning("cannot write the draft's vocabulary into %s (%s); the draft keeps its full output "
+                            "layer", final / "draft", exc)
         return final / "target", final / "draft"
     with exclusive_lock(final.parent / f"{final.name}.lock"):
         if not _complete(final):

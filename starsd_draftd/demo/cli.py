@@ -11,6 +11,7 @@ import click
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
+from starsd_draftd.demo.checkpoints import DRAFT_VOCAB
 from starsd_draftd.demo.run import DemoConfig, format_table, format_texts, prepare as prepare_checkpoints, run_demo
 
 option = env_options("STARSD_DRAFTD")
@@ -30,7 +31,8 @@ _demo = DemoConfig()
 @option("--ttt-steps", type=click.IntRange(2), default=None,
         help="eagle3 only: draft steps of the training-time-test rollout (at least 2; default 3). Step k feeds "
              "the head its own step k-1 outputs, as drafting k+1 tokens ahead does; its loss weighs 0.8^k.")
-@option("--draft-vocab", type=click.IntRange(1), default=None,
+# its own variable: STARSD_DRAFTD_DRAFT_VOCAB is serve's --draft-vocab (auto, off or a file)
+@option("--draft-vocab", type=click.IntRange(1), default=None, envvar="STARSD_DRAFTD_EAGLE3_DRAFT_VOCAB",
         help="eagle3 only: the draft vocabulary's size, the target tokens most frequent in the training text "
              "(default: the target's vocabulary size or 8192, whichever is smaller).")
 @option("--time-budget", type=click.FloatRange(10), default=180.0, help="Wall-clock seconds for the whole run.")
@@ -79,8 +81,8 @@ def train_eagle(base_model, out, kind, ttt_steps, draft_vocab, time_budget, thre
 @option("--no-lookup", is_flag=True,
         help="The draft model alone: no draft tokens copied from the context (see `starsd-draftd serve --help`).")
 @option("--full-vocab", is_flag=True,
-        help="The draft model's full output layer: not cut to the demo's 8192 most frequent token ids "
-             "(`starsd-draftd serve --draft-vocab off`; outputs are the same, drafting slower).")
+        help=f"The draft model's full output layer: not cut to the demo's {DRAFT_VOCAB} most frequent token ids "
+             "(`starsd-draftd serve --draft-vocab off`; greedy outputs are the same, drafting is slower).")
 @option("--prepare", is_flag=True,
         help="Only build the demo checkpoints into the cache (what `--model demo` and `demo-draft` name), then exit.")
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")

@@ -164,7 +164,7 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
         head = "demo-eagle" if backend == "eagle" else "demo-eagle3"
         return args + ["--backend", backend, "--eagle-head", head, "--base-model", cfg.target_model]
     return (args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
-            + ([] if cfg.draft_vocab else ["--draft-vocab", "off"]))
+            + ["--draft-vocab", "auto" if cfg.draft_vocab else "off"])  # explicit: not the environment's
 
 
 def prepare(cfg: DemoConfig) -> dict[str, Path]:
