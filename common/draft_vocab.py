@@ -3,14 +3,15 @@
 A small draft model spends most of a step in its output layer: the demo's one-layer draft has
 3.5 M parameters in its transformer layer and 28 M in its LM head (576 x 49152), and on one CPU
 core a step took 2.6 ms with the full head and 0.5 ms without it. Text uses few of a
-tokenizer's ids: the 8192 of 49152 most frequent in the demo's corpus covered 97.7% of the tokens
-the demo target wrote for the demo's prompts. With ``--draft-vocab`` the draft model's head computes logits for those ids
-only; every other id gets -inf, so the draft never proposes it.
+tokenizer's ids: the 8192 of 49152 most frequent in the demo's corpus covered 97.7% of the
+tokens the demo target wrote for the demo's prompts. With ``--draft-vocab`` the draft model's
+head computes logits for those ids only; every other id gets -inf, so the draft never proposes it.
 
-This changes what the draft proposes, never what the target outputs: verification keeps exactly
-the target's tokens. In sampling mode the draft's distribution q is the model's softmax over the
-kept ids, which is the distribution its drafts are drawn from and the one sent for the target's
-acceptance test, so sampled output keeps the target's distribution.
+This changes what the draft proposes. Greedy output stays the target's own: verification keeps
+exactly the target's tokens. In sampling mode the draft's distribution q is the model's softmax
+over the kept ids, which is the distribution its drafts are drawn from and the one sent for the
+target's acceptance test, so sampled output keeps the target's distribution (a seed's tokens
+depend on the drafts, so they change with the vocabulary).
 
 A vocabulary file is JSON (``starsd-draftd vocab`` writes one from text files)::
 

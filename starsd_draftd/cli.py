@@ -1,4 +1,4 @@
-"""starsd-draftd: the draft daemon's command line (serve, keygen, status; the tooling commands
+"""starsd-draftd: the draft daemon's command line (serve, keygen, status, vocab; the tooling commands
 bench, bench-peers, plan, demo and train-eagle are imported only when invoked)."""
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def vocab(texts, model, size, out, pattern, no_progress) -> None:
     generate) and write the token ids its output layer should keep (--draft-vocab).
 
     Example: `starsd-draftd vocab --model /srv/draft ./samples` then restart serve: the cut head
-    drafts faster and outputs stay exactly the target's."""
+    drafts faster; greedy outputs stay the target's own, sampled ones its distribution."""
     from common.draft_vocab import build_vocab_file
 
     written = build_vocab_file(model, [Path(t) for t in texts], size, out, pattern, progress=not no_progress)
