@@ -132,6 +132,16 @@ class ChainDrafter:
         self.alternatives.append(alternative)
         return tok
 
+    def stops(self, stop: "Stopping", prob: float | None, logits: torch.Tensor | None = None) -> bool:
+        """Whether ``stop`` ends the chain before its next token, whose model probability is
+        ``prob`` (None: copied from the context). Where it ends at a model pick, the model's
+        NEXT_GUESSES likeliest tokens there (from ``logits``) become the chain's ``next_top``."""
+        if stop.go_on(len(self.tokens), prob):
+            return False
+        if prob is not None:
+            self.next_top = likeliest(logits, NEXT_GUESSES)
+        return True
+
     def result(self) -> Draft:
         if not self._ids:
             return Draft(self.tokens, alternatives=list(self.alternatives), top_probs=list(self.top_probs),
@@ -143,6 +153,9 @@ class ChainDrafter:
 def top_probs(logits: torch.Tensor) -> torch.Tensor:
     """The probability softmax(logits) gives its most likely token, per row ([..., V] -> [...])."""
     return torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))
+
+
+NEXT_GUESSES = 3  # a chain stopped at a model pick reports its likeliest next tokens (Draft.next_top)
 
 
 def likeliest(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -425,6 +438,7 @@ class DraftBackend(abc.ABC):
 
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
     stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
+    NEXT_GUESSES = NEXT_GUESSES  # how many likeliest next tokens a chain that stopped unsure reports
 
     def lookahead_rows(self, draft: Draft) -> int:
         """How many copies of a session's cache its work ahead holds after ``draft`` was sent."""

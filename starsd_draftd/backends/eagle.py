@@ -33,7 +33,7 @@ from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (Calibration, Draft, DraftBackend, DraftRequest, Stopping, frontier_width,
-                                        likeliest, request_stopping, session_seed, stopped_sent, top_probs)
+                                        request_stopping, session_seed, stopped_sent, top_probs)
 from starsd_draftd.backends.batching import left_padded, row_slots
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
@@ -306,7 +306,6 @@ class EagleSession:
 class EagleBackend(DraftBackend):
     name = "eagle"
     stops_drafts = True
-    NEXT_GUESSES = 3  # a stopped chain's likeliest next tokens it reports (Draft.next_top)
 
     def __init__(self, head: EagleHead, tokenizer_dir: str | Path | None = None, q_topk: int = 32,
                  tree_topk: int = 1):
@@ -410,8 +409,7 @@ class EagleBackend(DraftBackend):
         for j in range(depth):
             logits = self._logits(hidden)
             p = float(top_probs(logits)) if stop.active else None
-            if not stop.go_on(j, p):
-                chain.next_top = likeliest(logits, self.NEXT_GUESSES)
+            if chain.stops(stop, p, logits):
                 break
             chain.pick(logits, p)
             if j + 1 < depth:
@@ -529,8 +527,7 @@ class EagleBackend(DraftBackend):
                 probs = top_probs(logits).tolist() if any(s.active for s in stops) else [None] * k
                 for i, chain in enumerate(chains):
                     if going[i] and j < depths[i]:
-                        if not stops[i].go_on(j, probs[i]):
-                            chain.next_top = likeliest(logits[i], self.NEXT_GUESSES)
+                        if chain.stops(stops[i], probs[i], logits[i]):
                             going[i] = False
                             continue
                         toks[i] = chain.pick(logits[i], probs[i])

@@ -16,7 +16,7 @@ from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (Calibration, ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest,
-                                        Lookahead, Stopping, clip_draft, frontier_width, likeliest, request_stopping,
+                                        Lookahead, Stopping, clip_draft, frontier_width, request_stopping,
                                         session_seed, stopped_sent, top_probs)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
@@ -145,17 +145,15 @@ class ModelBackend(DraftBackend):
                 if pending:
                     logits, pending = self._forward(st, pending), []
                 p = float(top_probs(logits)) if stop.active else None
-                if not stop.go_on(j, p):
-                    chain.next_top = likeliest(logits, self.NEXT_GUESSES)
+                if chain.stops(stop, p, logits):
                     break
                 tok = chain.pick(logits, p)
             else:
-                if not stop.go_on(j, None):
+                if chain.stops(stop, None):
                     break
                 tok = chain.take(found)
             if seq is not None:
                 self._count(found)
-            if seq is not None:
                 seq[len(verified) + j] = tok
             pending.append(tok)
         return stopped_sent(stop, st.calibration, len(verified), chain.result())
@@ -209,7 +207,6 @@ class ModelBackend(DraftBackend):
     drafts_ahead = True
     MAX_ALTERNATIVE_ROWS = 3  # guesses of a rejection: at the first positions, where rejections are likeliest
     MAX_ROWS = MAX_ALTERNATIVE_ROWS + 1  # guesses drafted ahead at most (one batch)
-    NEXT_GUESSES = 3  # a stopped chain's likeliest next tokens, each an all-kept guess
     # the share of rejections where the target's token is the draft's second choice: 8 of 77 on
     # the demo pair (replayed offline); ranks the rejection guesses against the all-kept ones
     ALTERNATIVE_SHARE = 0.1
@@ -360,9 +357,7 @@ class ModelBackend(DraftBackend):
         chain's ``next_top``)."""
         found = self._look(seq, n, count=False)
         measured = prob if found is None else None
-        if stop is not None and not stop.go_on(len(chain.tokens), measured):
-            if found is None and logits is not None:
-                chain.next_top = likeliest(logits, self.NEXT_GUESSES)
+        if stop is not None and chain.stops(stop, measured, logits):
             return None
         if seq is not None:
             self._count(found)
