@@ -62,6 +62,16 @@ class Fp16Linear(torch.nn.Module):
     def from_linear(cls, lin: torch.nn.Linear) -> "Fp16Linear":
         return cls(lin.weight, lin.bias)
 
+    @classmethod
+    def fuse(cls, linears: list["Fp16Linear"]) -> "Fp16Linear":
+        """One layer computing the given layers' outputs side by side (their weights stacked; the
+        float16 values are kept exactly). A missing bias among others is zeros."""
+        weights, biases = zip(*(torch.ops.quantized.linear_unpack_fp16(lin._packed) for lin in linears))
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        return cls(torch.cat(weights), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         if x.dim() == 1:  # fbgemm wants rows
@@ -72,6 +82,25 @@ class Fp16Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=float16 (fbgemm)"
+
+
+class Fp16Part(torch.nn.Module):
+    """Output columns ``start:stop`` of a fused ``Fp16Linear`` (``whole``): what one of the layers
+    fused into it computed, bit for bit, with no second copy of its weights. The lean forward
+    (``common.lean``) runs ``whole`` once for all its parts; a forward through the model's own
+    modules runs it once per part."""
+
+    def __init__(self, whole: Fp16Linear, start: int, stop: int):
+        super().__init__()
+        self.whole = whole
+        self.start, self.stop = start, stop
+        self.in_features, self.out_features = whole.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole(x)[..., self.start: self.stop].contiguous()
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.stop} of a fused fp16-weights layer"
 
 
 def pack_linears(module: torch.nn.Module) -> int:

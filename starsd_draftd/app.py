@@ -24,6 +24,7 @@ class ServeConfig:
     threads: int = 1
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
+    lean: bool = True  # --backend model: eager forwards through common.lean where the model allows
     draft_vocab: str = "auto"  # --backend model: auto, off or a vocabulary file (common.draft_vocab)
 
 
@@ -40,7 +41,7 @@ def build_backend(cfg: ServeConfig):
         vocab = resolve_vocab(cfg.draft_vocab, resolve_model_path(cfg.model))
         loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype, draft_vocab=vocab)
         backend = ModelBackend(loaded, q_topk=cfg.q_topk, lookup=ContextLookup() if cfg.lookup else None,
-                               runner=ModelRunner(loaded, compile=cfg.compile), tree_topk=cfg.tree_topk)
+                               runner=ModelRunner(loaded, compile=cfg.compile, lean=cfg.lean), tree_topk=cfg.tree_topk)
         backend.warm_up(cfg.server.batch_max)
         return backend
     if cfg.draft_vocab not in ("auto", "off"):

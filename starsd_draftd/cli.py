@@ -12,7 +12,7 @@ from common.draft_vocab import DEFAULT_SIZE, DRAFT_VOCAB_HELP, MIN_IDS
 from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
-from common.runner import COMPILE_HELP
+from common.runner import COMPILE_HELP, LEAN_HELP
 from common.security import keygen as keygen_pair
 from starsd_draftd import app
 from starsd_draftd.server import ServerConfig
@@ -122,11 +122,12 @@ def main() -> None:
         help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
 @option("--compile/--no-compile", "compile_", default=False, help=COMPILE_HELP)
+@option("--lean/--no-lean", default=True, help="--backend model: " + LEAN_HELP)
 @option("--draft-vocab", default="auto", show_default=True, metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
 def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_topk, threads, lookup, compile_,
-          draft_vocab, log_level, log_format, **limits) -> None:
+          lean, draft_vocab, log_level, log_format, **limits) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
@@ -135,7 +136,7 @@ def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_to
     server = _server_config(**limits)
     app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
                             device=device, dtype=dtype, q_topk=q_topk, tree_topk=tree_topk, threads=threads,
-                            lookup=lookup, compile=compile_, draft_vocab=draft_vocab))
+                            lookup=lookup, compile=compile_, lean=lean, draft_vocab=draft_vocab))
 
 
 def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_tree_tokens, max_sessions, max_sessions_per_peer, max_peers,

@@ -12,7 +12,7 @@ import zmq
 from common.cliutil import env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
-from common.runner import COMPILE_HELP
+from common.runner import COMPILE_HELP, LEAN_HELP
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
 from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
@@ -66,6 +66,7 @@ def model_options(f):
                help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
                     "generations' rounds, so it delays them by one chunk at most."),
         option("--compile/--no-compile", "compile_", default=_d.compile, help=COMPILE_HELP),
+        option("--lean/--no-lean", default=_d.lean, help=LEAN_HELP),
         logging_options(option),
     ]
     for dec in reversed(decorators):
@@ -78,7 +79,7 @@ def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfi
                         draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
                         threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
                         curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
-                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"],
+                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"], lean=kw["lean"],
                         adaptive_depth=kw["adaptive_depth"], adaptive_speculation=kw["adaptive_speculation"],
                         draft_tokens=kw["draft_tokens"])
 

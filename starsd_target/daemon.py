@@ -60,6 +60,7 @@ class TargetConfig:
     listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
     insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
+    lean: bool = True  # eager forwards through common.lean where the model allows
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
     adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
@@ -84,7 +85,7 @@ class TargetDaemon:
         self.ctx = ctx or zmq.Context.instance()
         self.loaded = loaded or load_causal_lm(config.model, config.device, config.dtype)
         self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk,
-                                   runner=ModelRunner(self.loaded, compile=config.compile),
+                                   runner=ModelRunner(self.loaded, compile=config.compile, lean=config.lean),
                                    max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
                                    draft_tokens=config.draft_tokens)
         self.client: DraftClient | None = None
@@ -318,7 +319,7 @@ class TargetDaemon:
         runner = self.engine.runner
         profile = self._scheduler.profile.to_dict() if self._scheduler is not None else RoundProfile().to_dict()
         return {"served": self.served, "model": str(self.loaded.path),
-                "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3),
+                "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3), "forward": runner.forward_kind,
                 "max_batch": self.engine.max_batch, "batching_off": self.engine.batch_off,
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,
                 "round_profile": profile}

@@ -329,7 +329,7 @@ class TargetEngine:
         batch = PoolBatch(caches, [len(f) for f in feeds], trees)
         dev = self.runner.device
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
-        out = self.runner.model(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=any(features),
+        out = self.runner.eager(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=any(features),
                                 attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev))
         batch.commit()
         logits = out.logits.float()
@@ -350,7 +350,7 @@ class TargetEngine:
         dev = self.runner.device
         mask, pos = tree_attention(parents, cache.get_seq_length(), self.loaded.dtype, dev)
         x = torch.tensor([ids], dtype=torch.long, device=dev)
-        out = self.runner.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
+        out = self.runner.eager(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
                                 attention_mask=mask, position_ids=pos)
         return out.logits[0].float(), fused_features(out.hidden_states, layers)[0] if features else None
 

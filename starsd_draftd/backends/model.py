@@ -95,7 +95,8 @@ class ModelBackend(DraftBackend):
 
     def counters(self) -> dict:
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks,
-                "output_ids": self.output_ids, "logits_size": self.loaded.logits_size}
+                "output_ids": self.output_ids, "logits_size": self.loaded.logits_size,
+                "forward": self.runner.forward_kind}
 
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), self.runner.new_cache(), seed=session_seed(params))

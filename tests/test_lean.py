@@ -1,0 +1,166 @@
+"""The lean forward (common.lean) gives the model's own forward's tensors, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.fp16_weights import Fp16Linear, Fp16Part, fp16_weights_available
+from common.lean import LeanForward, fuse_fp16
+from common.models import crop_cache, load_causal_lm
+from common.runner import ModelRunner
+from common.slot_cache import PoolBatch, SlotPool
+from tiny_models import make_tiny_checkpoint
+
+DTYPES = ["float32", "bfloat16"] + (["fp16-weights"] if fp16_weights_available() else [])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean")
+    return {arch: make_tiny_checkpoint(root / arch, arch, seed=11, hidden=64, layers=3)
+            for arch in ("llama", "qwen2", "gpt2")}
+
+
+def _pair(path, dtype):
+    """The same checkpoint loaded twice: one runner lean, one through transformers."""
+    lean = ModelRunner(load_causal_lm(str(path), dtype=dtype))
+    plain = ModelRunner(load_causal_lm(str(path), dtype=dtype), lean=False)
+    assert lean.forward_kind == "lean", lean.lean_reason
+    assert plain.forward_kind == "transformers" and plain.lean is None
+    return lean, plain
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+
+
+def _caches_equal(ca, cb):
+    assert ca.get_seq_length() == cb.get_seq_length()
+    for la, lb in zip(ca.layers, cb.layers):
+        _same(la.keys, lb.keys)
+        _same(la.values, lb.values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_forward_is_bit_exact(checkpoints, arch, dtype):
+    """Prefill, decode, verification, rollback and re-feed, logits all / last, hidden states
+    (final and named layers): every tensor equal to transformers' forward, and the caches too."""
+    lean, plain = _pair(checkpoints[arch], dtype)
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 250, (37,)).tolist()
+    ca, cb = lean.new_cache(16), plain.new_cache(16)  # small: the caches grow during the test
+    for r, c in ((lean, ca), (plain, cb)):
+        r.forward(c, prompt[:20], "none")
+    ha, hb = lean.forward(ca, prompt[20:], "all", hidden=True, layers=(0, 2))[1], \
+        plain.forward(cb, prompt[20:], "all", hidden=True, layers=(0, 2))[1]
+    _same(ha, hb)
+    for step, ids in enumerate(([5], [7, 8, 9, 10, 11], [12, 13], [14], [15, 16, 17, 18, 19, 20, 21, 22, 23])):
+        kind = "last" if step == 3 else "all"
+        (la, fa), (lb, fb) = lean.forward(ca, ids, kind, hidden=True), plain.forward(cb, ids, kind, hidden=True)
+        _same(la, lb)
+        _same(fa, fb)
+        if step % 2:  # a rejected draft: roll back all but the first fed token
+            for c in (ca, cb):
+                crop_cache(c, c.get_seq_length() - len(ids) + 1)
+    _caches_equal(ca, cb)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype):
+    """The runner's masked calls: a pool batch of rows with different lengths and feeds, one of
+    them a draft tree, with hidden states."""
+    lean, plain = _pair(checkpoints["qwen2"], dtype)
+    torch.manual_seed(4)
+    out = []
+    for runner in (lean, plain):
+        pool = SlotPool(runner.model.config, rows=3, capacity=8)
+        rows = [pool.acquire(8) for _ in range(3)]
+        for row, n in zip(rows, (9, 4, 13)):
+            runner.forward(row, list(range(30, 30 + n)), "none")
+        feeds, trees = [[40], [41, 42, 43, 44, 45], [46, 47, 48, 49]], [None, None, [-1, -1, 0]]
+        batch = PoolBatch(rows, [len(f) for f in feeds], trees)
+        ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds])
+        with torch.inference_mode():  # as the engine's batched verification runs
+            res = runner.eager(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=True,
+                               attention_mask=batch.mask(runner.loaded.dtype, runner.device),
+                               position_ids=batch.positions(runner.device))
+        batch.commit()
+        out.append((res.logits, res.hidden_states, [pool.k[i].clone() for i in range(3)]))
+    (la, ha, ka), (lb, hb, kb) = out
+    _same(la, lb)
+    assert len(ha) == len(hb) == 4
+    for a, b in zip(ha + tuple(ka), hb + tuple(kb)):
+        _same(a, b)
+
+
+def test_models_the_lean_forward_does_not_take_run_through_transformers(checkpoints):
+    gpt2 = ModelRunner(load_causal_lm(str(checkpoints["gpt2"])))
+    assert gpt2.forward_kind == "transformers" and "GPT2LMHeadModel" in gpt2.lean_reason
+    assert gpt2.eager is gpt2.model
+    loaded = load_causal_lm(str(checkpoints["llama"]))
+    handle = loaded.model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    try:
+        hooked = ModelRunner(loaded)
+        assert hooked.lean is None and "hooks" in hooked.lean_reason
+    finally:
+        handle.remove()
+    lean = ModelRunner(loaded)  # hooks set after the build run: calls then go through the model
+    assert lean.forward_kind == "lean"
+    seen = []
+    handle = loaded.model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: seen.append(1))
+    try:
+        lean.forward(lean.new_cache(), [5, 6, 7])
+    finally:
+        handle.remove()
+    assert seen == [1]
+    lean.forward(lean.new_cache(), [5, 6, 7])
+    assert seen == [1]
+    assert ModelRunner(loaded, compile=True).lean is None  # compiled graphs trace the model itself
+    eager_attn = load_causal_lm(str(checkpoints["llama"]))
+    eager_attn.model.config._attn_implementation = "eager"
+    reason = LeanForward.build(eager_attn.model)[1]
+    assert reason is not None and "'eager'" in reason
+
+
+@pytest.mark.skipif(not fp16_weights_available(), reason="fp16-weights needs fbgemm (x86 PyTorch builds)")
+def test_fp16_fusion_keeps_the_models_own_forward_exact_and_its_memory(checkpoints):
+    """With fp16-weights the lean forward fuses q/k/v and gate/up; the model's own modules then
+    serve from the fused weights (same bits, no second copy)."""
+    fused = load_causal_lm(str(checkpoints["qwen2"]), dtype="fp16-weights")  # q/k/v with biases
+    apart = load_causal_lm(str(checkpoints["qwen2"]), dtype="fp16-weights")
+    runner = ModelRunner(fused)
+    assert runner.lean.fused
+    attn = fused.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, Fp16Part) and attn.q_proj.whole is attn.v_proj.whole
+    n_packed = sum(isinstance(m, Fp16Linear) for m in fused.model.modules())
+    assert n_packed == 3 * (2 + 2) + 1  # per layer qkv, o, gate_up, down; the LM head
+    ids = torch.randint(3, 250, (1, 12))
+    with torch.inference_mode():
+        a = fused.model(input_ids=ids).logits  # transformers' forward through the parts
+        b = apart.model(input_ids=ids).logits
+    _same(a, b)
+
+
+@pytest.mark.skipif(not fp16_weights_available(), reason="fp16-weights needs fbgemm (x86 PyTorch builds)")
+def test_fp16_fusion_is_refused_when_any_bit_differs(checkpoints, monkeypatch):
+    """A fused GEMM that rounds differently from the separate ones leaves the layers apart."""
+    loaded = load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights")
+    real = Fp16Linear.fuse.__func__
+
+    def off_by_a_bit(cls, linears):
+        whole = real(cls, linears)
+        w, b = torch.ops.quantized.linear_unpack_fp16(whole._packed)
+        w[0, 0] = torch.nextafter(w[0, 0].half(), torch.tensor(10.0, dtype=torch.half)).float()
+        return cls(w, b)
+
+    monkeypatch.setattr(Fp16Linear, "fuse", classmethod(off_by_a_bit))
+    assert fuse_fp16(loaded.model) is False
+    assert all(type(m) is not Fp16Part for m in loaded.model.modules())
+    runner = ModelRunner(loaded)
+    assert runner.forward_kind == "lean" and not runner.lean.fused
+    plain = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"), lean=False)
+    ca, cb = runner.new_cache(), plain.new_cache()
+    _same(runner.forward(ca, list(range(40, 60)))[0], plain.forward(cb, list(range(40, 60)))[0])
