@@ -59,6 +59,18 @@ def _plain(module):
     return module.forward
 
 
+def _linear(module):
+    """A linear layer's forward for the lean loop, whose inputs are contiguous and in the
+    activations' dtype: fp16-weights' GEMM called directly, else the module's own forward."""
+    from common.fp16_weights import LINEAR_FP16, Fp16Linear
+
+    if type(module) is Fp16Linear:
+        _plain(module)
+        packed = module._packed
+        return lambda x: LINEAR_FP16(x, packed)
+    return _plain(module)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -100,7 +112,9 @@ class LeanForward:
                 _plain(m)
         self.fused = fuse and fuse_fp16(model)
         self.model = model
-        self._modules = list(model.modules())  # after fusing: the modules a forward runs
+        # after fusing: the hook tables of the modules a forward runs (registering a hook adds to
+        # its module's table, so these are read at each call, in C: about 10 us for the demo target)
+        self._hook_tables = [t for m in model.modules() for t in (m._forward_hooks, m._forward_pre_hooks)]
         self.config = config
         self._mask = create_causal_mask
         self._slice = slice_logits_to_keep
@@ -108,7 +122,7 @@ class LeanForward:
         self._embed = _plain(base.embed_tokens)
         self._rotary = _plain(base.rotary_emb)
         self._norm = _plain(base.norm)
-        self._head = _plain(model.lm_head)
+        self._head = _linear(model.lm_head)
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -120,17 +134,17 @@ class LeanForward:
                 heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 inter=mlp.gate_proj.out_features,
                 in_norm=_plain(layer.input_layernorm), post_norm=_plain(layer.post_attention_layernorm),
-                qkv=None if fused_qkv is None else _plain(fused_qkv),
-                q=_plain(attn.q_proj), k=_plain(attn.k_proj), v=_plain(attn.v_proj), o=_plain(attn.o_proj),
-                gate_up=None if fused_gu is None else _plain(fused_gu),
-                gate=_plain(mlp.gate_proj), up=_plain(mlp.up_proj), down=_plain(mlp.down_proj),
+                qkv=None if fused_qkv is None else _linear(fused_qkv),
+                q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(attn.o_proj),
+                gate_up=None if fused_gu is None else _linear(fused_gu),
+                gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
 
     def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+        return any(self._hook_tables)
 
     @classmethod
     def build(cls, model: torch.nn.Module, fuse: bool = True) -> tuple["LeanForward | None", str | None]:
@@ -183,7 +197,7 @@ class LeanForward:
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)
-        logits = self._head(self._slice(x, logits_to_keep))
+        logits = self._head(self._slice(x, logits_to_keep).contiguous())
         return SimpleNamespace(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None,
                                cache=cache)
 
