@@ -167,10 +167,14 @@ def verify_greedy_tensor(target_logits: torch.Tensor, x: torch.Tensor) -> torch.
     k = int(x.shape[0])
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
-    best = torch.argmax(target_logits, dim=-1)
+    top, best = target_logits.max(dim=-1)  # the first maximum's index, as argmax
     n = (x.to(best.device) == best[:k]).long().cumprod(0).sum()
     read = torch.arange(k + 1, device=best.device) <= n  # the rows the decision read: up to the token's
-    valid = (~(torch.isnan(target_logits).any(-1) & read).any()).long()
+    if target_logits.device.type in ("cpu", "cuda"):
+        nan_rows = torch.isnan(top)  # max propagates NaN there: a row's max is NaN iff it holds one
+    else:
+        nan_rows = torch.isnan(target_logits).any(-1)
+    valid = (~(nan_rows & read).any()).long()
     return torch.stack([n, best.gather(0, n.view(1))[0], valid])
 
 
