@@ -24,7 +24,8 @@ interleaved on one core (demo target, fp16-weights): a decode step 19.5 ms throu
 It covers ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with full attention in every layer, SDPA
 and no module hooks; ``LeanForward.build`` says why it cannot take any other model, which then
 runs through transformers as before. A hook set on any of the model's modules after the build
-sends calls through the model's own forward while it is set, so that it runs. It takes what the runner's callers pass: ids, a cache
+sends calls through the model's own forward while it is set, so that it runs (transformers' own
+output-recording hooks excepted: they act only inside the model's own forward). It takes what the runner's callers pass: ids, a cache
 (including ``PoolBatch``), an optional 4-D mask and position ids, ``output_hidden_states`` and
 ``logits_to_keep``.
 """
@@ -51,10 +52,20 @@ class Unsupported(Exception):
     """Why the lean forward cannot run a model."""
 
 
+# transformers' own output-recording hooks: installed on a model's layers at its first forward that
+# records hidden states, and inert outside such a forward (the lean forward records its own)
+_CAPTURE_HOOKS = "transformers.utils.output_capturing"
+
+
+def _foreign(table) -> bool:
+    """Whether a module's hook table holds a hook other than transformers' output recording."""
+    return any(getattr(hook, "__module__", None) != _CAPTURE_HOOKS for hook in table.values())
+
+
 def _plain(module):
     """``module.forward`` bound, skipping ``nn.Module.__call__``'s hook handling (refused when a
     hook is set: it would be skipped too)."""
-    if module._forward_hooks or module._forward_pre_hooks:
+    if _foreign(module._forward_hooks) or _foreign(module._forward_pre_hooks):
         raise Unsupported(f"{type(module).__name__} has forward hooks")
     return module.forward
 
@@ -93,8 +104,12 @@ class LeanForward:
         hooks = torch.nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
             raise Unsupported("global module hooks are set")
+        if model.training:
+            raise Unsupported("the model is in training mode (dropout)")
         base = model.model
         config = base.config
+        if getattr(config, "tie_last_hidden_states", None) is False:
+            raise Unsupported("config.tie_last_hidden_states is False (the last hidden state before the norm)")
         impl = getattr(config, "_attn_implementation", None)
         if impl != "sdpa":
             raise Unsupported(f"attention implementation {impl!r} (the lean forward runs SDPA)")
@@ -105,15 +120,21 @@ class LeanForward:
             raise Unsupported("the model's layers do not match its config")
         for m in (model, base):
             _plain(m)
+        for m in (base.embed_tokens, base.rotary_emb, base.norm, model.lm_head):
+            _plain(m)
         for layer in base.layers:
             if type(layer).__name__ != layer_cls or type(layer.self_attn).__name__ != attn_cls:
                 raise Unsupported(f"layer {type(layer).__name__} / {type(layer.self_attn).__name__}")
-            for m in (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj,
+                      attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 _plain(m)
-        self.fused = fuse and fuse_fp16(model)
+            if isinstance(mlp.act_fn, torch.nn.Module):
+                _plain(mlp.act_fn)
+        self.fused = fuse and fuse_fp16(model)  # last: a model the lean forward refuses stays as it was
         self.model = model
         # after fusing: the hook tables of the modules a forward runs (registering a hook adds to
-        # its module's table, so these are read at each call, in C: about 10 us for the demo target)
+        # its module's table, so these are read at each call: about 10 us for the demo target)
         self._hook_tables = [t for m in model.modules() for t in (m._forward_hooks, m._forward_pre_hooks)]
         self.config = config
         self._mask = create_causal_mask
@@ -144,7 +165,7 @@ class LeanForward:
         hooks = torch.nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
             return True
-        return any(self._hook_tables)
+        return any(self._hook_tables) and any(_foreign(t) for t in self._hook_tables if t)
 
     @classmethod
     def build(cls, model: torch.nn.Module, fuse: bool = True) -> tuple["LeanForward | None", str | None]:

@@ -86,6 +86,7 @@ class ModelRunner:
         self.warm = False  # warm_up() ran: serving shapes are compiled
         self.serving_stance = "eager_on_recompile"  # after the warm-up (tests make it fail_on_recompile)
         # the eager forward: the lean one (common.lean) where the model allows, else the model's own
+        self.lean_wanted = lean
         self.lean, self.lean_reason = None, "off (--no-lean)" if not lean else "off with --compile"
         if lean and not compile:
             self.lean, self.lean_reason = LeanForward.build(self.model)
@@ -101,8 +102,13 @@ class ModelRunner:
 
     @property
     def forward_kind(self) -> str:
-        """How forwards run: "compiled", "lean" (``common.lean``) or "transformers"."""
-        return "compiled" if self.compiled else "lean" if self.lean is not None else "transformers"
+        """How forwards run: "compiled", "lean" (``common.lean``) or "transformers" (with the lean
+        forward built, while a hook is set on the model: see ``common.lean``)."""
+        if self.compiled:
+            return "compiled"
+        if self.lean is None:
+            return "transformers"
+        return "transformers (forward hooks set)" if self.lean._hooked() else "lean"
 
     def new_cache(self, capacity: int = 0):
         """An empty cache with ``capacity`` positions preallocated (0: grown as needed)."""
@@ -156,6 +162,9 @@ class ModelRunner:
                 exercise()
         except Exception as exc:  # inductor failures are many and varied: eager always works
             log.warning("compiling the %s failed (%s: %s); it runs eagerly", what, type(exc).__name__, exc)
+            if self.lean_wanted:
+                self.lean, self.lean_reason = LeanForward.build(self.model)
+            self.eager = self.lean if self.lean is not None else self.model
             self._call, self.compiled = self.eager, False
             return 0.0
         self.compile_s += time.perf_counter() - t0

@@ -28,7 +28,12 @@ def _pair(path, dtype):
     plain = ModelRunner(load_causal_lm(str(path), dtype=dtype), lean=False)
     assert lean.forward_kind == "lean", lean.lean_reason
     assert plain.forward_kind == "transformers" and plain.lean is None
+    lean.model.forward = _not_called  # every comparison below is lean against transformers
     return lean, plain
+
+
+def _not_called(*args, **kwargs):
+    raise AssertionError("the lean runner fell back to the model's own forward")
 
 
 def _same(a, b):
@@ -88,7 +93,7 @@ def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype):
                                attention_mask=batch.mask(runner.loaded.dtype, runner.device),
                                position_ids=batch.positions(runner.device))
         batch.commit()
-        out.append((res.logits, res.hidden_states, [pool.k[i].clone() for i in range(3)]))
+        out.append((res.logits, res.hidden_states, [pool.k[i].clone() for i in range(3)] + [pool.v[i].clone() for i in range(3)]))
     (la, ha, ka), (lb, hb, kb) = out
     _same(la, lb)
     assert len(ha) == len(hb) == 4
@@ -112,13 +117,31 @@ def test_models_the_lean_forward_does_not_take_run_through_transformers(checkpoi
     seen = []
     handle = loaded.model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: seen.append(1))
     try:
-        lean.forward(lean.new_cache(), [5, 6, 7])
+        assert lean.forward_kind == "transformers (forward hooks set)"
+        lean.forward(lean.new_cache(), [5, 6, 7], hidden=True)  # also installs transformers' own recording hooks
     finally:
         handle.remove()
     assert seen == [1]
-    lean.forward(lean.new_cache(), [5, 6, 7])
+    real = loaded.model.forward
+    loaded.model.forward = _not_called  # the hook gone, calls are lean again
+    try:
+        assert lean.forward_kind == "lean"
+        lean.forward(lean.new_cache(), [5, 6, 7], hidden=True)
+        assert ModelRunner(loaded).forward_kind == "lean"  # recording hooks do not refuse a build
+    finally:
+        loaded.model.forward = real
     assert seen == [1]
     assert ModelRunner(loaded, compile=True).lean is None  # compiled graphs trace the model itself
+    loaded.model.config.tie_last_hidden_states = False  # the last hidden state then comes before the norm
+    try:
+        assert "tie_last_hidden_states" in LeanForward.build(loaded.model)[1]
+    finally:
+        del loaded.model.config.tie_last_hidden_states
+    loaded.model.train()
+    try:
+        assert "training" in LeanForward.build(loaded.model)[1]
+    finally:
+        loaded.model.eval()
     eager_attn = load_causal_lm(str(checkpoints["llama"]))
     eager_attn.model.config._attn_implementation = "eager"
     reason = LeanForward.build(eager_attn.model)[1]
@@ -131,6 +154,10 @@ def test_fp16_fusion_keeps_the_models_own_forward_exact_and_its_memory(checkpoin
     serve from the fused weights (same bits, no second copy)."""
     fused = load_causal_lm(str(checkpoints["qwen2"]), dtype="fp16-weights")  # q/k/v with biases
     apart = load_causal_lm(str(checkpoints["qwen2"]), dtype="fp16-weights")
+    handle = fused.model.lm_head.register_forward_hook(lambda *a: None)
+    refused = ModelRunner(fused)
+    handle.remove()
+    assert refused.lean is None and not any(type(m) is Fp16Part for m in fused.model.modules())  # left as it was
     runner = ModelRunner(fused)
     assert runner.lean.fused
     attn = fused.model.model.layers[0].self_attn
