@@ -73,21 +73,20 @@ def make_tiny_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
 def measure_target_forward(target_dir: Path, depth: int, reps: int = 30, dtype: str = "auto") -> dict:
     """V: the target's forward over [last token, x_1..x_d] after a 64-token prefix, and V1: its
     single-token forward (one thread, median of ``reps``)."""
-    from common.models import crop_cache, load_causal_lm, new_cache
+    from common.models import crop_cache, load_causal_lm
+    from common.runner import ModelRunner
 
-    loaded = load_causal_lm(str(target_dir), dtype=dtype)  # as the daemons ran it
-    model = loaded.model
-    prefix = torch.tensor([[3 + (7 * i) % 200 for i in range(64)]])
+    runner = ModelRunner(load_causal_lm(str(target_dir), dtype=dtype))  # as the daemons run it
+    prefix = [3 + (7 * i) % 200 for i in range(64)]
     out = {}
     with torch.inference_mode():
-        cache = new_cache(model)
-        model(input_ids=prefix, cache=cache, use_cache=True)
+        cache = runner.new_cache(64 + depth + 2)
+        runner.forward(cache, prefix, "none")
         for name, width in (("verify_ms", depth + 1), ("single_ms", 1)):
-            ids = torch.tensor([[5] * width])
             times = []
             for _ in range(reps + 3):
                 t0 = time.perf_counter()
-                model(input_ids=ids, cache=cache, use_cache=True)
+                runner.forward(cache, [5] * width, "all")
                 times.append(time.perf_counter() - t0)
                 crop_cache(cache, 64)
             out[name] = 1000.0 * statistics.median(times[3:])
