@@ -82,6 +82,51 @@ def _linear(module):
     return _plain(module)
 
 
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
+
+
+def _norm(module):
+    """An RMS norm's forward: transformers' arithmetic for these classes (the same ops in the same
+    order) without the module call; any other norm's own forward."""
+    if type(module).__name__ not in RMS_NORMS:
+        return _plain(module)
+    _plain(module)
+
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # transformers' casts to and from float32 are no-ops then
+            return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return module.weight * h.to(x.dtype)
+
+    return rms
+
+
+def _sdpa_inline() -> bool:
+    """Whether transformers' SDPA attention takes its CPU/CUDA branches here, which
+    ``LeanForward._attend`` repeats (other accelerators and a forced GQA keep its function)."""
+    import os
+
+    from transformers.integrations import sdpa_attention as sa
+
+    return not (os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1" or sa._is_torch_xpu_available
+                or sa._is_torch_npu_available or sa._is_torch_mps_available)
+
+
+def _pack_gqa(x: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """One query's heads [B, H, 1, D] as [B, H / groups, groups, D] (a mask shared by all heads as
+    it is), so that attention runs per key head (transformers' ``pack_gqa``)."""
+    if x is None or x.shape[1] == 1:
+        return x
+    return x.reshape(x.shape[0], x.shape[1] // groups, groups, x.shape[3])
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key or value heads [B, Hkv, S, D] repeated to the query heads (transformers' ``repeat_kv``)."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -142,7 +187,8 @@ class LeanForward:
         self._attention = sdpa_attention_forward
         self._embed = _plain(base.embed_tokens)
         self._rotary = _plain(base.rotary_emb)
-        self._norm = _plain(base.norm)
+        self._norm = _norm(base.norm)
+        self._inline_attention = _sdpa_inline()
         self._head = _linear(model.lm_head)
         self.layers = []
         for layer in base.layers:
@@ -154,12 +200,35 @@ class LeanForward:
                 idx=attn.layer_idx, attn=attn, head_dim=attn.head_dim, scaling=attn.scaling,
                 heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 inter=mlp.gate_proj.out_features,
-                in_norm=_plain(layer.input_layernorm), post_norm=_plain(layer.post_attention_layernorm),
+                groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True),
+                in_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
                 qkv=None if fused_qkv is None else _linear(fused_qkv),
                 q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(attn.o_proj),
                 gate_up=None if fused_gu is None else _linear(fused_gu),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
+
+    @staticmethod
+    def _attend(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """transformers' ``sdpa_attention_forward`` on CPU and CUDA for a causal module, without
+        its per-call environment lookups: the same GQA choice (SDPA's own GQA without a mask,
+        query heads packed per key head for one query with a mask, keys repeated otherwise), the
+        same causal flag and the same call."""
+        q_len = q.shape[2]
+        extra = {}
+        if L.groups > 1:
+            if mask is None and k.shape[-1] == v.shape[-1] <= 256:
+                extra["enable_gqa"] = True
+            elif q_len == 1:
+                q, mask = _pack_gqa(q, L.groups), _pack_gqa(mask, L.groups)
+            else:
+                k, v = _repeat_kv(k, L.groups), _repeat_kv(v, L.groups)
+        causal = q_len > 1 and mask is None
+        if causal and k.shape[2] > q_len:
+            k, v = k[:, :, :q_len], v[:, :, :q_len]
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=L.scaling,
+                                                             is_causal=causal, **extra)
+        return a.reshape(a.shape[0], -1, q_len, v.shape[-1]).transpose(1, 2).contiguous()
 
     def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
@@ -207,7 +276,10 @@ class LeanForward:
             # queries and keys rotated together: the same elementwise products and sums, once
             qk = (qk * cos) + (_rotate_half(qk) * sin)
             k, v = cache.update(qk[:, L.heads:], v, L.idx)
-            a, _ = self._attention(L.attn, qk[:, : L.heads], k, v, mask, dropout=0.0, scaling=L.scaling)
+            if self._inline_attention and L.causal:
+                a = self._attend(L, qk[:, : L.heads], k, v, mask)
+            else:
+                a, _ = self._attention(L.attn, qk[:, : L.heads], k, v, mask, dropout=0.0, scaling=L.scaling)
             x = x + L.o(a.reshape(*shape, -1).contiguous())
             h = L.post_norm(x)
             if L.gate_up is not None:

@@ -73,10 +73,12 @@ def test_lean_forward_is_bit_exact(checkpoints, arch, dtype):
     _caches_equal(ca, cb)
 
 
+@pytest.mark.parametrize("one_token", [False, True], ids=["verify", "decode"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype):
+def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype, one_token):
     """The runner's masked calls: a pool batch of rows with different lengths and feeds, one of
-    them a draft tree, with hidden states."""
+    them a draft tree, with hidden states; and a batch of one token per row (one query with a
+    mask: attention packs the query heads per key head)."""
     lean, plain = _pair(checkpoints["qwen2"], dtype)
     torch.manual_seed(4)
     out = []
@@ -86,6 +88,8 @@ def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype):
         for row, n in zip(rows, (9, 4, 13)):
             runner.forward(row, list(range(30, 30 + n)), "none")
         feeds, trees = [[40], [41, 42, 43, 44, 45], [46, 47, 48, 49]], [None, None, [-1, -1, 0]]
+        if one_token:
+            feeds, trees = [[40], [41], [42]], None
         batch = PoolBatch(rows, [len(f) for f in feeds], trees)
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds])
         with torch.inference_mode():  # as the engine's batched verification runs
