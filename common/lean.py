@@ -1,33 +1,34 @@
 """A lean eager forward for Llama-shaped decoders: the model's own arithmetic, less Python around it.
 
 On a CPU core a small model's step is largely overhead: on the demo target (30 layers, 576 wide)
-the GEMMs and attention take about 11 ms of a 19.5 ms decode step; the rest is transformers'
-module calls, decorators, output recording and keyword plumbing (30 layers times a dozen modules)
-and the many small tensor ops around the GEMMs. ``LeanForward`` runs the same forward with less
-of both:
+the GEMMs and attention took about 11 ms of an 18.9 ms decode step; the rest was transformers'
+module calls, decorators, output recording and keyword plumbing (30 layers times a dozen
+modules) and the many small tensor ops around the GEMMs. ``LeanForward`` runs the same forward
+with less of both:
 
-- it calls each submodule's own ``forward`` directly (norms, activation, LM head: a cut draft
-  head works unchanged), the model's own rotary embedding, mask builder, cache ``update`` and
-  SDPA attention function, in the order transformers does;
+- it calls each submodule's own ``forward`` directly (activation, LM head: a cut draft head works
+  unchanged), and the model's own rotary embedding, mask builder and cache ``update``;
+- it runs the RMS norms and transformers' SDPA dispatch inline with the same ops in the same order
+  (``_norm``, ``LeanForward._attend``; other accelerators keep transformers' attention function);
 - it applies the rotary embedding to queries and keys in one go (elementwise: the same values);
-- with fp16-weights it runs q/k/v as one GEMM and gate/up as one (fbgemm computes each output
-  column the same way whatever the matrix's width; ``fuse_fp16`` checks that on the model's own
-  shapes before it fuses, and leaves the layers apart if any bit differs). The fused weights
-  replace the separate ones (``Fp16Part`` serves the original modules from them), so the model
-  takes no more memory.
+- with fp16-weights it runs q/k/v as one GEMM and gate/up as one, calling fbgemm's GEMM directly
+  (fbgemm computes each output column the same way whatever the matrix's width; ``fuse_fp16``
+  checks that on the model's own shapes before it fuses, and leaves the layers apart if any bit
+  differs). The fused weights replace the separate ones (``Fp16Part`` serves the original
+  modules from them), so the model takes no more memory.
 
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
 and caches against the model's own forward, in float32, bfloat16 and fp16-weights). Measured
-interleaved on one core (demo target, fp16-weights): a decode step 19.5 ms through transformers,
-15.5 ms lean; a 5-token verification 23.5 / 19.6 ms.
+interleaved on one core (demo target, fp16-weights, 200 cached positions): a decode step 22.9 ms
+through transformers, 18.2 ms lean; README, "The lean forward", has more.
 
-It covers ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with full attention in every layer, SDPA
-and no module hooks; ``LeanForward.build`` says why it cannot take any other model, which then
-runs through transformers as before. A hook set on any of the model's modules after the build
-sends calls through the model's own forward while it is set, so that it runs (transformers' own
-output-recording hooks excepted: they act only inside the model's own forward). It takes what the runner's callers pass: ids, a cache
-(including ``PoolBatch``), an optional 4-D mask and position ids, ``output_hidden_states`` and
-``logits_to_keep``.
+It covers ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` in inference mode with full attention in
+every layer, SDPA and no module hooks; ``LeanForward.build`` says why it cannot take any other
+model, which then runs through transformers as before. A hook set on any of the model's modules
+after the build sends calls through the model's own forward while it is set, so that it runs
+(transformers' own output-recording hooks excepted: they act only inside the model's own
+forward). It takes what the runner's callers pass: ids, a cache (including ``PoolBatch``), an
+optional 2-D or 4-D mask and position ids, ``output_hidden_states`` and ``logits_to_keep``.
 """
 
 from __future__ import annotations
