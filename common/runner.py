@@ -85,20 +85,28 @@ class ModelRunner:
         self.compile_s = 0.0  # seconds the warm-up's compilation took (0: eager)
         self.warm = False  # warm_up() ran: serving shapes are compiled
         self.serving_stance = "eager_on_recompile"  # after the warm-up (tests make it fail_on_recompile)
-        # the eager forward: the lean one (common.lean) where the model allows, else the model's own
         self.lean_wanted = lean
         self.lean, self.lean_reason = None, "off (--no-lean)" if not lean else "off with --compile"
-        if lean and not compile:
-            self.lean, self.lean_reason = LeanForward.build(self.model)
-            if self.lean is None:
-                log.info("lean forward unavailable (%s): the model runs through transformers", self.lean_reason)
-        self.eager = self.lean if self.lean is not None else self.model
+        if not compile:
+            self._build_lean()
         self._call = self.eager
         if compile:
             path = _configure_inductor(self.device)
             self._call = torch.compile(self.model, dynamic=True)
             self.compiled = True
             log.info("model forward compiled with torch.compile (artifacts cached in %s)", path)
+
+    def _build_lean(self) -> None:
+        """The lean forward (common.lean), where asked for and the model allows."""
+        if self.lean_wanted:
+            self.lean, self.lean_reason = LeanForward.build(self.model)
+            if self.lean is None:
+                log.info("lean forward unavailable (%s): the model runs through transformers", self.lean_reason)
+
+    @property
+    def eager(self):
+        """The eager forward: the lean one where built, else the model's own."""
+        return self.lean if self.lean is not None else self.model
 
     @property
     def forward_kind(self) -> str:
@@ -162,9 +170,7 @@ class ModelRunner:
                 exercise()
         except Exception as exc:  # inductor failures are many and varied: eager always works
             log.warning("compiling the %s failed (%s: %s); it runs eagerly", what, type(exc).__name__, exc)
-            if self.lean_wanted:
-                self.lean, self.lean_reason = LeanForward.build(self.model)
-            self.eager = self.lean if self.lean is not None else self.model
+            self._build_lean()
             self._call, self.compiled = self.eager, False
             return 0.0
         self.compile_s += time.perf_counter() - t0
