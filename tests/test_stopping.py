@@ -7,8 +7,8 @@ import pytest
 from common.models import load_causal_lm
 from common.verify import SamplingParams
 from fakes import running_server, speculate
-from starsd_draftd.backends.base import (CALIBRATION_DISCOUNT, PRIOR_COPIED, Calibration, Draft, DraftRequest,
-                                         Stopping, clip_draft)
+from starsd_draftd.backends.base import (CALIBRATION_DISCOUNT, NEXT_GUESSES, PRIOR_COPIED, Calibration, Draft,
+                                         DraftRequest, Stopping, clip_draft)
 from starsd_draftd.backends.model import ModelBackend
 from starsd_target.client import DraftClient
 from starsd_target.depth import MIN_SURVIVAL_RANGE, PRIOR_MIN_SURVIVAL, AdaptiveDepth
@@ -195,7 +195,7 @@ def test_after_a_chain_stopped_unsure_work_ahead_guesses_the_likeliest_next_toke
     verified = [1, 5, 9, 30, 2, 77, 8]
     tau = 0.5
     sent = ahead.draft(st, verified, 6, min_survival=tau)
-    assert len(sent.tokens) < 6 and len(sent.next_top) == ahead.NEXT_GUESSES
+    assert len(sent.tokens) < 6 and len(sent.next_top) == NEXT_GUESSES
     probs = [p for _, p in sent.next_top]
     assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-6
     seq = verified + sent.tokens

@@ -438,7 +438,6 @@ class DraftBackend(abc.ABC):
 
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
     stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
-    NEXT_GUESSES = NEXT_GUESSES  # how many likeliest next tokens a chain that stopped unsure reports
 
     def lookahead_rows(self, draft: Draft) -> int:
         """How many copies of a session's cache its work ahead holds after ``draft`` was sent."""
