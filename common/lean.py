@@ -199,7 +199,7 @@ class LeanForward:
             fused_gu = getattr(mlp.gate_proj, "whole", None)
             self.layers.append(SimpleNamespace(
                 idx=attn.layer_idx, attn=attn, head_dim=attn.head_dim, scaling=attn.scaling,
-                heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                heads=config.num_attention_heads, qk_heads=config.num_attention_heads + config.num_key_value_heads,
                 inter=mlp.gate_proj.out_features,
                 groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True),
                 in_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
@@ -267,10 +267,9 @@ class LeanForward:
             if hidden is not None:
                 hidden.append(x)
             h = L.in_norm(x)
-            qk_heads = L.heads + L.kv_heads
             if L.qkv is not None:
                 y = L.qkv(h).view(*shape, -1, L.head_dim).transpose(1, 2)
-                qk, v = y[:, :qk_heads], y[:, qk_heads:]
+                qk, v = y[:, : L.qk_heads], y[:, L.qk_heads:]
             else:
                 qk = torch.cat((L.q(h), L.k(h)), dim=-1).view(*shape, -1, L.head_dim).transpose(1, 2)
                 v = L.v(h).view(*shape, -1, L.head_dim).transpose(1, 2)
@@ -311,9 +310,10 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
     if not all(type(p) is Fp16Linear for p in parts):
         return False
     gen = torch.Generator().manual_seed(0)
+    checked = {}  # the first layer's fused GEMMs, checked, then used
     for owner, names in groups[0]:  # every layer has the first's shapes
         linears = [getattr(owner, n) for n in names]
-        whole = Fp16Linear.fuse(linears)
+        whole = checked[id(owner)] = Fp16Linear.fuse(linears)
         for rows in FUSE_CHECK_ROWS:
             x = torch.randn(rows, linears[0].in_features, generator=gen)
             with torch.inference_mode():
@@ -325,7 +325,9 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
     for g in groups:
         for owner, names in g:
             linears = [getattr(owner, n) for n in names]
-            whole = Fp16Linear.fuse(linears)
+            whole = checked.get(id(owner))
+            if whole is None:
+                whole = Fp16Linear.fuse(linears)
             start = 0
             for n, lin in zip(names, linears):
                 setattr(owner, n, Fp16Part(whole, start, start + lin.out_features))
