@@ -227,12 +227,27 @@ def test_the_command_line_plans_without_vllm_installed(tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     steps = json.loads(res.output)
-    assert [s["system"] for s in steps] == ["vllm", "starsd", "vllm", "vllm"]
+    assert [s["system"] for s in steps] == ["vllm", "starsd", "vllm", "vllm", "alternated"]
     starsd = steps[1]
     assert starsd["draftd"][-3:] == ["--compile", "--foo", "1"] and starsd["target_cores"] == [1]
     assert starsd["cases"] == ["target alone, 1 stream(s)", "speculative, 1 stream(s)",
                                "target alone, 2 stream(s)", "speculative, 2 stream(s)"]
     assert all(s["command"][s["command"].index("--streams") + 1] == "1,2" for s in steps if s["system"] == "vllm")
+    alt = steps[-1]
+    assert alt["rounds"] == 6 and alt["cores"] == [1] and alt["vllm_env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    cmd = alt["vllm_command"]
+    assert cmd[-1] == "--serve" and cmd[cmd.index("--streams") + 1] == "1" and "--draft" not in cmd
+    assert alt["starsd_target"][:2] == ["starsd_target", "serve"] and "--draft" not in alt["starsd_target"]
+    assert alt["starsd_target"][-3:] == ["--compile", "--foo", "1"]
+
+
+def test_the_alternated_comparison_is_planned_alone_or_not_at_all(tmp_path):
+    base = ["--plan", "--cpus", "0,1", "--vllm-python", str(tmp_path / "python")]
+    only = json.loads(CliRunner().invoke(main, base + ["--alternated-only", "--alternate", "3"]).output)
+    assert [(s["system"], s["rounds"]) for s in only] == [("alternated", 3)]
+    none = json.loads(CliRunner().invoke(main, base + ["--alternate", "0"]).output)
+    assert "alternated" not in [s["system"] for s in none]
+    assert "alternated" not in [s["system"] for s in json.loads(CliRunner().invoke(main, ["--plan", "--no-vllm"]).output)]
 
 
 def test_the_make_variable_reaches_the_daemons_through_the_environment():
@@ -247,8 +262,128 @@ def test_the_make_variable_reaches_the_daemons_through_the_environment():
     (["--vllm-python", "/nonexistent/python"], "make bench-peers"),
     (["--no-vllm", "--no-starsd"], "nothing to run"),
     (["--no-vllm", "--cpus", "0"], "needs two cores"),
+    (["--no-vllm", "--alternated-only"], "the alternated comparison only"),
+    (["--alternated-only", "--alternate", "0", "--vllm-python", sys.executable], "the alternated comparison only"),
 ])
 def test_bad_arguments_fail_with_a_message_before_any_work(args, message):
     res = CliRunner().invoke(main, args)
     assert res.exit_code != 0
     assert message in res.output
+
+
+# ---------------------------------------------------------------- the alternated comparison
+def test_the_serve_loop_answers_each_run_and_refuses_other_lines():
+    peer = _load_peer()
+    llm, emitted = _FakeLLM(), []
+    done = peer.serve(llm, None, [[1, 2], [3]], 1, ["run\n", "bogus\n", "run\n", "quit\n", "run\n"], emitted.append)
+    assert done == 2 and llm.calls == [1, 1, 1, 1]
+    assert [sorted(e)[0] for e in emitted] == ["outputs", "error", "outputs"]
+    assert "unknown command 'bogus'" in emitted[1]["error"]
+    assert [o["token_ids"] for o in emitted[2]["outputs"]] == [[2, 1], [3]]
+
+
+FAKE_VLLM = """
+import os
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class _O:
+    def __init__(self, ids):
+        self.token_ids, self.finish_reason = ids, "length"
+class _R:
+    def __init__(self, ids):
+        self.outputs = [_O(ids)]
+class LLM:
+    def __init__(self, **kw):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise SystemExit("fake engine failed to start")
+    def get_metrics(self):
+        return []
+    def generate(self, prompts, sampling, use_tqdm=False):
+        return [_R(list(reversed(p["prompt_token_ids"]))[: sampling.kw["max_tokens"]]) for p in prompts]
+"""
+
+
+def _fake_server(tmp_path, fail=False):
+    from starsd_draftd.bench.peers.run import VllmServer, alternated_block, serve_command
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    cfg = PeersConfig(cpus=(0, 1), vllm_python=Path(sys.executable), preload=(), max_tokens=2)
+    block = alternated_block(cfg)
+    cmd, env = serve_command(cfg, block, tmp_path, prompts, tmp_path / "out.json")
+    env = dict(env, PYTHONPATH=str(tmp_path), **({"FAKE_VLLM_FAIL": "1"} if fail else {}))
+    seen = []
+    return VllmServer(cmd, env, [0], tmp_path / "vllm.log", seen.append, 60, 60), seen
+
+
+def test_a_kept_up_engine_runs_the_prompts_on_each_request_and_stops(tmp_path):
+    server, seen = _fake_server(tmp_path)
+    with server:
+        assert server.ready["ready"] is True and server.ready["vllm_version"] == "0.0-fake"
+        first, second = server.run(), server.run()
+        assert [o["token_ids"] for o in first["outputs"]] == [[3, 2], [5, 4]] and first["tokens"] == 4
+        assert second["outputs"] == first["outputs"] and first["streams"] == 1
+        assert server.cpu_s() > 0  # the process group's CPU time, read from /proc
+        pid = server.proc.pid
+    assert server.proc.returncode == 0  # "quit" ends it cleanly
+    assert not Path(f"/proc/{pid}").exists() or server.proc.poll() is not None
+    assert any("serving" in line for line in seen)
+
+
+def test_an_engine_that_fails_to_start_is_reported_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with status 1(.|\\n)*fake engine failed to start"):
+        _fake_server(tmp_path, fail=True)
+
+
+def test_alternation_lets_each_system_lead_in_turn_and_counts_the_others_cpu():
+    from starsd_draftd.bench.peers.run import alternate
+
+    calls, clock = [], {"a": 0.0, "b": 0.0}
+
+    def pass_of(name):
+        def run():
+            calls.append(name)
+            other = "b" if name == "a" else "a"
+            clock[other] += 0.25  # the other system's idle processes use a little CPU meanwhile
+            return {"name": name}
+        return run
+
+    pauses = []
+    rounds = alternate(3, 1.5, {"a": pass_of("a"), "b": pass_of("b")},
+                       cpu={"a": lambda: clock["a"], "b": lambda: clock["b"]}, sleep=pauses.append)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert pauses == [1.5] * 6
+    assert [r["order"] for r in rounds] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert all(p["others_cpu_s"] == pytest.approx(0.25) for r in rounds for p in r["passes"].values())
+    assert alternate(2, 0, {"a": pass_of("a")}, sleep=pauses.append)[0]["passes"]["a"]["others_cpu_s"] is None
+
+
+def _alt_round(i, starsd, vllm, starsd_ids=(1, 2), vllm_ids=(1, 2)):
+    def case(tps, ids):
+        return {"streams": 1, "wall_s": 64 / tps, "tokens": 64, "outputs": [{"token_ids": list(ids)}]}
+    return {"round": i, "order": ["starsd", "vllm"] if i % 2 else ["vllm", "starsd"],
+            "passes": {"starsd": {"case": case(starsd, starsd_ids), "others_cpu_s": 0.02},
+                       "vllm": {"case": case(vllm, vllm_ids), "others_cpu_s": 0.01}}}
+
+
+def test_the_alternated_summary_gives_median_ratio_spread_and_stability():
+    rounds = [_alt_round(1, 50, 40), _alt_round(2, 45, 50), _alt_round(3, 60, 50, vllm_ids=(1, 3))]
+    s = rep.alternated_summary(rounds)
+    assert s["ratio_median"] == pytest.approx(1.2) and s["ratio_min"] == pytest.approx(0.9)
+    assert s["ratio_max"] == pytest.approx(1.25) and (s["starsd_ahead"], s["of"]) == (2, 3)
+    assert s["starsd_median_tps"] == pytest.approx(50) and s["vllm_median_tps"] == pytest.approx(50)
+    assert s["starsd_outputs_stable"] and not s["vllm_outputs_stable"]
+    assert s["vllm_equals_starsd"]["identical"] == 1
+    assert s["vllm_cpu_during_starsd_s"] == pytest.approx(0.02)
+    alt = {"summary": s, "rounds": rounds, "pause_s": 1.0, "starsd": {"dtype": "fp16-weights", "up_s": 3.0},
+           "vllm": {"cores": [1], "dtype": "bfloat16", "enforce_eager": False, "start": {"engine_init_s": 40.0}}}
+    md = rep.format_alternated(alt)
+    assert "median ratio 1.200 (range 0.900 to 1.250)" in md and "StarSD ahead in 2 of 3" in md
+    assert "| 2 | vLLM | 45.0 | 50.0 | 0.900 |" in md and "compiled" in md and "vLLM no" in md
+    unstable = rep.alternated_summary([_alt_round(1, 50, 40), _alt_round(2, 50, 40, starsd_ids=(9,))])
+    assert not unstable["starsd_outputs_stable"]
+    assert "StarSD NO" in rep.format_alternated(dict(alt, summary=unstable))

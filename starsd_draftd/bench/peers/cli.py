@@ -57,15 +57,22 @@ def _words(text: str | None) -> tuple[str, ...]:
 @option("--cpus", default=None, help="Comma-separated: the two cores (draft, target) [default: the first two usable].")
 @option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Where logs and vLLM's JSON go [default: a fresh temporary folder].")
+@option("--alternate", type=click.IntRange(0), default=_c.alternate, show_default=True,
+        help="Rounds of the alternated target-alone comparison: StarSD's target daemon and a vLLM engine both kept "
+             "up on the target's core, passes in turns (the closest comparison on a noisy host); 0: none.")
+@option("--alternate-pause", type=click.FloatRange(0), default=_c.alternate_pause_s, show_default=True,
+        help="Seconds of pause before each alternated pass.")
+@option("--alternated-only", is_flag=True, help="Run the alternated comparison only, not the table.")
 @option("--plan", "show_plan", is_flag=True, help="Print what would run (commands, cores, environment) and exit.")
 @option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @logging_options(option, default_level="warning")
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
 def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
-         vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, show_plan, as_json,
-         log_level, log_format) -> None:
+         vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, alternate, alternate_pause,
+         alternated_only, show_plan, as_json, log_level, log_format) -> None:
     """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
-    speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md."""
+    speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md, then the target
+    alone of both alternated on one core, round by round (--alternate)."""
     setup_logging(log_level, log_format)
     cfg = PeersConfig(out=out, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
                       vllm_python=None if no_vllm else vllm_python, starsd=not no_starsd,
@@ -74,7 +81,8 @@ def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_star
                       preload=None if preload is None else tuple(p for p in preload.split(":") if p),
                       starsd_dtypes=tuple(d.strip() for d in (starsd_dtypes or "").split(",") if d.strip()),
                       starsd_args=_words(starsd_args), draftd_args=_words(draftd_args),
-                      target_args=_words(target_args), cpus=None if cpus is None else _ints(cpus), workdir=workdir)
+                      target_args=_words(target_args), cpus=None if cpus is None else _ints(cpus), workdir=workdir,
+                      alternate=alternate, alternate_pause_s=alternate_pause, table=not alternated_only)
     if show_plan:
         click.echo(json.dumps(plan(cfg), indent=2))
         return

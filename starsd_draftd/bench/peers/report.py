@@ -9,6 +9,8 @@ apart from ``rounds`` (vLLM has no per-request round count, see ``vllm_rounds``)
 
 from __future__ import annotations
 
+import statistics
+
 SCHEMA = "starsd-bench-peers/1"
 
 
@@ -166,6 +168,65 @@ def format_starts(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _tps(case: dict) -> float:
+    return case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
+
+
+def alternated_summary(rounds: list[dict]) -> dict:
+    """The alternated comparison's rounds (``run.alternate``, systems ``starsd`` and ``vllm``)
+    summed up: medians, the per-round ratio StarSD / vLLM with its spread, how often StarSD led,
+    whether each system gave the same tokens in every round, vLLM's outputs against StarSD's, and
+    the median CPU time one system's idle processes took during the other's pass."""
+    if not rounds:
+        return {"rounds": 0}
+    tps = {n: [_tps(r["passes"][n]["case"]) for r in rounds] for n in ("starsd", "vllm")}
+    ratios = [a / b for a, b in zip(tps["starsd"], tps["vllm"]) if b]
+    outs = {n: [[o["token_ids"] for o in r["passes"][n]["case"]["outputs"]] for r in rounds] for n in tps}
+    cpu = {n: [r["passes"][n]["others_cpu_s"] for r in rounds if r["passes"][n].get("others_cpu_s") is not None]
+           for n in tps}
+    first = {n: rounds[0]["passes"][n]["case"]["outputs"] for n in tps}
+    return {"rounds": len(rounds), "starsd_median_tps": statistics.median(tps["starsd"]),
+            "vllm_median_tps": statistics.median(tps["vllm"]),
+            "ratio_median": statistics.median(ratios) if ratios else None,
+            "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
+            "starsd_ahead": sum(x >= 1.0 for x in ratios), "of": len(ratios),
+            "starsd_outputs_stable": all(o == outs["starsd"][0] for o in outs["starsd"]),
+            "vllm_outputs_stable": all(o == outs["vllm"][0] for o in outs["vllm"]),
+            "vllm_equals_starsd": compare_outputs(first["vllm"], first["starsd"]),
+            "vllm_cpu_during_starsd_s": statistics.median(cpu["starsd"]) if cpu["starsd"] else None,
+            "starsd_cpu_during_vllm_s": statistics.median(cpu["vllm"]) if cpu["vllm"] else None}
+
+
+def format_alternated(alt: dict) -> str:
+    """The alternated comparison as a Markdown section."""
+    s, v = alt["summary"], alt["vllm"]
+    compiled = "eager" if v.get("enforce_eager") else "compiled"
+    lines = [f"## Target alone, alternated on one core (core {','.join(map(str, v['cores']))})", "",
+             f"StarSD's target daemon ({alt['starsd']['dtype']}) and vLLM ({v['dtype']}, {compiled}) both kept up on "
+             f"the same core, idle but for their turn; the prompts one at a time; a {alt['pause_s']:.1f} s pause before "
+             "each pass; each system first in every other round.", "",
+             "| round | first | StarSD tok/s | vLLM tok/s | StarSD / vLLM | vLLM's CPU during StarSD's pass (s) "
+             "| StarSD's CPU during vLLM's pass (s) |", "|---" * 7 + "|"]
+    for r in alt["rounds"]:
+        a, b = (_tps(r["passes"][n]["case"]) for n in ("starsd", "vllm"))
+        lines.append(f"| {r['round']} | {'StarSD' if r['order'][0] == 'starsd' else 'vLLM'} | {a:.1f} | {b:.1f} "
+                     f"| {a / b if b else 0:.3f} | {_fmt(r['passes']['starsd'].get('others_cpu_s'), '.2f')} "
+                     f"| {_fmt(r['passes']['vllm'].get('others_cpu_s'), '.2f')} |")
+    if s["rounds"]:
+        same = s["vllm_equals_starsd"]
+        lines += ["", f"Medians: StarSD {s['starsd_median_tps']:.1f} tok/s, vLLM {s['vllm_median_tps']:.1f} tok/s; "
+                  f"median ratio {_fmt(s['ratio_median'], '.3f')} (range {_fmt(s['ratio_min'], '.3f')} to "
+                  f"{_fmt(s['ratio_max'], '.3f')}); StarSD ahead in {s['starsd_ahead']} of {s['of']} rounds. "
+                  f"Same tokens in every round: StarSD {'yes' if s['starsd_outputs_stable'] else 'NO'}, "
+                  f"vLLM {'yes' if s['vllm_outputs_stable'] else 'no'}; vLLM's outputs identical to StarSD's: "
+                  + ("n/a" if same is None else f"{same['identical']}/{same['of']}") + " (reported: other kernels)."]
+    st = v.get("start") or {}
+    lines += ["", f"Starts: vLLM import {st.get('import_s', 0):.1f} s, engine start {st.get('engine_init_s', 0):.1f} s, "
+              f"first generation {st.get('first_generation_s', 0):.1f} s (up after {st.get('process_up_s', 0):.1f} s); "
+              f"StarSD's target daemon up and warm after {alt['starsd'].get('up_s', 0):.1f} s."]
+    return "\n".join(lines)
+
+
 def format_markdown(report: dict) -> str:
     cfg, m, s = report["config"], report["machine"], report["summary"]
     versions = f"torch {m.get('torch')} (StarSD)"
@@ -174,8 +235,9 @@ def format_markdown(report: dict) -> str:
     out = [f"# StarSD beside vLLM ({report['created']})", "",
            f"Machine: {m.get('cpu')}, {m.get('usable_cores')} usable cores, {m.get('memory_gib')} GiB; {versions}.",
            f"Workload: {cfg['prompts']} demo prompts (token ids, no chat template) x {cfg['max_tokens']} greedy tokens, "
-           f"depth {cfg['depth']}; streams = prompts sent at once. Per stream = total / streams.", "",
-           format_table(report), ""]
+           f"depth {cfg['depth']}; streams = prompts sent at once. Per stream = total / streams.", ""]
+    if report["rows"]:
+        out += [format_table(report), ""]
     sa, va = s["starsd_spec_equals_starsd_alone"], s["vllm_equals_starsd_alone"]
     if sa is not None:
         out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"
@@ -185,7 +247,11 @@ def format_markdown(report: dict) -> str:
     if va is not None:
         out.append(f"vLLM's greedy outputs identical to StarSD's target alone: {va['identical']}/{va['of']} "
                    "(reported, not required: other kernels, other dtypes).")
-    out += ["", "First starts:", format_starts(report)]
+    if report.get("alternated"):
+        out += ["", format_alternated(report["alternated"])]
+    starts = format_starts(report)
+    if starts:
+        out += ["", "First starts:", starts]
     if report.get("notes"):
         out += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"

@@ -14,6 +14,14 @@ real daemons in one run, one case after another (never at once), with the cores 
 Both get the same prompt token ids (the demo's prompts as the demo sends them: raw text, no chat
 template, tokenized as the target daemon does) and stop at the model's end of sequence; tokens
 are counted as generated. The StarSD block runs between vLLM's engines to spread drift.
+
+One pass per engine cannot tell two systems apart within 20% on a shared host whose speed drifts
+by that much within minutes. So the closest comparison, the target alone per core, is also run
+*alternated* (``--alternate N``): StarSD's target daemon and a vLLM engine (``vllm_peer.py
+--serve``) both stay up on the target's core, idle but for their turn, and run the prompts one
+at a time in turns, N rounds, each system first in every other round and each pass after the
+same pause. Each round gives a ratio of two passes minutes apart at most; the report gives their
+median and spread and the CPU time each system's idle processes took during the other's passes.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ log = logging.getLogger("starsd.bench.peers")
 
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
 PROGRESS_PREFIX = "[vllm-peer] "
+RESULT_PREFIX = "[vllm-peer-result] "
 TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so*",
                   "/usr/lib64/libtcmalloc_minimal.so*", "/usr/lib/libtcmalloc_minimal.so*")
 
@@ -68,10 +77,18 @@ class PeersConfig:
     job_timeout_s: float = 900.0
     vllm_timeout_s: float = 1800.0
     workdir: Path | None = None
+    alternate: int = 6  # rounds of the alternated target-alone comparison; 0: none
+    alternate_pause_s: float = 1.0  # before each alternated pass
+    table: bool = True  # False: the alternated comparison only
 
     def check(self) -> None:
         if self.prompts < 1 or self.max_tokens < 1 or self.depth < 1:
             raise ValueError("prompts, max tokens and depth must be at least 1")
+        if self.alternate < 0 or self.alternate_pause_s < 0:
+            raise ValueError("alternated rounds and their pause cannot be negative")
+        if not self.table and not self.alternates():
+            raise ValueError("nothing to run: the alternated comparison only was asked for, and it needs vLLM, "
+                             "StarSD and --alternate of at least 1")
         if not self.streams or min(self.streams) < 1:
             raise ValueError("streams must be positive counts")
         if self.vllm_python is None and not self.starsd:
@@ -86,6 +103,10 @@ class PeersConfig:
         bad = [d for d in self.starsd_dtypes if d not in DTYPE_CHOICES]
         if bad:
             raise ValueError(f"unknown StarSD dtype(s) {', '.join(bad)}; choose from {', '.join(DTYPE_CHOICES)}")
+
+    def alternates(self) -> bool:
+        """Whether the alternated target-alone comparison runs."""
+        return self.alternate > 0 and self.starsd and self.vllm_python is not None and bool(self.vllm_dtypes)
 
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes StarSD's daemons run in: the configured ones, else the demo's choice here."""
@@ -178,11 +199,11 @@ def vllm_command(cfg: PeersConfig, block: dict, target_dir: Path, draft_dir: Pat
 
 def plan(cfg: PeersConfig) -> list[dict]:
     """What a run would do, in order (``--plan`` prints it): each vLLM process's command and
-    environment, and StarSD's daemons (once per dtype)."""
+    environment, StarSD's daemons (once per dtype), then the alternated comparison's two engines."""
     if len(cfg.two_cores()) < 2:
         raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
     steps = []
-    for item in run_order(vllm_blocks(cfg)):
+    for item in run_order(vllm_blocks(cfg)) if cfg.table else ():
         if item == "starsd":
             for dtype in cfg.dtypes() if cfg.starsd else ():
                 d, t = daemon_args(cfg, dtype, "tcp://127.0.0.1:PORT1", "tcp://127.0.0.1:PORT2")
@@ -194,6 +215,12 @@ def plan(cfg: PeersConfig) -> list[dict]:
         cmd, env = vllm_command(cfg, item, Path("<target>"), Path("<draft>"), Path("<prompts.json>"),
                                 Path("<out.json>"))
         steps.append({"system": "vllm", "label": item["label"], "cores": item["cores"], "command": cmd, "env": env})
+    if cfg.alternates():
+        block = alternated_block(cfg)
+        cmd, env = serve_command(cfg, block, Path("<target>"), Path("<prompts.json>"), Path("<out.json>"))
+        target = alternated_target_args(cfg, cfg.dtypes()[0], "tcp://127.0.0.1:PORT")
+        steps.append({"system": "alternated", "rounds": cfg.alternate, "pause_s": cfg.alternate_pause_s,
+                      "cores": block["cores"], "starsd_target": target, "vllm_command": cmd, "vllm_env": env})
     return steps
 
 
@@ -240,6 +267,206 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, 9)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---------------------------------------------------------------- the alternated comparison
+def alternated_block(cfg: PeersConfig) -> dict:
+    """vLLM's engine in the alternated comparison: the target alone on the target's core, in the
+    first vLLM dtype."""
+    _, target_core = cfg.two_cores()
+    dtype = cfg.vllm_dtypes[0]
+    return {"system": "vllm", "mode": "alone", "cores": [target_core], "dtype": dtype,
+            "label": f"target alone, 1 core(s), {dtype}, kept up"}
+
+
+def serve_command(cfg: PeersConfig, block: dict, target_dir: Path, prompts_file: Path,
+                  out_file: Path) -> tuple[list[str], dict]:
+    """``vllm_command`` for an engine kept up: ``--serve``, the prompts one at a time."""
+    cmd, env = vllm_command(cfg, block, target_dir, target_dir, prompts_file, out_file)
+    cmd[cmd.index("--streams") + 1] = "1"
+    return cmd + ["--serve"], env
+
+
+def alternated_target_args(cfg: PeersConfig, dtype: str, endpoint: str) -> list[str]:
+    """The target daemon of the alternated comparison: as in the table, without a draft daemon."""
+    return ["starsd_target", "serve", "--model", cfg.target_model, "--listen", endpoint, "--threads", "1",
+            "--dtype", dtype, "--name", "peers-alternated", *cfg.starsd_args, *cfg.target_args]
+
+
+def process_cpu_s(pid: int, group: bool = False) -> float:
+    """CPU seconds (user + system) a process has used, all its threads; with ``group``, summed
+    over every process in its process group (vLLM's engine and worker processes). 0 when gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    paths = glob.glob("/proc/[0-9]*/stat") if group else [f"/proc/{pid}/stat"]
+    total = 0
+    for path in paths:
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if group and int(fields[2]) != pid:  # fields after the name: state, ppid, pgrp, ...
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+class VllmServer:
+    """A vLLM engine kept up (``vllm_peer.py --serve``) on its block's cores, in its own process
+    group; ``run()`` runs the prompts once and returns the case. Its output goes to ``log_path``."""
+
+    def __init__(self, cmd: list[str], env: dict, cores: list[int], log_path: Path, progress,
+                 ready_timeout_s: float, run_timeout_s: float):
+        import queue
+
+        self.log_path, self.progress, self.run_timeout_s = log_path, progress, run_timeout_s
+        self._results: queue.Queue = queue.Queue()
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.PIPE,
+                                     env={**os.environ, **env}, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            os.sched_setaffinity(self.proc.pid, set(cores))  # before it imports anything; children inherit
+            self.ready = self._next(ready_timeout_s, "to start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self._log.write(line)
+            if line.startswith(RESULT_PREFIX):
+                try:
+                    self._results.put(json.loads(line[len(RESULT_PREFIX):]))
+                except ValueError:
+                    self._results.put({"error": f"unreadable result line: {line[:200]!r}"})
+            elif line.startswith(PROGRESS_PREFIX):
+                self.progress("  " + line[len(PROGRESS_PREFIX):].rstrip())
+        self._results.put(None)
+
+    def _next(self, timeout_s: float, what: str) -> dict:
+        import queue
+
+        try:
+            res = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"vLLM took longer than {timeout_s:.0f}s {what}; log: {self.log_path}") from None
+        if res is None:
+            self.proc.wait(timeout=30)
+            self._log.flush()
+            raise RuntimeError(f"vLLM (kept up) exited with status {self.proc.returncode}; its log ends:\n"
+                               f"{self.log_path.read_text(errors='replace')[-3000:]}")
+        if "error" in res:
+            raise RuntimeError(f"vLLM (kept up) refused: {res['error']}")
+        return res
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._next(self.run_timeout_s, "to run the prompts")
+
+    def cpu_s(self) -> float:
+        return process_cpu_s(self.proc.pid, group=True)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        _kill_group(self.proc.pid)
+        if self._reader.is_alive():
+            self._reader.join(timeout=5)
+        self._log.close()
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def alternate(rounds: int, pause_s: float, passes: dict, cpu: dict | None = None, sleep=time.sleep) -> list[dict]:
+    """``rounds`` rounds of one pass of each system in ``passes`` (name -> callable returning a
+    case), the first system first in even rounds and last in odd ones (so each leads equally
+    often), ``pause_s`` before every pass. With ``cpu`` (name -> callable returning CPU seconds),
+    each pass records the CPU time the other systems' processes used meanwhile."""
+    names = list(passes)
+    out = []
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        row = {"round": r + 1, "order": list(order), "passes": {}}
+        for name in order:
+            sleep(pause_s)
+            before = {n: f() for n, f in (cpu or {}).items() if n != name}
+            case = passes[name]()
+            others = sum(f() - before[n] for n, f in (cpu or {}).items() if n != name) if cpu else None
+            row["passes"][name] = {"case": case, "others_cpu_s": others}
+        out.append(row)
+    return out
+
+
+def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, target_dir: Path, prompts_file: Path,
+                   workdir: Path, progress) -> dict:
+    """The alternated target-alone comparison (see the module docstring): both engines up on the
+    target's core, ``cfg.alternate`` rounds of passes in turns; the rounds and both starts."""
+    from common.sockets import free_tcp_endpoint
+    from starsd_draftd.bench.procs import ProcessSet
+
+    block = alternated_block(cfg)
+    cmd, env = serve_command(cfg, block, target_dir, prompts_file, workdir / "vllm-alternated.json")
+    log_path = workdir / "vllm-alternated.log"
+    ctx = zmq.Context()
+    procs = ProcessSet(workdir, ctx)
+    progress(f"Alternated: vLLM {block['label']} and StarSD's target daemon ({dtype}), both on core "
+             f"{block['cores'][0]}, {cfg.alternate} rounds (logs in {workdir})")
+    mine = os.sched_getaffinity(0)
+    elsewhere = mine - set(block["cores"])
+    if elsewhere:  # this process's client threads off the measured core
+        os.sched_setaffinity(0, elsewhere)
+    try:
+        t0 = time.perf_counter()
+        with VllmServer(cmd, env, block["cores"], log_path, progress, cfg.vllm_timeout_s, cfg.job_timeout_s) as vllm:
+            vllm_up = time.perf_counter() - t0
+            endpoint = free_tcp_endpoint()
+            t1 = time.perf_counter()
+            proc = procs.start("alternated-target", *alternated_target_args(cfg, dtype, endpoint), cpus=block["cores"])
+            procs.wait_ready("alternated-target", endpoint, cfg.startup_timeout_s)
+            generate_at_once(endpoint, [prompts[0]], cfg.warmup_tokens, True, ctx, cfg.job_timeout_s)
+            starsd_up = time.perf_counter() - t1
+
+            def starsd_pass() -> dict:
+                return rep.starsd_case(1, [generate_at_once(endpoint, [p], cfg.max_tokens, True, ctx,
+                                                            cfg.job_timeout_s) for p in prompts])
+
+            def report_pass(name: str, fn):
+                def run() -> dict:
+                    case = fn()
+                    progress(f"  {name}: {case['tokens']} tokens in {case['wall_s']:.2f}s: "
+                             f"{case['tokens'] / case['wall_s']:.1f} tok/s")
+                    return case
+                return run
+
+            rounds = alternate(cfg.alternate, cfg.alternate_pause_s,
+                               {"starsd": report_pass("StarSD", starsd_pass), "vllm": report_pass("vLLM", vllm.run)},
+                               cpu={"starsd": lambda: process_cpu_s(proc.pid), "vllm": vllm.cpu_s})
+            ready = vllm.ready
+    finally:
+        procs.close()
+        ctx.destroy(linger=0)
+        os.sched_setaffinity(0, mine)
+    return {"vllm": dict(block, start=dict(ready.get("start", {}), process_up_s=vllm_up),
+                         vllm_version=ready.get("vllm_version"), torch_version=ready.get("torch_version"),
+                         omp_threads_bind=ready.get("omp_threads_bind"),
+                         affinity=ready.get("affinity"), enforce_eager=ready.get("enforce_eager")),
+            "starsd": {"dtype": dtype, "cores": block["cores"], "up_s": starsd_up},
+            "pause_s": cfg.alternate_pause_s, "rounds": rounds}
 
 
 # ---------------------------------------------------------------- running StarSD
@@ -353,7 +580,7 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
     prompts_file = workdir / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     blocks, order, vllm_meta = [], [], {}
-    for item in run_order(vllm_blocks(cfg)):
+    for item in run_order(vllm_blocks(cfg)) if cfg.table else ():
         if item == "starsd":
             if not cfg.starsd:
                 continue
@@ -369,6 +596,14 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
         blocks.append(dict(item, start=res["start"], cases=res["cases"], omp_threads_bind=res["omp_threads_bind"],
                            affinity=res["affinity"]))
         order.append(f"vLLM {item['label']}")
+    alternated = None
+    if cfg.alternates():
+        alternated = run_alternated(cfg, prompts, dtypes[0], target_dir, prompts_file, workdir, progress)
+        alternated["summary"] = rep.alternated_summary(alternated["rounds"])
+        vllm_meta = vllm_meta or {"vllm_version": alternated["vllm"]["vllm_version"],
+                                  "vllm_torch": alternated["vllm"]["torch_version"]}
+        order.append(f"alternated: StarSD {dtypes[0]} and vLLM {alternated['vllm']['label']}, "
+                     f"{cfg.alternate} rounds")
     rows = rep.build_rows(blocks, cfg.max_tokens)
     report = {"schema": rep.SCHEMA,
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -376,6 +611,7 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
               "config": dict({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                              starsd_dtypes=list(dtypes), target_dir=str(target_dir), draft_dir=str(draft_dir)),
               "prompt_texts": texts, "prompt_ids": prompts, "order": order, "blocks": blocks, "rows": rows,
+              "alternated": alternated,
               "summary": rep.summary(rows), "notes": _notes(cfg, dtypes), "logs": str(workdir),
               "wall_s": time.perf_counter() - t_start}
     out = Path(cfg.out)

@@ -9,6 +9,11 @@ VLLM_CPU_OMP_THREADS_BIND), the allocator preload and the KV cache size through 
 Progress lines go to stderr with the prefix ``[vllm-peer]``; vLLM's own logging goes wherever
 vLLM sends it (the orchestrator keeps both in a log file). With ``--out`` the JSON object is
 written to that file (vLLM's engine processes share stdout and may log into it), else printed.
+
+With ``--serve`` the engine stays up after its warm-up for the alternated comparison: it writes
+one ``[vllm-peer-result]`` line (JSON: the start costs) when ready, then runs the prompts, the
+first streams count at a time, on each ``run`` line read from stdin and answers each with a
+``[vllm-peer-result]`` line holding the case; ``quit`` or the end of stdin ends it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 
 SCHEMA = "starsd-vllm-peer/1"
 PREFIX = "[vllm-peer]"
+RESULT_PREFIX = "[vllm-peer-result]"
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
@@ -45,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8, help="One untimed generation of this many tokens first.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Write the JSON object here instead of stdout.")
+    p.add_argument("--serve", action="store_true",
+                   help="Stay up: run the prompts on each 'run' line from stdin, answer on stderr (see above).")
     return p.parse_args(argv)
 
 
@@ -77,6 +85,33 @@ def run_case(llm, sampling, prompts: list[list[int]], streams: int) -> dict:
             "outputs": outputs, "spec": {k: c1[k] - c0[k] for k in c0}}
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def result(obj: dict) -> None:
+    print(f"{RESULT_PREFIX} {json.dumps(obj)}", file=sys.stderr, flush=True)
+
+
+def serve(llm, sampling, prompts: list[list[int]], streams: int, lines, emit=result) -> int:
+    """The ``--serve`` loop: one case per ``run`` line, emitted as it ends; the number of cases.
+    Any other line is refused with an ``error`` result, and the loop goes on."""
+    done = 0
+    for line in lines:
+        cmd = line.strip()
+        if cmd in ("quit", "exit"):
+            break
+        if cmd != "run":
+            emit({"error": f"unknown command {cmd!r} (run, quit)"})
+            continue
+        emit(run_case(llm, sampling, prompts, streams))
+        done += 1
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with open(args.prompts) as f:
@@ -104,6 +139,16 @@ def main(argv: list[str] | None = None) -> int:
                  SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens, detokenize=False), use_tqdm=False)
     warmup_s = time.perf_counter() - t0
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, seed=args.seed)
+    start = {"import_s": import_s, "engine_init_s": init_s, "first_generation_s": warmup_s,
+             "warmup_tokens": args.warmup_tokens}
+    if args.serve:
+        result({"ready": True, "vllm_version": vllm.__version__, "torch_version": _version("torch"),
+                "dtype": args.dtype, "start": start,
+                "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "affinity": sorted(os.sched_getaffinity(0)), "enforce_eager": args.enforce_eager})
+        progress(f"serving: {len(prompts)} prompts x {args.max_tokens} tokens, {streams[0]} at once, per 'run' line")
+        serve(llm, sampling, prompts, streams[0], sys.stdin)
+        return 0
     cases = []
     for s in streams:
         progress(f"{len(prompts)} prompts x {args.max_tokens} tokens, {s} at once")
@@ -111,14 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         c = cases[-1]
         progress(f"  {c['tokens']} tokens in {c['wall_s']:.1f}s: {c['tokens'] / c['wall_s']:.1f} tok/s")
     report = {"schema": SCHEMA, "vllm_version": vllm.__version__,
-              "torch_version": importlib.metadata.version("torch"), "dtype": args.dtype, "speculative": spec,
+              "torch_version": _version("torch"), "dtype": args.dtype, "speculative": spec,
               "enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len,
               "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
               "ld_preload": os.environ.get("LD_PRELOAD", ""),
               "affinity": sorted(os.sched_getaffinity(0)),
-              "start": {"import_s": import_s, "engine_init_s": init_s, "first_generation_s": warmup_s,
-                        "warmup_tokens": args.warmup_tokens},
+              "start": start,
               "max_tokens": args.max_tokens, "cases": cases}
     text = json.dumps(report)
     if args.out:
