@@ -387,3 +387,17 @@ def test_the_alternated_summary_gives_median_ratio_spread_and_stability():
     unstable = rep.alternated_summary([_alt_round(1, 50, 40), _alt_round(2, 50, 40, starsd_ids=(9,))])
     assert not unstable["starsd_outputs_stable"]
     assert "StarSD NO" in rep.format_alternated(dict(alt, summary=unstable))
+
+
+def test_vllm_meets_starsd_compiled_in_its_faster_dtype_by_default(monkeypatch):
+    import starsd_draftd.demo.run as demo_run
+
+    cfg = PeersConfig(cpus=(0, 1))
+    assert cfg.vllm_eager is False and cfg.vllm_dtypes == ("auto",)
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(demo_run, "cpu_has_native_bf16", lambda native=native: native)
+        assert {b["dtype"] for b in vllm_blocks(cfg)} == {dtype}
+        cmd, _ = vllm_command(cfg, vllm_blocks(cfg)[0], Path("/t"), Path("/d"), Path("/p"), Path("/o"))
+        assert cmd[cmd.index("--dtype") + 1] == dtype and "--no-enforce-eager" in cmd
+    both = PeersConfig(cpus=(0, 1), vllm_dtypes=("auto", "float32", "bfloat16"))
+    assert both.vllm_dtype_list() == ("float32", "bfloat16")  # auto is float32 here (patched), counted once

@@ -59,8 +59,9 @@ class PeersConfig:
     depth: int = 4  # the demo's depth; vLLM's num_speculative_tokens
     streams: tuple[int, ...] = (1, 4)
     vllm_python: Path | None = Path(".venv-peers/bin/python")  # None: StarSD only
-    vllm_dtypes: tuple[str, ...] = ("float32",)  # bfloat16 too: twice the time; without native bf16 it was slower
-    vllm_eager: bool = True
+    # "auto": vLLM's faster dtype on this CPU (``vllm_dtype_list``); compiled, as vLLM runs on CPUs by default
+    vllm_dtypes: tuple[str, ...] = ("auto",)
+    vllm_eager: bool = False
     vllm_kvcache_gib: int = 1
     vllm_max_model_len: int = 512
     preload: tuple[str, ...] | None = None  # LD_PRELOAD for vLLM; None: tcmalloc and the venv's libiomp5 if found
@@ -108,6 +109,19 @@ class PeersConfig:
         """Whether the alternated target-alone comparison runs."""
         return self.alternate > 0 and self.starsd and self.vllm_python is not None and bool(self.vllm_dtypes)
 
+    def vllm_dtype_list(self) -> tuple[str, ...]:
+        """The dtypes vLLM runs in, ``auto`` resolved: bfloat16 where the CPU computes it natively
+        (AMX or AVX512-BF16), else float32, vLLM's faster of the two on each machine measured
+        (docs/bench.md), so that StarSD meets vLLM at its best."""
+        from starsd_draftd.demo.run import cpu_has_native_bf16
+
+        out: list[str] = []
+        for d in self.vllm_dtypes:
+            d = ("bfloat16" if cpu_has_native_bf16() else "float32") if d == "auto" else d
+            if d not in out:
+                out.append(d)
+        return tuple(out)
+
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes StarSD's daemons run in: the configured ones, else the demo's choice here."""
         if self.starsd_dtypes:
@@ -129,7 +143,7 @@ def vllm_blocks(cfg: PeersConfig) -> list[dict]:
         return []
     draft_core, target_core = cfg.two_cores()
     out = []
-    for dtype in cfg.vllm_dtypes:
+    for dtype in cfg.vllm_dtype_list():
         for mode, cores in (("alone", [target_core]), ("spec", [target_core]), ("spec", [draft_core, target_core])):
             label = f"{'target + draft' if mode == 'spec' else 'target alone'}, {len(cores)} core(s), {dtype}"
             out.append({"system": "vllm", "mode": mode, "cores": cores, "dtype": dtype, "label": label})
@@ -274,7 +288,7 @@ def alternated_block(cfg: PeersConfig) -> dict:
     """vLLM's engine in the alternated comparison: the target alone on the target's core, in the
     first vLLM dtype."""
     _, target_core = cfg.two_cores()
-    dtype = cfg.vllm_dtypes[0]
+    dtype = cfg.vllm_dtype_list()[0]
     return {"system": "vllm", "mode": "alone", "cores": [target_core], "dtype": dtype,
             "label": f"target alone, 1 core(s), {dtype}, kept up"}
 
