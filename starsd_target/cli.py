@@ -161,15 +161,18 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         help="Seconds without a scheduler pass (one forward, or one prefill chunk, taking longer) after which "
              "/health fails, the jobs held fail and the daemon exits with status 1 to be restarted. Keep it "
              "below systemd's WatchdogSec.")
+@option("--no-draft", is_flag=True,
+        help="Serve with the target alone: no draft daemon link (--draft is ignored), every job generates without "
+             "drafts. A baseline, or a target kept serving while its draft daemon is away for good.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
 def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_batch, max_queue, http_addr,
-          served_model_name, metrics_port, stall_timeout, **kw) -> None:
+          served_model_name, metrics_port, stall_timeout, no_draft, **kw) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
     Should the scheduler fail or stall, it exits with status 1, for systemd to restart it."""
     setup_logging(kw["log_level"], kw["log_format"])
-    cfg = _config(kw, kw["draft"], listen)
+    cfg = _config(kw, None if no_draft else kw["draft"], listen)
     cfg.max_active, cfg.max_batch, cfg.max_queue, cfg.metrics_port = max_active, max_batch, max_queue, metrics_port
     cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
     cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout

@@ -210,3 +210,31 @@ def test_silent_and_vanished_targets_expire_without_hurting_others(tiny_target, 
         # the deaf peer's session expired with its lease; the vanished one's went with its connection
         assert s["sessions_expired"] >= 1 and s["sessions_disconnected"] >= 2, s
         client.close()
+
+
+def test_a_target_served_with_no_draft_generates_alone_and_never_dials_a_draft_daemon(tiny_target, engine, star):
+    """`serve --no-draft`: no link at all (the --draft given is ignored), and a job that would take
+    drafts runs on the target alone with the target's own tokens, no fallback rounds counted."""
+    import socket
+
+    listener = socket.socket()  # a port that is listening: a dial to it would be accepted
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    try:
+        ep = free_tcp_endpoint()
+        star.start("t", "starsd_target", "serve", "--model", str(tiny_target), "--listen", ep, "--no-draft",
+                   "--draft", f"tcp://127.0.0.1:{listener.getsockname()[1]}", "--connect-timeout", "5")
+        star.wait_ready("t", ep)
+        prompt = engine.encode(PROMPTS[0])
+        with ControlClient(ep) as cc:
+            res = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt_ids": prompt, "max_tokens": 24}), 120).header
+            stats = cc.stats()
+        assert res["token_ids"] == reference_greedy(tiny_target, prompt, 24)
+        assert res["stats"]["drafted"] == 0 and res["stats"]["fallback_rounds"] == 0
+        assert res["stats"]["rounds"] == len(res["token_ids"])
+        assert stats["draft_connected"] is False and stats["draft_link"] == {}
+        with pytest.raises(socket.timeout):
+            listener.accept()  # nothing ever dialled the draft endpoint it was given
+    finally:
+        listener.close()
