@@ -238,6 +238,7 @@ def test_the_command_line_plans_without_vllm_installed(tmp_path):
     cmd = alt["vllm_command"]
     assert cmd[-1] == "--serve" and cmd[cmd.index("--streams") + 1] == "1" and "--draft" not in cmd
     assert alt["starsd_target"][:2] == ["starsd_target", "serve"] and "--draft" not in alt["starsd_target"]
+    assert "--no-draft" in alt["starsd_target"]  # no link to dial, no retries on the measured core
     assert alt["starsd_target"][-3:] == ["--compile", "--foo", "1"]
 
 
@@ -283,7 +284,7 @@ def test_the_serve_loop_answers_each_run_and_refuses_other_lines():
 
 
 FAKE_VLLM = """
-import os
+import os, subprocess, sys
 __version__ = "0.0-fake"
 class SamplingParams:
     def __init__(self, **kw):
@@ -301,11 +302,21 @@ class LLM:
     def get_metrics(self):
         return []
     def generate(self, prompts, sampling, use_tqdm=False):
+        if os.environ.get("FAKE_VLLM_NOISE"):  # engine chatter, half lines and bytes that are not UTF-8
+            sys.stderr.buffer.write(b"[vllm-peer-result] {broken\\xff\\xfe" + b"x" * 70000)
+            sys.stderr.flush()
+        self.calls = getattr(self, "calls", 0) + 1
+        if os.environ.get("FAKE_VLLM_DIE") and self.calls > 1:  # after the warm-up: a child keeps the pipes
+            # open and the front end dies
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], close_fds=False)
+            os._exit(3)
         return [_R(list(reversed(p["prompt_token_ids"]))[: sampling.kw["max_tokens"]]) for p in prompts]
 """
 
 
-def _fake_server(tmp_path, fail=False):
+def _fake_server(tmp_path, timeout_s=60, **env_flags):
+    import os
+
     from starsd_draftd.bench.peers.run import VllmServer, alternated_block, serve_command
 
     (tmp_path / "vllm").mkdir()
@@ -315,13 +326,35 @@ def _fake_server(tmp_path, fail=False):
     cfg = PeersConfig(cpus=(0, 1), vllm_python=Path(sys.executable), preload=(), max_tokens=2)
     block = alternated_block(cfg)
     cmd, env = serve_command(cfg, block, tmp_path, prompts, tmp_path / "out.json")
-    env = dict(env, PYTHONPATH=str(tmp_path), **({"FAKE_VLLM_FAIL": "1"} if fail else {}))
-    seen = []
-    return VllmServer(cmd, env, [0], tmp_path / "vllm.log", seen.append, 60, 60), seen
+    env = dict(env, PYTHONPATH=str(tmp_path), **{k: "1" for k in env_flags})
+    core = sorted(os.sched_getaffinity(0))[:1]
+    return VllmServer(cmd, env, core, tmp_path / "vllm.log", timeout_s, timeout_s)
+
+
+def _group_gone(pgid, wait_s=5.0):
+    """No live process is left in the process group (zombies waiting for init to reap them do not
+    count), within ``wait_s``."""
+    import glob
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for path in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                with open(path) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(path)
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.05)
 
 
 def test_a_kept_up_engine_runs_the_prompts_on_each_request_and_stops(tmp_path):
-    server, seen = _fake_server(tmp_path)
+    server = _fake_server(tmp_path)
     with server:
         assert server.ready["ready"] is True and server.ready["vllm_version"] == "0.0-fake"
         first, second = server.run(), server.run()
@@ -330,13 +363,33 @@ def test_a_kept_up_engine_runs_the_prompts_on_each_request_and_stops(tmp_path):
         assert server.cpu_s() > 0  # the process group's CPU time, read from /proc
         pid = server.proc.pid
     assert server.proc.returncode == 0  # "quit" ends it cleanly
-    assert not Path(f"/proc/{pid}").exists() or server.proc.poll() is not None
-    assert any("serving" in line for line in seen)
+    assert _group_gone(pid)  # nothing of its process group is left
+
+
+def test_engine_chatter_on_stderr_cannot_split_or_fake_a_result(tmp_path):
+    server = _fake_server(tmp_path, FAKE_VLLM_NOISE=1)
+    with server:
+        case = server.run()
+        assert [o["token_ids"] for o in case["outputs"]] == [[3, 2], [5, 4]]
+    assert "[vllm-peer-result] {broken" in (tmp_path / "vllm.log").read_text(errors="replace")  # in the log only
+
+
+def test_an_engine_that_dies_mid_run_is_reported_at_once_though_a_child_holds_its_pipes(tmp_path):
+    import time
+
+    server = _fake_server(tmp_path, timeout_s=120, FAKE_VLLM_DIE=1)
+    pid = server.proc.pid
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        server.run()
+    assert time.monotonic() - t0 < 10  # not the 120 s timeout
+    server.close()
+    assert _group_gone(pid)  # the orphaned child went with its group
 
 
 def test_an_engine_that_fails_to_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with status 1(.|\\n)*fake engine failed to start"):
-        _fake_server(tmp_path, fail=True)
+        _fake_server(tmp_path, FAKE_VLLM_FAIL=1)
 
 
 def test_alternation_lets_each_system_lead_in_turn_and_counts_the_others_cpu():
@@ -382,7 +435,7 @@ def test_the_alternated_summary_gives_median_ratio_spread_and_stability():
     alt = {"summary": s, "rounds": rounds, "pause_s": 1.0, "starsd": {"dtype": "fp16-weights", "up_s": 3.0},
            "vllm": {"cores": [1], "dtype": "bfloat16", "enforce_eager": False, "start": {"engine_init_s": 40.0}}}
     md = rep.format_alternated(alt)
-    assert "median ratio 1.200 (range 0.900 to 1.250)" in md and "StarSD ahead in 2 of 3" in md
+    assert "median ratio 1.200 (range 0.900 to 1.250)" in md and "StarSD at least as fast in 2 of 3" in md
     assert "| 2 | vLLM | 45.0 | 50.0 | 0.900 |" in md and "compiled" in md and "vLLM no" in md
     unstable = rep.alternated_summary([_alt_round(1, 50, 40), _alt_round(2, 50, 40, starsd_ids=(9,))])
     assert not unstable["starsd_outputs_stable"]
@@ -401,3 +454,78 @@ def test_vllm_meets_starsd_compiled_in_its_faster_dtype_by_default(monkeypatch):
         assert cmd[cmd.index("--dtype") + 1] == dtype and "--no-enforce-eager" in cmd
     both = PeersConfig(cpus=(0, 1), vllm_dtypes=("auto", "float32", "bfloat16"))
     assert both.vllm_dtype_list() == ("float32", "bfloat16")  # auto is float32 here (patched), counted once
+
+
+def test_the_alternated_run_keeps_its_engines_on_the_target_core_and_restores_its_own_affinity(monkeypatch,
+                                                                                               tmp_path):
+    import os
+
+    import starsd_draftd.bench.peers.run as run
+    import starsd_draftd.bench.procs as procs_mod
+
+    events, mine = [], os.sched_getaffinity(0)
+
+    class FakeServer:
+        def __init__(self, cmd, env, cores, log_path, ready_timeout_s, run_timeout_s):
+            events.append(("vllm", cores, cmd[-1]))
+            self.ready, self.n = {"start": {"engine_init_s": 1.0}, "vllm_version": "x", "torch_version": "y"}, 0
+
+        def run(self):
+            self.n += 1
+            if self.n == 3 and fail:
+                raise RuntimeError("engine gone")
+            events.append(("vllm-pass", os.sched_getaffinity(0)))
+            return {"streams": 1, "wall_s": 1.0, "tokens": 10, "outputs": [{"token_ids": [1]}]}
+
+        def cpu_s(self):
+            return 0.0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("vllm-closed",))
+
+    class FakeProcs:
+        def __init__(self, workdir, ctx):
+            pass
+
+        def start(self, name, *args, cpus=None):
+            events.append(("starsd", list(args), cpus))
+            return type("P", (), {"pid": os.getpid()})
+
+        def wait_ready(self, *a):
+            pass
+
+        def close(self):
+            events.append(("starsd-closed",))
+
+    def fake_generate(ep, prompts, max_tokens, no_draft, ctx, timeout_s):
+        assert no_draft
+        events.append(("starsd-pass", max_tokens))
+        return {"wall_s": 1.0, "results": [[{"token_ids": [1] * 5, "stats": {"rounds": 5, "fallback_rounds": 0}}]]}
+
+    monkeypatch.setattr(run, "VllmServer", FakeServer)
+    monkeypatch.setattr(procs_mod, "ProcessSet", FakeProcs)
+    monkeypatch.setattr(run, "generate_at_once", fake_generate)
+    cores = sorted(mine)
+    cfg = PeersConfig(cpus=(cores[0], cores[-1]), vllm_python=Path(sys.executable), alternate=2, alternate_pause_s=0,
+                      max_tokens=7, warmup_tokens=3, starsd_dtypes=("float32",), vllm_dtypes=("float32",))
+    fail = False
+    res = run.run_alternated(cfg, [[1, 2]], "float32", tmp_path, tmp_path / "p.json", tmp_path, lambda m: None)
+    assert os.sched_getaffinity(0) == mine
+    (vllm,), (starsd,) = [e for e in events if e[0] == "vllm"], [e for e in events if e[0] == "starsd"]
+    assert vllm[1] == [cores[-1]] and vllm[2] == "--serve" and starsd[2] == [cores[-1]]
+    assert "--no-draft" in starsd[1] and "--draft" not in starsd[1]
+    passes = [e[0] for e in events if e[0].endswith("-pass")]
+    assert passes == ["starsd-pass"] + ["starsd-pass", "vllm-pass", "vllm-pass", "starsd-pass"]  # warm-up, then turns
+    if len(cores) > 1:  # the client threads were off the measured core during vLLM's passes
+        assert all(cores[-1] not in e[1] for e in events if e[0] == "vllm-pass")
+    assert [r["order"] for r in res["rounds"]] == [["starsd", "vllm"], ["vllm", "starsd"]]
+    events.clear()
+    fail = True
+    cfg.alternate = 3
+    with pytest.raises(RuntimeError, match="engine gone"):
+        run.run_alternated(cfg, [[1, 2]], "float32", tmp_path, tmp_path / "p.json", tmp_path, lambda m: None)
+    assert os.sched_getaffinity(0) == mine
+    assert ("vllm-closed",) in events and ("starsd-closed",) in events

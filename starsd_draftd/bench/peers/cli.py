@@ -46,7 +46,7 @@ def _words(text: str | None) -> tuple[str, ...]:
              "(AMX or AVX512-BF16), else float32 (vLLM's faster choice on each machine measured).")
 @option("--vllm-eager/--vllm-compile", default=_c.vllm_eager,
         help="vLLM's enforce_eager, or its torch.compile warm-up, vLLM's own CPU default (the default here; "
-             "about 80 s per engine start on 2 cores).")
+             "60-90 s per engine start on 2 cores).")
 @option("--vllm-kvcache-gib", type=click.IntRange(1), default=_c.vllm_kvcache_gib, help="VLLM_CPU_KVCACHE_SPACE.")
 @option("--preload", default=None,
         help="Colon-separated LD_PRELOAD for vLLM [default: Debian's libtcmalloc_minimal and the venv's libiomp5].")
@@ -61,8 +61,9 @@ def _words(text: str | None) -> tuple[str, ...]:
 @option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Where logs and vLLM's JSON go [default: a fresh temporary folder].")
 @option("--alternate", type=click.IntRange(0), default=_c.alternate, show_default=True,
-        help="Rounds of the alternated target-alone comparison: StarSD's target daemon and a vLLM engine both kept "
-             "up on the target's core, passes in turns (the closest comparison on a noisy host); 0: none.")
+        help="Rounds of the alternated target-alone comparison: StarSD's target daemon (the first StarSD dtype) and "
+             "a vLLM engine (the first vLLM dtype) both kept up on the target's core, passes in turns (the closest "
+             "comparison on a noisy host); 0: none.")
 @option("--alternate-pause", type=click.FloatRange(0), default=_c.alternate_pause_s, show_default=True,
         help="Seconds of pause before each alternated pass.")
 @option("--alternated-only", is_flag=True, help="Run the alternated comparison only, not the table.")

@@ -174,13 +174,14 @@ def _tps(case: dict) -> float:
 
 def alternated_summary(rounds: list[dict]) -> dict:
     """The alternated comparison's rounds (``run.alternate``, systems ``starsd`` and ``vllm``)
-    summed up: medians, the per-round ratio StarSD / vLLM with its spread, how often StarSD led,
+    summed up: medians, the per-round ratio StarSD / vLLM with its spread, in how many rounds StarSD
+    was at least as fast (ratio >= 1),
     whether each system gave the same tokens in every round, vLLM's outputs against StarSD's, and
     the median CPU time one system's idle processes took during the other's pass."""
     if not rounds:
         return {"rounds": 0}
     tps = {n: [_tps(r["passes"][n]["case"]) for r in rounds] for n in ("starsd", "vllm")}
-    ratios = [a / b for a, b in zip(tps["starsd"], tps["vllm"]) if b]
+    ratios = [a / b for a, b in zip(tps["starsd"], tps["vllm"]) if a and b]  # a round with an empty pass has none
     outs = {n: [[o["token_ids"] for o in r["passes"][n]["case"]["outputs"]] for r in rounds] for n in tps}
     cpu = {n: [r["passes"][n]["others_cpu_s"] for r in rounds if r["passes"][n].get("others_cpu_s") is not None]
            for n in tps}
@@ -200,7 +201,7 @@ def alternated_summary(rounds: list[dict]) -> dict:
 def format_alternated(alt: dict) -> str:
     """The alternated comparison as a Markdown section."""
     s, v = alt["summary"], alt["vllm"]
-    compiled = "eager" if v.get("enforce_eager") else "compiled"
+    compiled = {True: "eager", False: "compiled"}.get(v.get("enforce_eager"), "eager or compiled: not reported")
     lines = [f"## Target alone, alternated on one core (core {','.join(map(str, v['cores']))})", "",
              f"StarSD's target daemon ({alt['starsd']['dtype']}) and vLLM ({v['dtype']}, {compiled}) both kept up on "
              f"the same core, idle but for their turn; the prompts one at a time; a {alt['pause_s']:.1f} s pause before "
@@ -210,13 +211,13 @@ def format_alternated(alt: dict) -> str:
     for r in alt["rounds"]:
         a, b = (_tps(r["passes"][n]["case"]) for n in ("starsd", "vllm"))
         lines.append(f"| {r['round']} | {'StarSD' if r['order'][0] == 'starsd' else 'vLLM'} | {a:.1f} | {b:.1f} "
-                     f"| {a / b if b else 0:.3f} | {_fmt(r['passes']['starsd'].get('others_cpu_s'), '.2f')} "
+                     f"| {_fmt(a / b if b else None, '.3f')} | {_fmt(r['passes']['starsd'].get('others_cpu_s'), '.2f')} "
                      f"| {_fmt(r['passes']['vllm'].get('others_cpu_s'), '.2f')} |")
     if s["rounds"]:
         same = s["vllm_equals_starsd"]
         lines += ["", f"Medians: StarSD {s['starsd_median_tps']:.1f} tok/s, vLLM {s['vllm_median_tps']:.1f} tok/s; "
                   f"median ratio {_fmt(s['ratio_median'], '.3f')} (range {_fmt(s['ratio_min'], '.3f')} to "
-                  f"{_fmt(s['ratio_max'], '.3f')}); StarSD ahead in {s['starsd_ahead']} of {s['of']} rounds. "
+                  f"{_fmt(s['ratio_max'], '.3f')}); StarSD at least as fast in {s['starsd_ahead']} of {s['of']} rounds. "
                   f"Same tokens in every round: StarSD {'yes' if s['starsd_outputs_stable'] else 'NO'}, "
                   f"vLLM {'yes' if s['vllm_outputs_stable'] else 'no'}; vLLM's outputs identical to StarSD's: "
                   + ("n/a" if same is None else f"{same['identical']}/{same['of']}") + " (reported: other kernels)."]
@@ -235,9 +236,9 @@ def format_markdown(report: dict) -> str:
     out = [f"# StarSD beside vLLM ({report['created']})", "",
            f"Machine: {m.get('cpu')}, {m.get('usable_cores')} usable cores, {m.get('memory_gib')} GiB; {versions}.",
            f"Workload: {cfg['prompts']} demo prompts (token ids, no chat template) x {cfg['max_tokens']} greedy tokens, "
-           f"depth {cfg['depth']}; streams = prompts sent at once. Per stream = total / streams.", ""]
+           f"depth {cfg['depth']}; streams = prompts sent at once. Per stream = total / streams."]
     if report["rows"]:
-        out += [format_table(report), ""]
+        out += ["", format_table(report), ""]
     sa, va = s["starsd_spec_equals_starsd_alone"], s["vllm_equals_starsd_alone"]
     if sa is not None:
         out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"

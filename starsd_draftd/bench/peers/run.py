@@ -302,9 +302,10 @@ def serve_command(cfg: PeersConfig, block: dict, target_dir: Path, prompts_file:
 
 
 def alternated_target_args(cfg: PeersConfig, dtype: str, endpoint: str) -> list[str]:
-    """The target daemon of the alternated comparison: as in the table, without a draft daemon."""
-    return ["starsd_target", "serve", "--model", cfg.target_model, "--listen", endpoint, "--threads", "1",
-            "--dtype", dtype, "--name", "peers-alternated", *cfg.starsd_args, *cfg.target_args]
+    """The target daemon of the alternated comparison: as in the table, with no draft daemon (and no
+    link to one: no retries in the background on the measured core)."""
+    return ["starsd_target", "serve", "--model", cfg.target_model, "--no-draft", "--listen", endpoint, "--threads",
+            "1", "--dtype", dtype, "--name", "peers-alternated", *cfg.starsd_args, *cfg.target_args]
 
 
 def process_cpu_s(pid: int, group: bool = False) -> float:
@@ -327,47 +328,74 @@ def process_cpu_s(pid: int, group: bool = False) -> float:
 
 class VllmServer:
     """A vLLM engine kept up (``vllm_peer.py --serve``) on its block's cores, in its own process
-    group; ``run()`` runs the prompts once and returns the case. Its output goes to ``log_path``."""
+    group; ``run()`` runs the prompts once and returns the case. Its stdout and stderr go to
+    ``log_path``; its results come on a pipe of their own (``--result-fd``), so nothing vLLM's
+    processes print can split them. A process that ends is noticed within a second, whatever
+    still holds its pipes."""
 
-    def __init__(self, cmd: list[str], env: dict, cores: list[int], log_path: Path, progress,
-                 ready_timeout_s: float, run_timeout_s: float):
+    POLL_S = 0.5
+
+    def __init__(self, cmd: list[str], env: dict, cores: list[int], log_path: Path, ready_timeout_s: float,
+                 run_timeout_s: float):
         import queue
 
-        self.log_path, self.progress, self.run_timeout_s = log_path, progress, run_timeout_s
+        self.log_path, self.run_timeout_s = log_path, run_timeout_s
         self._results: queue.Queue = queue.Queue()
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.PIPE,
-                                     env={**os.environ, **env}, text=True, start_new_session=True)
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen([*cmd, "--result-fd", str(write_fd)], stdin=subprocess.PIPE,
+                                         stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                         text=True, start_new_session=True, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            self._log.close()
+            raise
+        finally:
+            os.close(write_fd)  # the child holds its copy; EOF comes when every holder has closed it
+        self._pipe = os.fdopen(read_fd, "r", encoding="utf-8", errors="replace")
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         try:
             os.sched_setaffinity(self.proc.pid, set(cores))  # before it imports anything; children inherit
             self.ready = self._next(ready_timeout_s, "to start")
         except BaseException:
-            self.close()
+            self.close(quit_first=False)
             raise
 
     def _read(self) -> None:
-        for line in self.proc.stderr:
-            self._log.write(line)
-            if line.startswith(RESULT_PREFIX):
+        try:
+            for line in self._pipe:
+                if not line.startswith(RESULT_PREFIX):
+                    continue
                 try:
                     self._results.put(json.loads(line[len(RESULT_PREFIX):]))
                 except ValueError:
                     self._results.put({"error": f"unreadable result line: {line[:200]!r}"})
-            elif line.startswith(PROGRESS_PREFIX):
-                self.progress("  " + line[len(PROGRESS_PREFIX):].rstrip())
-        self._results.put(None)
+        except (OSError, ValueError):  # the pipe closed under it (close())
+            pass
+        finally:
+            self._results.put(None)
 
     def _next(self, timeout_s: float, what: str) -> dict:
         import queue
 
-        try:
-            res = self._results.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"vLLM took longer than {timeout_s:.0f}s {what}; log: {self.log_path}") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                res = self._results.get(timeout=self.POLL_S)
+                break
+            except queue.Empty:
+                if self.proc.poll() is not None:  # ended, while something may still hold the pipe open
+                    res = None
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM took longer than {timeout_s:.0f}s {what}; log: {self.log_path}") from None
         if res is None:
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
             self._log.flush()
             raise RuntimeError(f"vLLM (kept up) exited with status {self.proc.returncode}; its log ends:\n"
                                f"{self.log_path.read_text(errors='replace')[-3000:]}")
@@ -383,20 +411,24 @@ class VllmServer:
     def cpu_s(self) -> float:
         return process_cpu_s(self.proc.pid, group=True)
 
-    def close(self) -> None:
+    def close(self, quit_first: bool = True) -> None:
         try:
-            if self.proc.poll() is None:
+            if quit_first and self.proc.poll() is None:
                 self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.proc.stdin.flush()
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=60 if quit_first else 0.1)
+        except subprocess.TimeoutExpired:
             pass
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        _kill_group(self.proc.pid)
-        if self._reader.is_alive():
-            self._reader.join(timeout=5)
+        _kill_group(self.proc.pid)  # engine processes that outlived it, and with them the pipe
+        self._reader.join(timeout=5)
+        self._pipe.close()
         self._log.close()
 
     def __enter__(self) -> "VllmServer":
@@ -420,7 +452,8 @@ def alternate(rounds: int, pause_s: float, passes: dict, cpu: dict | None = None
             sleep(pause_s)
             before = {n: f() for n, f in (cpu or {}).items() if n != name}
             case = passes[name]()
-            others = sum(f() - before[n] for n, f in (cpu or {}).items() if n != name) if cpu else None
+            # a process of the group that exits mid-pass takes its CPU time with it: never below 0
+            others = max(0.0, sum(f() - before[n] for n, f in cpu.items() if n != name)) if cpu else None
             row["passes"][name] = {"case": case, "others_cpu_s": others}
         out.append(row)
     return out
@@ -446,8 +479,10 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
         os.sched_setaffinity(0, elsewhere)
     try:
         t0 = time.perf_counter()
-        with VllmServer(cmd, env, block["cores"], log_path, progress, cfg.vllm_timeout_s, cfg.job_timeout_s) as vllm:
+        with VllmServer(cmd, env, block["cores"], log_path, cfg.vllm_timeout_s, cfg.job_timeout_s) as vllm:
             vllm_up = time.perf_counter() - t0
+            progress(f"  vLLM up in {vllm_up:.1f}s (engine start {vllm.ready.get('start', {}).get('engine_init_s', 0):.1f}s, "
+                     f"log {log_path}); starting StarSD's target daemon")
             endpoint = free_tcp_endpoint()
             t1 = time.perf_counter()
             proc = procs.start("alternated-target", *alternated_target_args(cfg, dtype, endpoint), cpus=block["cores"])
@@ -472,9 +507,9 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
                                cpu={"starsd": lambda: process_cpu_s(proc.pid), "vllm": vllm.cpu_s})
             ready = vllm.ready
     finally:
+        os.sched_setaffinity(0, mine)
         procs.close()
         ctx.destroy(linger=0)
-        os.sched_setaffinity(0, mine)
     return {"vllm": dict(block, start=dict(ready.get("start", {}), process_up_s=vllm_up),
                          vllm_version=ready.get("vllm_version"), torch_version=ready.get("torch_version"),
                          omp_threads_bind=ready.get("omp_threads_bind"),
@@ -610,33 +645,42 @@ def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
         blocks.append(dict(item, start=res["start"], cases=res["cases"], omp_threads_bind=res["omp_threads_bind"],
                            affinity=res["affinity"]))
         order.append(f"vLLM {item['label']}")
-    alternated = None
-    if cfg.alternates():
-        alternated = run_alternated(cfg, prompts, dtypes[0], target_dir, prompts_file, workdir, progress)
-        alternated["summary"] = rep.alternated_summary(alternated["rounds"])
-        vllm_meta = vllm_meta or {"vllm_version": alternated["vllm"]["vllm_version"],
-                                  "vllm_torch": alternated["vllm"]["torch_version"]}
-        order.append(f"alternated: StarSD {dtypes[0]} and vLLM {alternated['vllm']['label']}, "
-                     f"{cfg.alternate} rounds")
     rows = rep.build_rows(blocks, cfg.max_tokens)
-    report = {"schema": rep.SCHEMA,
-              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": _machine(), **vllm_meta,
-              "config": dict({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-                             starsd_dtypes=list(dtypes), target_dir=str(target_dir), draft_dir=str(draft_dir)),
-              "prompt_texts": texts, "prompt_ids": prompts, "order": order, "blocks": blocks, "rows": rows,
-              "alternated": alternated,
-              "summary": rep.summary(rows), "notes": _notes(cfg, dtypes), "logs": str(workdir),
-              "wall_s": time.perf_counter() - t_start}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "peers.md").write_text(rep.format_markdown(report))
-    return report
+
+    def write(alternated: dict | None) -> dict:
+        report = {"schema": rep.SCHEMA,
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": _machine(), **vllm_meta,
+                  "config": dict({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                                 starsd_dtypes=list(dtypes), target_dir=str(target_dir), draft_dir=str(draft_dir)),
+                  "prompt_texts": texts, "prompt_ids": prompts, "order": order, "blocks": blocks, "rows": rows,
+                  "alternated": alternated,
+                  "summary": rep.summary(rows), "notes": _notes(cfg, dtypes), "logs": str(workdir),
+                  "wall_s": time.perf_counter() - t_start}
+        (out / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "peers.md").write_text(rep.format_markdown(report))
+        return report
+
+    if not cfg.alternates():
+        return write(None)
+    if blocks:
+        write(None)  # the table is kept should the alternated comparison fail
+    alternated = run_alternated(cfg, prompts, dtypes[0], target_dir, prompts_file, workdir, progress)
+    alternated["summary"] = rep.alternated_summary(alternated["rounds"])
+    vllm_meta = vllm_meta or {"vllm_version": alternated["vllm"]["vllm_version"],
+                              "vllm_torch": alternated["vllm"]["torch_version"]}
+    order.append(f"alternated: StarSD {dtypes[0]} and vLLM {alternated['vllm']['label']}, {cfg.alternate} rounds")
+    return write(alternated)
 
 
 def _notes(cfg: PeersConfig, dtypes: tuple[str, ...]) -> list[str]:
     draft_core, target_core = cfg.two_cores()
+    if not cfg.table:
+        return [f"Alternated only (--alternated-only): StarSD's target daemon (--no-draft, --dtype {dtypes[0]}, one "
+                f"torch thread) and vLLM's engine (enforce_eager={cfg.vllm_eager}) both on core {target_core}; this "
+                f"process's client threads on the other cores. Tokens are counted as generated."]
     notes = [f"StarSD: real daemons, draft on core {draft_core}, target on core {target_core}, one torch thread each, "
              f"--dtype {' and '.join(dtypes)} (fresh daemons per dtype); its target alone is the same target "
              "daemon with no_draft, and each dtype's outputs are compared with its own target alone.",

@@ -13,7 +13,9 @@ written to that file (vLLM's engine processes share stdout and may log into it),
 With ``--serve`` the engine stays up after its warm-up for the alternated comparison: it writes
 one ``[vllm-peer-result]`` line (JSON: the start costs) when ready, then runs the prompts, the
 first streams count at a time, on each ``run`` line read from stdin and answers each with a
-``[vllm-peer-result]`` line holding the case; ``quit`` or the end of stdin ends it.
+``[vllm-peer-result]`` line holding the case; ``quit`` or the end of stdin ends it. Result lines
+go to ``--result-fd`` (a pipe of the orchestrator's own, which vLLM's processes never write to),
+else to stderr.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Write the JSON object here instead of stdout.")
     p.add_argument("--serve", action="store_true",
-                   help="Stay up: run the prompts on each 'run' line from stdin, answer on stderr (see above).")
+                   help="Stay up: run the prompts on each 'run' line from stdin and answer each (see above).")
+    p.add_argument("--result-fd", type=int, default=None, help="With --serve: write result lines to this file "
+                   "descriptor (inherited from the caller) instead of stderr.")
     return p.parse_args(argv)
 
 
@@ -92,8 +96,17 @@ def _version(package: str) -> str | None:
         return None
 
 
+RESULT_FD: int | None = None  # --result-fd
+
+
 def result(obj: dict) -> None:
-    print(f"{RESULT_PREFIX} {json.dumps(obj)}", file=sys.stderr, flush=True)
+    """One result line, written with as few writes as the pipe allows (one, up to its buffer)."""
+    data = f"{RESULT_PREFIX} {json.dumps(obj)}\n".encode()
+    fd = RESULT_FD if RESULT_FD is not None else sys.stderr.fileno()
+    if RESULT_FD is None:
+        sys.stderr.flush()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def serve(llm, sampling, prompts: list[list[int]], streams: int, lines, emit=result) -> int:
@@ -113,7 +126,9 @@ def serve(llm, sampling, prompts: list[list[int]], streams: int, lines, emit=res
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RESULT_FD
     args = parse_args(argv)
+    RESULT_FD = args.result_fd
     with open(args.prompts) as f:
         prompts = json.load(f)
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
