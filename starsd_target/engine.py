@@ -22,8 +22,8 @@ from common.runner import ModelRunner
 from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
 from common.tree import TreeError, check_parents, mask_refusal, tree_attention
-from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_tensor,
-                           verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
+from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_host,
+                           verify_greedy_tensor, verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
 from starsd_target.detokenizer import IncrementalText
 from starsd_target.profile import RoundProfile
 
@@ -620,11 +620,14 @@ class Generation:
 
     def _decide(self, logits: torch.Tensor, plan: _Plan):
         """The round's verification on the logits' device: [kept count, next token, valid] as a
-        tensor (``common.verify``'s tensor path). A tree's is decided on the host: (kept path,
+        tensor (``common.verify``'s tensor path); a greedy chain's on a CPU as that tuple, decided
+        through numpy (``verify_greedy_host``). A tree's is decided on the host: (kept path,
         next token, valid), the path the kept node indices."""
         prop, x = plan.prop, plan.x
         if plan.parents is not None:
             return self._decide_tree(logits, plan)
+        if self.params.greedy and logits.device.type == "cpu":
+            return verify_greedy_host(logits, x)  # decided on the host already: no tensor ops
         xt = torch.tensor(x, dtype=torch.long, device=logits.device)
         if self.params.greedy:
             return verify_greedy_tensor(logits, xt)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy,
-                           verify_greedy_tensor, verify_sampling, verify_sampling_tensor)
+                           verify_greedy_host, verify_greedy_tensor, verify_sampling, verify_sampling_tensor)
 
 NEG = float("-inf")
 
@@ -232,6 +232,7 @@ def test_tensor_greedy_equals_reference(degenerate):
         want = verify_greedy(logits, x)
         *got, valid = verify_greedy_tensor(logits, x).tolist()
         assert tuple(got) == want and valid == 1, (trial, k)
+        assert verify_greedy_host(logits, x.tolist()) == (*want, 1), (trial, k)
         seen.add(want[0])
     assert len(seen) >= 4  # acceptance lengths were varied, not all zero
 
@@ -278,3 +279,56 @@ def test_tensor_paths_flag_what_is_no_distribution_instead_of_failing():
     assert all(valid == 0 for n, _, valid in outcomes if n == 1)  # row 1 is NaN: refused
     assert all(valid == 1 for n, _, valid in outcomes if n == 0)  # row 0 is a distribution: fine
     assert {n for n, _, _ in outcomes} >= {0, 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax_ties_nan_and_infinities_included(dtype):
+    """The CPU path (numpy's argmax) gives torch.argmax's indices: the first maximum, the first NaN
+    of a row holding one, rows of infinities; views and inference-mode tensors too."""
+    from common.verify import argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        rows, vocab = 1 + trial % 6, (50, 49152)[trial % 2]
+        x = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+        r = int(torch.randint(rows, (1,), generator=g))
+        cols = torch.randint(vocab, (3,), generator=g)
+        kind = trial % 5
+        if kind == 1:  # a tie at the top: the lower index wins
+            x[r, cols] = x[r].max() + 1
+        elif kind == 2:  # NaNs: the first NaN's index
+            x[r, cols] = float("nan")
+        elif kind == 3:
+            x[r] = float("-inf")
+            x[r, cols[1:]] = float("inf")
+        elif kind == 4:
+            x = x[:, ::2] if trial % 4 == 0 else x.t().contiguous().t()  # strided views
+        assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), (trial, dtype)
+    with torch.inference_mode():
+        y = torch.randn(3, 700, generator=g)
+        assert torch.equal(argmax_rows(y), torch.argmax(y, dim=-1))
+
+
+def test_the_host_greedy_decision_is_the_tensor_paths_nan_rows_included():
+    """``verify_greedy_host`` (the engine's CPU path) against ``verify_greedy_tensor``: the same
+    (n, token, valid) wherever NaNs sit, read or not, in float32, float16 and float64, and through
+    the tensor path for dtypes numpy lacks."""
+    g = torch.Generator().manual_seed(11)
+    outcomes = set()
+    for trial in range(400):
+        k = trial % 6
+        dtype = (torch.float32, torch.float16, torch.float64, torch.bfloat16)[trial % 4]
+        logits = (torch.randn(k + 1, 300, generator=g) * 3).to(dtype)
+        best = logits.float().argmax(-1)
+        x = best[:k].clone()
+        cut = trial % (k + 1)
+        if cut < k:
+            x[cut] = (x[cut] + 1) % 300
+        if trial % 3:  # NaNs in a random row, before, at or after the first rejection
+            logits[int(torch.randint(k + 1, (1,), generator=g)), int(torch.randint(300, (1,), generator=g))] = float("nan")
+        want = tuple(verify_greedy_tensor(logits, x).tolist())
+        assert verify_greedy_host(logits, x.tolist()) == want, (trial, k, dtype)
+        outcomes.add((want[0], want[2]))
+    assert {v for _, v in outcomes} == {0, 1} and len({n for n, _ in outcomes}) >= 4
+    with pytest.raises(ValueError, match="rows"):
+        verify_greedy_host(torch.zeros(2, 4), [1, 2])
