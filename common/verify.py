@@ -109,8 +109,7 @@ _NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)``, the same indices: each row's first maximum, or its first
     NaN where it holds one. On the CPU it is numpy's vectorised argmax over the same memory: torch's
-    index-tracking reduction took 29 us per 49,152-logit row on one core, numpy 3 us (for the demo
-    target about 1.5% of a decode step)."""
+    index-tracking reduction took 29 us per 49,152-logit row on one core, numpy 3 us."""
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES and not logits.requires_grad:
         return torch.from_numpy(logits.numpy().argmax(-1))
     return torch.argmax(logits, dim=-1)
@@ -197,8 +196,9 @@ def verify_greedy_host(target_logits: torch.Tensor, x: list[int]) -> tuple[int, 
     over the same memory: two vectorised passes (each row's first maximum, and its maximum for the
     NaN check: numpy's max propagates NaN) and a walk over n + 1 integers. Right after a forward
     has streamed the model's weights through the caches, each small torch op of the tensor path
-    cost 10-60 us on one core, about 0.26 ms a round for the demo target; this takes a tenth.
-    Logits elsewhere, or in a dtype numpy lacks, go through the tensor path."""
+    cost 10-60 us on one core: for the demo target the tensor path took 321 us for a round on the
+    target alone and 574 us for a 5-token verification, this 148 and 167 us. Logits elsewhere, or
+    in a dtype numpy lacks, go through the tensor path."""
     k = len(x)
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
