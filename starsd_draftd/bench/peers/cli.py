@@ -72,8 +72,8 @@ def _words(text: str | None) -> tuple[str, ...]:
 @logging_options(option, default_level="warning")
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
 def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
-         vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, alternate, alternate_pause,
-         alternated_only, show_plan, as_json, log_level, log_format) -> None:
+         vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, alternate,
+         alternate_pause, alternated_only, show_plan, as_json, log_level, log_format) -> None:
     """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
     speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md, then the target
     alone of both alternated on one core, round by round (--alternate)."""

@@ -481,8 +481,9 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
         t0 = time.perf_counter()
         with VllmServer(cmd, env, block["cores"], log_path, cfg.vllm_timeout_s, cfg.job_timeout_s) as vllm:
             vllm_up = time.perf_counter() - t0
-            progress(f"  vLLM up in {vllm_up:.1f}s (engine start {vllm.ready.get('start', {}).get('engine_init_s', 0):.1f}s, "
-                     f"log {log_path}); starting StarSD's target daemon")
+            engine_s = vllm.ready.get("start", {}).get("engine_init_s", 0)
+            progress(f"  vLLM up in {vllm_up:.1f}s (engine start {engine_s:.1f}s, log {log_path}); "
+                     "starting StarSD's target daemon")
             endpoint = free_tcp_endpoint()
             t1 = time.perf_counter()
             proc = procs.start("alternated-target", *alternated_target_args(cfg, dtype, endpoint), cpus=block["cores"])
