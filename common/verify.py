@@ -103,16 +103,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 # dtypes numpy reads as they are (no bfloat16)
-_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _numpy_rows(logits: torch.Tensor):
+    """A numpy view of ``logits`` (no copy) where numpy can read them: on the CPU, in a dtype it
+    has, outside autograd; else None."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
+        return logits.numpy()
+    return None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)``, the same indices: each row's first maximum, or its first
     NaN where it holds one. On the CPU it is numpy's vectorised argmax over the same memory: torch's
     index-tracking reduction took 29 us per 49,152-logit row on one core, numpy 3 us."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES and not logits.requires_grad:
-        return torch.from_numpy(logits.numpy().argmax(-1))
-    return torch.argmax(logits, dim=-1)
+    a = _numpy_rows(logits)
+    return torch.argmax(logits, dim=-1) if a is None else torch.from_numpy(a.argmax(-1))
 
 
 def verify_greedy(target_logits: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
@@ -199,12 +206,12 @@ def verify_greedy_host(target_logits: torch.Tensor, x: list[int]) -> tuple[int, 
     cost 10-60 us on one core: for the demo target the tensor path took 321 us for a round on the
     target alone and 574 us for a 5-token verification, this 148 and 167 us. Logits elsewhere, or
     in a dtype numpy lacks, go through the tensor path."""
+    a = _numpy_rows(target_logits)
+    if a is None:  # the tensor path checks the shapes itself
+        return tuple(verify_greedy_tensor(target_logits, torch.tensor(x, dtype=torch.long)).tolist())
     k = len(x)
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} rows of target logits for {k} drafts, got {target_logits.shape[0]}")
-    if target_logits.device.type != "cpu" or target_logits.dtype not in _NUMPY_ARGMAX_DTYPES:
-        return tuple(verify_greedy_tensor(target_logits, torch.tensor(x, dtype=torch.long)).tolist())
-    a = target_logits.numpy()
     best = a.argmax(-1).tolist()
     n = 0
     while n < k and x[n] == best[n]:

@@ -58,6 +58,10 @@ def compare_outputs(outputs: list[dict], reference: list[dict] | None) -> dict |
             if prefixes else 0.0}
 
 
+def _tps(case: dict) -> float:
+    return case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
+
+
 def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max_tokens: int) -> dict:
     spec = block["mode"] == "spec"
     if system == "vllm":
@@ -70,7 +74,7 @@ def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max
         fallback = sum(o["fallback_rounds"] for o in case["outputs"]) if spec else None
         plain = sum(o.get("plain_rounds", 0) for o in case["outputs"]) if spec else None
         own = None
-    tps = case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
+    tps = _tps(case)
     return {"system": system, "mode": block["mode"], "cores": block["cores"], "dtype": block["dtype"],
             "label": block["label"], "streams": case["streams"], "tokens": case["tokens"], "wall_s": case["wall_s"],
             "total_tps": tps, "per_stream_tps": tps / case["streams"], "rounds": rounds,
@@ -166,10 +170,6 @@ def format_starts(report: dict) -> str:
                          f"draft link up {st.get('link_s', 0):.1f} s, first generations ({st.get('warmup_tokens')} "
                          f"tokens, with and without drafts) {st.get('first_generation_s', 0):.1f} s")
     return "\n".join(lines)
-
-
-def _tps(case: dict) -> float:
-    return case["tokens"] / case["wall_s"] if case["wall_s"] else 0.0
 
 
 def alternated_summary(rounds: list[dict]) -> dict:
