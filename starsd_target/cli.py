@@ -22,6 +22,22 @@ option = env_options("STARSD_TARGET")
 _d = TargetConfig()
 
 
+class _AutoOrCount(click.ParamType):
+    """``auto`` (None) or a count >= 0."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        if text.isdigit():
+            return int(text)
+        self.fail(f"expected auto or a whole number >= 0, got {value!r}", param, ctx)
+
+
 def model_options(f):
     decorators = [
         option("--model", default=_d.model, help="Target checkpoint directory, or 'demo' for the built-in target."),
@@ -149,6 +165,12 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         help="Of the active generations, the most verified together in one forward when their rounds are "
              "ready at once (capped by --max-active; 1: one per forward). Outputs are those of one at a time. "
              "Llama and Qwen2 models, eager forwards (off with --compile).")
+@option("--draft-max-active", type=_AutoOrCount(), default="auto", show_default=True,
+        help="Rounds draft only while at most this many generations are active; with more, every round runs "
+             "on the target alone, all batched in one forward, and drafting resumes as they finish. On a CPU, "
+             "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core, four "
+             "streams speculative ran 0.69x the target alone). auto: 2 on a CPU, no limit on other devices; 0: no "
+             "limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft.")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")
 @option("--http", "http_addr", default=None, metavar="HOST:PORT",
@@ -166,7 +188,7 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "drafts. A baseline, or a target kept serving while its draft daemon is away for good.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
 def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_batch, max_queue, http_addr,
-          served_model_name, metrics_port, stall_timeout, no_draft, **kw) -> None:
+          served_model_name, metrics_port, stall_timeout, no_draft, draft_max_active, **kw) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
@@ -176,6 +198,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     cfg.max_active, cfg.max_batch, cfg.max_queue, cfg.metrics_port = max_active, max_batch, max_queue, metrics_port
     cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
     cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout
+    cfg.draft_max_active = draft_max_active
     check_listen(cfg)  # before the model loads
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)

@@ -34,6 +34,12 @@ from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed,
 
 log = logging.getLogger("starsd.target")
 
+# On a CPU, verifying every active generation's drafts in one forward costs more than a batched
+# forward without drafts once several are active (each verified token is computed): with the
+# demo pair on one core, speculation gave 1.48x the target alone with one generation, 0.96x with
+# two, 1.00x with three and 0.69x with four (docs/bench.md). Two keeps it where it does not lose.
+CPU_DRAFT_MAX_ACTIVE = 2
+
 
 @dataclass
 class TargetConfig:
@@ -64,6 +70,9 @@ class TargetConfig:
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
     adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
+    # rounds draft only while at most this many generations are active (0: always; None: auto,
+    # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)
+    draft_max_active: int | None = None
 
 
 class ServiceFailed(RuntimeError):
@@ -156,10 +165,19 @@ class TargetDaemon:
                                         max_active=self.config.max_active, max_queue=self.config.max_queue,
                                         heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s,
                                         adaptive_depth=self.config.adaptive_depth,
-                                        adaptive_speculation=self.config.adaptive_speculation)
+                                        adaptive_speculation=self.config.adaptive_speculation,
+                                        draft_max_active=self.draft_max_active)
             self._scheduler.metrics = self.metrics
             self.metrics.watch(self._scheduler.profile)
         return self._scheduler
+
+    @property
+    def draft_max_active(self) -> int:
+        """The most active generations whose rounds draft (0: no limit): the configured number, or
+        by default CPU_DRAFT_MAX_ACTIVE on a CPU and no limit on an accelerator."""
+        if self.config.draft_max_active is not None:
+            return self.config.draft_max_active
+        return CPU_DRAFT_MAX_ACTIVE if self.engine.runner.device.type == "cpu" else 0
 
     def submit(self, job: Job):
         """Queue a job; Overloaded or ShuttingDown (counted as refused) when it cannot be taken."""

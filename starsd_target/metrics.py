@@ -51,8 +51,12 @@ class TargetMetrics:
                                    ["draft_tokens"], registry=r)
         self.fallback_rounds = Counter("starsd_spec_decode_fallback_rounds",
                                        "Rounds that wanted drafts and were verified without them", registry=r)
-        self.plain_rounds = Counter("starsd_target_plain_rounds", "Rounds adaptive speculation chose to verify "
-                                    "without drafts, the target alone being measured faster", registry=r)
+        self.plain_rounds = Counter("starsd_target_plain_rounds", "Rounds verified without drafts by choice: "
+                                    "adaptive speculation measured the target alone faster, or more generations "
+                                    "were active than --draft-max-active", registry=r)
+        self.crowded_rounds = Counter("starsd_target_crowded_rounds", "Of the plain rounds, those run without "
+                                      "drafts because more generations were active than --draft-max-active",
+                                      registry=r)
         self.mean_accepted_length = Gauge("starsd_spec_decode_mean_accepted_length",
                                           "Tokens produced per target forward, since start", registry=r)
         self.round_trip = Histogram("starsd_target_draft_round_trip_seconds", "Draft request to reply",
@@ -80,7 +84,7 @@ class TargetMetrics:
         self.verify_seconds.observe(verify_s)
 
     def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, tree_tokens: int = 0,
-                 plain: bool = False) -> None:
+                 plain: bool = False, crowded: bool = False) -> None:
         if drafted:
             self.budget_rounds.labels(draft_tokens=str(tree_tokens)).inc()
             self.budget_kept.labels(draft_tokens=str(tree_tokens)).inc(produced)
@@ -93,6 +97,8 @@ class TargetMetrics:
             self.fallback_rounds.inc()
         if plain:
             self.plain_rounds.inc()
+        if crowded:
+            self.crowded_rounds.inc()
         self.generated_tokens.inc(produced)
         self._rounds += 1
         self._tokens += produced

@@ -92,7 +92,8 @@ class _Active:
     depth: AdaptiveDepth | None = None  # its draft-length controller (None: the cap every round)
     asked: int = 0  # drafts the request in flight (or the last one) asked for
     budget: int = 0  # the tree tokens it asked for (0: a chain)
-    plain: bool = False  # its controller chose this round to run without drafts (the target alone was faster)
+    plain: bool = False  # this round runs without drafts by choice (the target alone is expected to be faster)
+    crowded: bool = False  # ...because more generations are active than draft_max_active
     key: int = field(default_factory=itertools.count().__next__)  # unique for the daemon's life (ids are reused)
 
     @property
@@ -104,8 +105,12 @@ class _Active:
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
                  max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0,
-                 adaptive_depth: bool = True, adaptive_speculation: bool = False):
+                 adaptive_depth: bool = True, adaptive_speculation: bool = False, draft_max_active: int = 0):
         self.engine = engine
+        # rounds draft only while at most this many generations are active (0: always); beyond, they
+        # run on the target alone, batched, where verifying every generation's drafts costs more
+        self.draft_max_active = draft_max_active
+        self.crowded_rounds = 0  # rounds run without drafts because more generations were active
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
         # ...and may be none, for all adaptive generations together, where the target alone is faster
         self.speculation = PlainOrDrafts() if adaptive_speculation else None
@@ -171,6 +176,7 @@ class Scheduler:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
                 "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
                 "batched_rounds": self.batched_rounds,
+                "draft_max_active": self.draft_max_active, "crowded_rounds": self.crowded_rounds,
                 "adaptive_speculation": None if self.speculation is None else
                 {"plain": self.speculation.plain, "switches": self.speculation.switches,
                  "probes": self.speculation.probes}}
@@ -315,16 +321,33 @@ class Scheduler:
         members[a.key] = a.depth
         return self.speculation.plain_for(a.key, members)
 
+    def _crowded(self, a: _Active) -> bool:
+        """Whether ``a``'s next round runs without drafts because more generations are active than
+        ``draft_max_active`` lets draft: on a CPU, verifying drafts for every generation of a batch
+        costs more than the tokens they add, where one batched forward without drafts gives each a
+        token. Decided per round from the count alone, so a generation drafts again once others
+        finish. Never where the engine verifies one generation per forward (``max_batch`` 1:
+        batching off), as rounds without drafts gain only by sharing a forward. A seeded sampled
+        generation always drafts: its random draws follow its rounds, and the same seed must give
+        the same tokens whatever else the target serves."""
+        limit = self.draft_max_active
+        return (limit > 0 and len(self.active) > limit and self.engine.max_batch > 1
+                and (a.job.params.greedy or a.job.params.seed is None))
+
     def _request(self, a: _Active, now: float) -> None:
         depth = a.gen.draft_depth()
         a.wanted = a.drafts is not None and depth > 0
-        a.resolved_at, a.reported, a.plain = None, None, False
+        a.resolved_at, a.reported, a.plain, a.crowded = None, None, False, False
         if a.wanted:
             # a tree where the generation's budget and the daemon allow one (its depth then stays:
-            # adaptive depth models chains), else a chain of the adaptive length
-            budget = a.gen.draft_budget() if a.drafts.trees else 0
+            # adaptive depth models chains), else a chain of the adaptive length; none at all while
+            # the target is crowded
+            crowded = self._crowded(a)
+            budget = a.gen.draft_budget() if a.drafts.trees and not crowded else 0
             survival = 0.0
-            if a.depth is not None and not budget:
+            if crowded:
+                depth = 0
+            elif a.depth is not None and not budget:
                 if self._plain(a):
                     depth = 0
                 elif a.drafts.stops_drafts and a.drafts.params.greedy:
@@ -333,7 +356,7 @@ class Scheduler:
                     depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
             if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
-                a.wanted, a.plain = False, True
+                a.wanted, a.plain, a.crowded = False, True, crowded
                 a.ready, a.proposal, a.ready_at = True, None, now
                 return
             a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget,
@@ -345,10 +368,11 @@ class Scheduler:
         a.ready, a.proposal, a.ready_at = True, None, now
 
     def _keep_link(self) -> None:
-        """Generations busy but none asking for drafts (adaptive speculation running them on the
-        target alone): the link still gets its heartbeat, or the draft daemon would drop this
-        peer as silent and the next probe would find no session."""
-        if self.speculation is None or not self.speculation.plain or any(a.seq is not None for a in self.active):
+        """Generations busy but none asking for drafts (adaptive speculation or a crowded target
+        running them on the target alone): the link still gets its heartbeat, or the draft daemon
+        would drop this peer as silent and the next drafted round would find no session."""
+        plain = any(a.plain for a in self.active) or (self.speculation is not None and self.speculation.plain)
+        if not plain or any(a.seq is not None for a in self.active):
             return
         client = self.link()
         if client is not None:
@@ -466,14 +490,16 @@ class Scheduler:
             a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
         if a.plain:
             s.plain_rounds += 1
-            a.depth.observe_plain(times)
+            self.crowded_rounds += a.crowded
+            if a.depth is not None:
+                a.depth.observe_plain(times)
         elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)
         if self.metrics is not None:
             self.metrics.on_round(s.drafted - counts[1], s.accepted - counts[2], len(a.gen.tokens) - counts[4],
-                                  s.fallback_rounds > counts[3], a.budget, plain=a.plain)
+                                  s.fallback_rounds > counts[3], a.budget, plain=a.plain, crowded=a.crowded)
             self.metrics.active.set(len(self.active))
             self.metrics.queued.set(self.jobs.qsize())
         a.ready, a.proposal = False, None

@@ -136,7 +136,7 @@ INTERLEAVE_STREAMS = (1, 2, 4)
 def _phase_summary(phase: dict) -> dict:
     res = phase["results"]
     per_target = []
-    tokens = rounds = fallback = 0
+    tokens = rounds = fallback = plain = 0
     for jobs in res:
         t = sum(j["stats"]["generated"] for j in jobs)
         w = sum(j["stats"]["wall_s"] for j in jobs)
@@ -144,12 +144,13 @@ def _phase_summary(phase: dict) -> dict:
         tokens += t
         rounds += sum(j["stats"]["rounds"] for j in jobs)
         fallback += sum(j["stats"]["fallback_rounds"] for j in jobs)
+        plain += sum(j["stats"].get("plain_rounds", 0) for j in jobs)  # without drafts by choice (crowded, adaptive)
     job_tpot = [(j["stats"]["wall_s"] - j["stats"]["prefill_s"]) / j["stats"]["generated"]
                 for jobs in res for j in jobs if j["stats"]["generated"]]
     return {"system_tps": tokens / phase["wall_s"], "per_target_tps": statistics.fmean(per_target),
             "per_target_tps_min": min(per_target), "per_target_tps_max": max(per_target),
             "tokens": tokens, "rounds": rounds, "mean_accepted_length": tokens / rounds if rounds else 0.0,
-            "fallback_rounds": fallback, "wall_s": phase["wall_s"],
+            "fallback_rounds": fallback, "plain_rounds": plain, "wall_s": phase["wall_s"],
             "per_job_time_per_token_ms": summarize(job_tpot, 1e3)}
 
 
@@ -361,7 +362,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
             "streams": st["streams"], "starsd_system_tps": sp["system_tps"], "alone_system_tps": al["system_tps"],
             "speedup_system": sp["system_tps"] / al["system_tps"] if al["system_tps"] else None,
             "mean_accepted_length": sp["mean_accepted_length"], "rounds": sp["rounds"],
-            "fallback_rounds": sp["fallback_rounds"],
+            "fallback_rounds": sp["fallback_rounds"], "plain_rounds": sp["plain_rounds"],
             "greedy_same_tokens_as_alone": all(a["token_ids"] == b["token_ids"] for ja, jb in
                                                zip(st["spec"]["results"], st["alone"]["results"])
                                                for a, b in zip(ja, jb))})

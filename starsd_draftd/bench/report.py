@@ -153,11 +153,11 @@ def format_report(report: dict) -> str:
         if r.get("interleaving"):
             lines += ["", "One target, several generations at once (its scheduler interleaves them):", "",
                       "| generations | StarSD tok/s | target alone tok/s | speedup | mean acc. len | "
-                      "rounds without drafts | same text |", "|---|---|---|---|---|---|---|"]
+                      "rounds without drafts: fallback, by choice | same text |", "|---|---|---|---|---|---|---|"]
             for it in r["interleaving"]:
                 lines.append(f"| {it['streams']} | {it['starsd_system_tps']:.1f} | {it['alone_system_tps']:.1f} | "
                              f"{it['speedup_system']:.2f}x | {it['mean_accepted_length']:.2f} | "
-                             f"{it['fallback_rounds']} of {it['rounds']} | "
+                             f"{it['fallback_rounds']}, {it.get('plain_rounds', 0)} of {it['rounds']} | "
                              f"{'yes' if it['greedy_same_tokens_as_alone'] else 'NO'} |")
         if r.get("round_profile"):
             lines += ["", format_round_profile(r["round_profile"])]

@@ -22,7 +22,9 @@ def verify_streams(cfg: BenchConfig) -> tuple[int, ...]:
 
 def start_verify(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> dict[str, str]:
     """A draft daemon (batched drafting, so that it keeps up with 8 generations) and two target
-    daemons of the same model that differ only in --max-batch, on the target's core."""
+    daemons of the same model that differ only in --max-batch, on the target's core; both draft
+    whatever the number of generations (--draft-max-active 0), as this section measures verifying
+    drafts in batches."""
     from starsd_draftd.demo.run import DemoConfig, topology
 
     target_dir, draft_dir = models
@@ -39,7 +41,8 @@ def start_verify(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> dic
         eps[mode] = pool.start(f"verify-target-{mode}", lambda ep, b=batch: [
             "starsd_target", "serve", "--model", str(target_dir), "--draft", draft_ep, "--listen", ep,
             "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", f"verify-b{b}",
-            "--max-active", str(active), "--max-batch", str(b), "--connect-timeout", str(cfg.startup_timeout_s),
+            "--max-active", str(active), "--max-batch", str(b), "--draft-max-active", "0",
+            "--connect-timeout", str(cfg.startup_timeout_s),
             "--draft-timeout", "30", "--heartbeat", "0.5", "--log-level", "warning"], cpus=topo.targets[0])
     return eps
 
