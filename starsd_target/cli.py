@@ -168,8 +168,8 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--draft-max-active", type=_AutoOrCount(), default="auto", show_default=True,
         help="Rounds draft only while at most this many generations are active; with more, every round runs "
              "on the target alone, all batched in one forward, and drafting resumes as they finish. On a CPU, "
-             "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core, four "
-             "streams speculative ran 0.69x the target alone). auto: 2 on a CPU, no limit on other devices; 0: no "
+             "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core each, "
+             "four streams speculative ran 0.60x-0.77x the target alone). auto: 2 on a CPU, no limit on other devices; 0: no "
              "limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft.")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")

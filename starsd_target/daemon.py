@@ -36,8 +36,8 @@ log = logging.getLogger("starsd.target")
 
 # On a CPU, verifying every active generation's drafts in one forward costs more than a batched
 # forward without drafts once several are active (each verified token is computed): with the
-# demo pair on one core, speculation gave 1.48x the target alone with one generation, 0.96x with
-# two, 1.00x with three and 0.69x with four (docs/bench.md). Two keeps it where it does not lose.
+# demo pair on one core each, speculation gave 1.23x-1.54x the target alone with one generation,
+# 0.80x-1.03x with two (about break-even) and 0.60x-0.77x with four (docs/bench.md).
 CPU_DRAFT_MAX_ACTIVE = 2
 
 
