@@ -27,13 +27,16 @@ class _AutoOrCount(click.ParamType):
 
     name = "auto|N"
 
+    def get_metavar(self, param, ctx=None):
+        return "[auto|N]"
+
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         text = str(value).strip().lower()
         if text == "auto":
             return None
-        if text.isdigit():
+        if text.isascii() and text.isdecimal():
             return int(text)
         self.fail(f"expected auto or a whole number >= 0, got {value!r}", param, ctx)
 
@@ -166,11 +169,12 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "ready at once (capped by --max-active; 1: one per forward). Outputs are those of one at a time. "
              "Llama and Qwen2 models, eager forwards (off with --compile).")
 @option("--draft-max-active", type=_AutoOrCount(), default="auto", show_default=True,
-        help="Rounds draft only while at most this many generations are active; with more, every round runs "
-             "on the target alone, all batched in one forward, and drafting resumes as they finish. On a CPU, "
+        help="Rounds draft only while at most this many generations are active; with more, their rounds run "
+             "on the target alone, batched (up to --max-batch per forward), and drafting resumes as they finish. On a CPU, "
              "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core each, "
              "four streams speculative ran 0.60x-0.77x the target alone). auto: 2 on a CPU, no limit on other devices; 0: no "
-             "limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft.")
+             "limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft; with "
+             "batching off (--max-batch 1, --compile) every round drafts.")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")
 @option("--http", "http_addr", default=None, metavar="HOST:PORT",

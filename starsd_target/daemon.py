@@ -174,7 +174,10 @@ class TargetDaemon:
     @property
     def draft_max_active(self) -> int:
         """The most active generations whose rounds draft (0: no limit): the configured number, or
-        by default CPU_DRAFT_MAX_ACTIVE on a CPU and no limit on an accelerator."""
+        by default CPU_DRAFT_MAX_ACTIVE on a CPU and no limit on an accelerator; 0 where the engine
+        verifies one generation per forward (rounds without drafts would share no forward)."""
+        if self.engine.max_batch <= 1:
+            return 0
         if self.config.draft_max_active is not None:
             return self.config.draft_max_active
         return CPU_DRAFT_MAX_ACTIVE if self.engine.runner.device.type == "cpu" else 0

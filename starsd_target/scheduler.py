@@ -326,13 +326,17 @@ class Scheduler:
         ``draft_max_active`` lets draft: on a CPU, verifying drafts for every generation of a batch
         costs more than the tokens they add, where one batched forward without drafts gives each a
         token. Decided per round from the count alone, so a generation drafts again once others
-        finish. Never where the engine verifies one generation per forward (``max_batch`` 1:
-        batching off), as rounds without drafts gain only by sharing a forward. A seeded sampled
-        generation always drafts: its random draws follow its rounds, and the same seed must give
-        the same tokens whatever else the target serves."""
+        finish. Rounds without drafts gain only by sharing a forward, so only generations whose
+        cache is a pool row count and are held back, and never where the engine verifies one
+        generation per forward (``max_batch`` 1: batching off). A seeded sampled generation always
+        drafts: its random draws follow its rounds, and the same seed must give the same tokens
+        whatever else the target serves."""
         limit = self.draft_max_active
-        return (limit > 0 and len(self.active) > limit and self.engine.max_batch > 1
-                and (a.job.params.greedy or a.job.params.seed is None))
+        if not (limit > 0 and self.engine.max_batch > 1 and a.gen.batchable):
+            return False
+        if not (a.job.params.greedy or a.job.params.seed is None):
+            return False
+        return sum(o.gen.batchable for o in self.active) > limit
 
     def _request(self, a: _Active, now: float) -> None:
         depth = a.gen.draft_depth()
@@ -491,7 +495,11 @@ class Scheduler:
         if a.plain:
             s.plain_rounds += 1
             self.crowded_rounds += a.crowded
-            if a.depth is not None:
+            if a.depth is not None and a.crowded:
+                # measured under another load than the drafted rounds: not the target alone's rate
+                # for adaptive speculation; the first drafted round after it pays a catch-up
+                a.depth.catching_up = True
+            elif a.depth is not None:
                 a.depth.observe_plain(times)
         elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too

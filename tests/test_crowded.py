@@ -41,14 +41,15 @@ class TruthBackend(DraftBackend):
         return Draft(tokens, np.array(tokens, dtype=np.int32)[:, None], np.ones((depth, 1), dtype=np.float32))
 
 
-def _run(engine, loaded, jobs: list[Job], limit: int, fulls: list[list[int]]):
+def _run(engine, loaded, jobs: list[Job], limit: int, fulls: list[list[int]], adaptive_depth: bool = True):
     """The jobs queued before the scheduler's thread starts (so all are active from its first
     pass), served through a draft daemon; their results and the scheduler."""
     backend = TruthBackend(loaded.vocab_size, loaded.fingerprint, fulls)
     with running_server(backend, max_depth=4) as (server, ctx):
         client = DraftClient(server.endpoint, loaded.vocab_size, loaded.fingerprint, ctx=ctx)
         client.handshake(10)
-        sched = Scheduler(engine, lambda: client, 30.0, max_active=4, draft_max_active=limit)
+        sched = Scheduler(engine, lambda: client, 30.0, max_active=4, draft_max_active=limit,
+                          adaptive_depth=adaptive_depth)
         futures = [sched.submit(j) for j in jobs]
         sched.start()
         try:
@@ -68,10 +69,12 @@ def greedy_case(loaded_target):
     return engine, prompts, lengths, refs
 
 
-def test_a_crowded_target_runs_rounds_alone_then_drafts_again_as_generations_finish(loaded_target, greedy_case):
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive-depth", "fixed-depth"])
+def test_a_crowded_target_runs_rounds_alone_then_drafts_again_as_generations_finish(loaded_target, greedy_case,
+                                                                                    adaptive):
     engine, prompts, lengths, refs = greedy_case
     jobs = [Job(list(p), n, SamplingParams()) for p, n in zip(prompts, lengths)]
-    results, sched = _run(engine, loaded_target, jobs, 2, [p + r for p, r in zip(prompts, refs)])
+    results, sched = _run(engine, loaded_target, jobs, 2, [p + r for p, r in zip(prompts, refs)], adaptive)
     for res, ref in zip(results, refs):
         assert res.token_ids == ref
         assert res.stats.fallback_rounds == 0
@@ -132,7 +135,12 @@ def test_a_seeded_sampled_generation_drafts_while_crowded_and_keeps_its_tokens(l
 def test_the_target_daemon_takes_draft_max_active(star, tiny_target, tiny_draft, loaded_target):
     """As a user runs it: ``--draft-max-active 1`` and two jobs at once on one target daemon.
     Outputs are the target's own; rounds while both were active ran without drafts (plain
-    rounds, none a fallback), and STATS count them as crowded rounds."""
+    rounds, none a fallback), and STATS count them as crowded rounds. The target is stopped
+    (SIGSTOP) while both requests go out, so that both are queued when it goes on."""
+    import os
+    import signal
+    import threading
+    import time
     import urllib.request
 
     from common.control import ControlClient
@@ -148,8 +156,18 @@ def test_the_target_daemon_takes_draft_max_active(star, tiny_target, tiny_draft,
     star.wait_ready("t0", target_ep)
     engine = TargetEngine(loaded_target)
     prompts = [engine.encode(p) for p in PROMPTS[:2]]
-    results = run_concurrently([target_ep, target_ep], [{"id": i + 1, "prompt_ids": p, "max_tokens": 96}
-                                                        for i, p in enumerate(prompts)])
+    results = []
+    pid = star.procs["t0"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sender = threading.Thread(target=lambda: results.extend(run_concurrently(
+            [target_ep, target_ep], [{"id": i + 1, "prompt_ids": p, "max_tokens": 96} for i, p in enumerate(prompts)])))
+        sender.start()
+        time.sleep(0.5)  # both clients connected and their requests queued on their side
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    sender.join(300)
+    assert len(results) == 2
     plain = 0
     for p, res in zip(prompts, results):
         assert res["token_ids"] == reference_greedy(tiny_target, p, 96)
@@ -190,3 +208,34 @@ def test_the_link_keeps_its_heartbeat_while_crowded_rounds_run_without_drafts():
     sched._keep_link()
     sched._keep_link()
     assert link.beats == 2
+
+
+def test_auto_is_two_on_a_cpu_and_none_with_batching_off(loaded_target):
+    """``auto`` resolves per device; an explicit count is kept; a target verifying one
+    generation per forward reports 0 (the limit would never apply)."""
+    from starsd_target.daemon import CPU_DRAFT_MAX_ACTIVE, TargetConfig, TargetDaemon
+
+    def effective(**kw):
+        return TargetDaemon(TargetConfig(draft=None, **kw), loaded=loaded_target).draft_max_active
+
+    assert CPU_DRAFT_MAX_ACTIVE == 2
+    assert effective() == 2
+    assert effective(draft_max_active=3) == 3 and effective(draft_max_active=0) == 0
+    assert effective(max_batch=1) == 0
+
+
+@pytest.mark.parametrize("text,value", [("auto", None), (" AUTO ", None), ("0", 0), ("3", 3)])
+def test_draft_max_active_takes_auto_or_a_count(text, value):
+    from starsd_target.cli import _AutoOrCount
+
+    assert _AutoOrCount().convert(text, None, None) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "2.0", "x", "\u00b2", ""])
+def test_draft_max_active_refuses_anything_else(text):
+    import click
+
+    from starsd_target.cli import _AutoOrCount
+
+    with pytest.raises(click.BadParameter, match="auto or a whole number"):
+        _AutoOrCount().convert(text, None, None)

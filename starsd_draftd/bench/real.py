@@ -245,6 +245,8 @@ def start_real(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> tuple
     target_eps = [pool.start(name, lambda ep, i=i: [
         "starsd_target", "serve", "--model", str(target_dir), "--draft", draft_ep, "--listen", ep,
         "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", f"target{i + 1}",
+        # every round drafts, however many generations (this section measures speculation interleaved)
+        "--draft-max-active", "0",
         "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
         "--log-level", "warning"], cpus=topo.targets[i])
         for i, name in enumerate(names)]
