@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from common.tree import additive_mask, ancestor_mask, depths
 
@@ -268,20 +268,39 @@ class SlotPool:
                 if old is not None:
                     new[:, :, : old.shape[2]] = old
         self.k, self.v = grown["k"], grown["v"]  # both at once, once every copy is made
-        self.slots_hint = cap
-        for cache in self.live.values():
-            for layer in cache.layers:
-                if layer.is_initialized:
-                    layer._views()
+        self.slots_hint = cap  # the rows' keys and values are views made when read: of the new buffers
 
 
 class PoolLayer(SlotLayer):
-    """One layer of one pool row: a ``SlotLayer`` whose buffer is the row's slice of the pool's."""
+    """One layer of one pool row: a ``SlotLayer`` whose buffer is the row's slice of the pool's.
+    Its ``keys`` and ``values`` are made when read, so that a batched forward's commit (every
+    row's every layer) only moves lengths."""
 
     def __init__(self, pool: SlotPool, row: int, li: int):
         DynamicLayer.__init__(self)
         self.pool, self.row, self.li = pool, row, li
         self.n = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.k_buf[:, :, : self.n] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a pool row's keys are its slots in the pool")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.v_buf[:, :, : self.n] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a pool row's values are its slots in the pool")
+
+    def _views(self) -> None:
+        pass  # made when read
 
     @property
     def k_buf(self) -> torch.Tensor:
@@ -375,7 +394,7 @@ class PoolBatch(DynamicCache):
         pool = caches[0].pool
         if any(c.pool is not pool for c in caches) or len({c.row for c in caches}) != len(caches):
             raise ValueError("a batch takes distinct rows of one pool")
-        DynamicCache.__init__(self, config=pool.config)
+        Cache.__init__(self, layers=[_BatchLayer(self, li) for li in range(pool.n_layers)])
         self.pool, self.caches, self.fed = pool, caches, list(fed)
         self.trees = list(trees) if trees is not None else [None] * len(caches)
         if any(t is not None and len(t) + 1 != m for t, m in zip(self.trees, self.fed)):
@@ -385,12 +404,11 @@ class PoolBatch(DynamicCache):
         self.base = max(self.lengths)
         self.kv_len = self.base + self.M
         pool.reserve(self.kv_len)
-        self.layers = [_BatchLayer(self, li) for li in range(pool.n_layers)]
-        self.layer_class_to_replicate = None
         rows = [c.row for c in caches]
         self._span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self._rows = torch.tensor(rows, dtype=torch.long)
-        self._slots = None  # [B, M] on the model's device, built at the first layer
+        self._slots = None  # [B * H * M] on the model's device, built at the first layer
+        self._fresh = [c for c in caches if not all(layer.is_initialized for layer in c.layers)]
 
     def _causal(self, device) -> torch.Tensor:
         n = torch.tensor(self.lengths, device=device)[:, None]
@@ -427,25 +445,29 @@ class PoolBatch(DynamicCache):
 
     def _update(self, li: int, key_states: torch.Tensor, value_states: torch.Tensor):
         pool = self.pool
-        for c in self.caches:  # a first forward on a fresh pool allocates its buffers
-            layer = c.layers[li]
+        if self._fresh:  # a first forward on a fresh pool or row allocates and marks its layers
             if pool.k[li] is None:
                 pool._init_layer(li, key_states[:1], value_states[:1])
-            if not layer.is_initialized:
-                layer.device, layer.n, layer.is_initialized = key_states.device, 0, True
+            for c in self._fresh:
+                layer = c.layers[li]
+                if not layer.is_initialized:
+                    layer.device, layer.n, layer.is_initialized = key_states.device, 0, True
+        keys, values = pool.k[li], pool.v[li]
         device = key_states.device
         if self._slots is None or self._slots.device != device:
-            n = torch.tensor(self.lengths, device=device)[:, None]
-            self._slots = n + torch.arange(self.M, device=device)[None, :]
+            # each new position's place in a layer's buffer seen as [rows * heads * slots, D]
+            _, heads, slots, _ = keys.shape
+            n = torch.tensor(self.lengths, device=device)[:, None, None]
             self._rows = self._rows.to(device)
-        rows = self._rows[:, None]
-        pool.k[li][rows, :, self._slots] = key_states.transpose(1, 2)
-        pool.v[li][rows, :, self._slots] = value_states.transpose(1, 2)
+            self._slots = (((self._rows[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
+                            * slots + n + torch.arange(self.M, device=device)[None, None, :]).reshape(-1))
+        width = key_states.shape[-1]
+        keys.view(-1, width).index_copy_(0, self._slots, key_states.reshape(-1, width))
+        values.view(-1, value_states.shape[-1]).index_copy_(0, self._slots, value_states.reshape(-1, value_states.shape[-1]))
         if self._span is not None:
             a, b = self._span
-            return pool.k[li][a:b, :, : self.kv_len], pool.v[li][a:b, :, : self.kv_len]
-        return (pool.k[li][:, :, : self.kv_len].index_select(0, self._rows),
-                pool.v[li][:, :, : self.kv_len].index_select(0, self._rows))
+            return keys[a:b, :, : self.kv_len], values[a:b, :, : self.kv_len]
+        return keys[:, :, : self.kv_len].index_select(0, self._rows), values[:, :, : self.kv_len].index_select(0, self._rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.base
@@ -455,4 +477,3 @@ class PoolBatch(DynamicCache):
         for c, n, m in zip(self.caches, self.lengths, self.fed):
             for layer in c.layers:
                 layer.n = n + m
-                layer._views()

@@ -68,6 +68,9 @@ def test_rows_are_reused_and_bounded(rotary_model):
     assert pool.k[0][a.row, :, :3].abs().sum() > 0
     pool.reserve(pool.slots + 10)  # growth with a live row, outside inference mode
     assert a.get_seq_length() == 3 and a.layers[0].keys.shape[2] == 3
+    assert a.layers[0].keys.data_ptr() == pool.k[0][a.row].data_ptr()  # read from the grown buffer
+    with pytest.raises(AttributeError, match="slots in the pool"):
+        a.layers[0].keys = torch.zeros(1, 1, 3, 4)
     a.scrub()  # after a failure: the row's slots zeroed (a NaN there would spread through masked reads)
     assert all(pool.k[li][a.row].abs().sum() == 0 and pool.v[li][a.row].abs().sum() == 0
                for li in range(pool.n_layers))
@@ -118,3 +121,23 @@ def test_a_forward_that_fails_part_way_changes_no_row(rotary_model):
     for g, r, f in zip(got, refs, feeds):
         torch.testing.assert_close(g, rotary_model(input_ids=torch.tensor([f]), cache=r, use_cache=True).logits[0],
                                    rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [[0, 1], [0, 2]])
+def test_a_first_forward_on_fresh_rows_may_be_batched(rotary_model, rows):
+    """Rows that never held a position (the pool's buffers not even allocated) fed together in
+    one forward: each gets what a forward of its own gives, and its layers are marked in use."""
+    torch.manual_seed(5)
+    pool = SlotPool(rotary_model.config, rows=3)
+    caches = [pool.acquire() for _ in range(3)]
+    assert all(t is None for t in pool.k)
+    feeds = [torch.randint(3, 250, (n,)).tolist() for n in (4, 7)]
+    got = _batched(rotary_model, [caches[r] for r in rows], feeds)
+    for g, r, f in zip(got, rows, feeds):
+        ref = SlotCache(rotary_model.config)
+        torch.testing.assert_close(g, rotary_model(input_ids=torch.tensor([f]), cache=ref, use_cache=True).logits[0],
+                                   rtol=1e-4, atol=1e-4)
+        assert all(layer.is_initialized and layer.n == len(f) for layer in caches[r].layers)
+        torch.testing.assert_close(caches[r].layers[1].keys, ref.layers[1].keys, rtol=1e-5, atol=1e-5)
+    assert [layer.is_initialized for layer in caches[1 if rows == [0, 2] else 2].layers] == [False, False]
