@@ -320,20 +320,25 @@ class TargetEngine:
     @torch.inference_mode()
     def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]], features: list[bool],
                        trees: list[list[int] | None] | None = None,
-                       layers: list[tuple[int, ...] | None] | None = None) -> tuple[list[torch.Tensor], list]:
+                       layers: list[tuple[int, ...] | None] | None = None,
+                       logits: bool = True) -> tuple[list[torch.Tensor] | None, list]:
         """One forward over several pool rows' feeds (``PoolBatch``; ``trees``: per feed, the
         parents of the draft tree it is, or None): each feed's logits rows [len(feed), V]
-        (float32, on the model's device) and, where its ``features`` entry asks, its features
-        (the final hidden states, or those entering its ``layers``, fused), else None. Eager
-        even when single forwards are compiled (batching is off then)."""
+        (float32, on the model's device; None with ``logits=False``, as prefill chunks need
+        none) and, where its ``features`` entry asks, its features (the final hidden states, or
+        those entering its ``layers``, fused), else None. Eager even when single forwards are
+        compiled (batching is off then)."""
         batch = PoolBatch(caches, [len(f) for f in feeds], trees)
         dev = self.runner.device
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds], dtype=torch.long, device=dev)
         out = self.runner.eager(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=any(features),
-                                attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev))
+                                attention_mask=batch.mask(self.loaded.dtype, dev), position_ids=batch.positions(dev),
+                                logits_to_keep=0 if logits else 1)
         batch.commit()
-        logits = out.logits.float()
-        rows = [logits[b, : len(f)] for b, f in enumerate(feeds)]
+        rows = None
+        if logits:
+            out_logits = out.logits.float()
+            rows = [out_logits[b, : len(f)] for b, f in enumerate(feeds)]
         layers = layers or [None] * len(feeds)
         hidden = [fused_features([h[b, : len(f)] for h in out.hidden_states], ls) if want else None
                   for b, (f, want, ls) in enumerate(zip(feeds, features, layers))]
@@ -353,6 +358,31 @@ class TargetEngine:
         out = self.runner.eager(input_ids=x, cache=cache, use_cache=True, output_hidden_states=features,
                                 attention_mask=mask, position_ids=pos)
         return out.logits[0].float(), fused_features(out.hidden_states, layers)[0] if features else None
+
+    def prefill_batch(self, gens: list["Generation"]) -> None:
+        """The next prefill chunk of each of several generations, in one forward (their chunks
+        right-padded to the longest), exactly as ``Generation.prefill`` one at a time. One
+        generation, or any not in the pool, goes through ``prefill``. ``BatchFailed`` when the
+        forward fails: every generation is then as it was (a batched forward moves no row's
+        length until it has gone through), for the caller to prefill them one at a time."""
+        if len(gens) == 1 or any(not g.batchable for g in gens):
+            for g in gens:
+                g.prefill()
+            return
+        if len(gens) > self.max_batch:
+            raise ValueError(f"a batch of {len(gens)} exceeds max_batch {self.max_batch}")
+        t0 = time.perf_counter()
+        ends = [g.next_chunk_end() for g in gens]
+        try:
+            _, hidden = self._forward_batch([g.cache for g in gens],
+                                            [g.tokens[g.prefilled: end] for g, end in zip(gens, ends)],
+                                            [g.feats is not None for g in gens], logits=False,
+                                            layers=[g.feature_layers for g in gens])
+        except Exception as exc:
+            raise BatchFailed(f"a batched prefill of {len(gens)} generations failed: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        for g, end, h in zip(gens, ends, hidden):
+            g._prefilled(end, h, seconds)
 
     def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list:
         """Verify several generations' rounds (generation, proposal, wanted) in one forward,
@@ -557,16 +587,26 @@ class Generation:
         """Prompt positions are still to enter the cache: no round can run yet."""
         return self.prefilled < self.to_prefill
 
+    def next_chunk_end(self) -> int:
+        """Where the next prefill chunk ends (a prompt position): at most the engine's
+        ``prefill_chunk`` positions on."""
+        return min(self.prefilled + self.engine.prefill_chunk, self.to_prefill)
+
     def prefill(self) -> None:
         """Feed the next chunk of the prompt into the cache (and its features, if collected)."""
         t0 = time.perf_counter()
-        end = min(self.prefilled + self.engine.prefill_chunk, self.to_prefill)
+        end = self.next_chunk_end()
         _, hidden = self.engine._forward(self.cache, self.tokens[self.prefilled: end], self.feats is not None,
                                          logits=False, layers=self.feature_layers)
+        self._prefilled(end, hidden, time.perf_counter() - t0)
+
+    def _prefilled(self, end: int, hidden: torch.Tensor | None, seconds: float) -> None:
+        """The prompt up to ``end`` went into the cache in a forward of ``seconds`` (its
+        features, if collected, are ``hidden``)."""
         if self.feats is not None:
             self.feats.append(hidden.to("cpu", self.feats.buf.dtype))
         self.prefilled = end
-        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_s += seconds
 
     def draft_depth(self) -> int:
         """How deep this round's drafts may go (0: ask for none)."""

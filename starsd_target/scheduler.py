@@ -130,6 +130,8 @@ class Scheduler:
         self.cancelled = 0
         self.forwards = 0  # verification forwards run
         self.batched_rounds = 0  # rounds verified beside others in one forward
+        self.prefill_forwards = 0  # prefill forwards run (one chunk each, or several batched)
+        self.batched_prefills = 0  # prefill chunks run beside others in one forward
         self._chunks = 0  # prefill chunks run so far: the clock the turns are taken by
         self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
         self.thread: threading.Thread | None = None
@@ -175,7 +177,8 @@ class Scheduler:
     def load(self) -> dict:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
                 "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
-                "batched_rounds": self.batched_rounds,
+                "batched_rounds": self.batched_rounds, "prefill_forwards": self.prefill_forwards,
+                "batched_prefills": self.batched_prefills,
                 "draft_max_active": self.draft_max_active, "crowded_rounds": self.crowded_rounds,
                 "adaptive_speculation": None if self.speculation is None else
                 {"plain": self.speculation.plain, "switches": self.speculation.switches,
@@ -429,19 +432,51 @@ class Scheduler:
         a.resolved_at = time.perf_counter()
 
     def _prefill_one(self) -> bool:
-        """One chunk of a generation still prefilling, taking turns: the one whose last chunk is
-        the oldest goes (among equals, the first to arrive), so a short prompt waits one chunk of
-        each long one at most, and a long one still advances every few passes. Whether one ran."""
-        prefilling = [a for a in self.active if a.gen.prefilling]
+        """One pass's prefill, taking turns: the generation whose last chunk is the oldest goes
+        (among equals, the first to arrive), so a short prompt waits one chunk of each long one
+        at most, and a long one still advances every few passes. The next in turn join its
+        forward (``TargetEngine.prefill_batch``, pool rows only, up to ``max_batch``) while the
+        padded chunks stay within one chunk's positions: prompts that arrive together prefill
+        together, and no pass runs a longer forward than one chunk. Whether one ran."""
+        prefilling = sorted((a for a in self.active if a.gen.prefilling), key=lambda p: p.prefill_turn)
         if not prefilling:
             return False
-        a = min(prefilling, key=lambda p: p.prefill_turn)
-        self._chunks += 1
-        a.prefill_turn = self._chunks
-        with self._confined(a):
-            a.gen.prefill()
-        a.round_start = time.perf_counter()  # prefill is counted apart (prefill_s): the first round starts after it
+        batch = [prefilling[0]]
+        if prefilling[0].gen.batchable:
+            longest = prefilling[0].gen.next_chunk_end() - prefilling[0].gen.prefilled
+            for a in prefilling[1:]:
+                if len(batch) == self.engine.max_batch:
+                    break
+                size = a.gen.next_chunk_end() - a.gen.prefilled
+                if a.gen.batchable and (len(batch) + 1) * max(longest, size) <= self.engine.prefill_chunk:
+                    batch.append(a)
+                    longest = max(longest, size)
+        for a in batch:
+            self._chunks += 1
+            a.prefill_turn = self._chunks
+        if len(batch) > 1:
+            try:
+                self.engine.prefill_batch([a.gen for a in batch])
+            except BatchFailed:
+                # every generation is as it was: one at a time, so a fault fails its own job only
+                log.warning("prefilling them one at a time", exc_info=True)
+            else:
+                self.prefill_forwards += 1
+                self.batched_prefills += len(batch)
+                self._prefilled(batch)
+                return True
+        for a in batch:
+            with self._confined(a):
+                a.gen.prefill()
+            self.prefill_forwards += 1
+        self._prefilled([a for a in batch if a in self.active])
         return True
+
+    @staticmethod
+    def _prefilled(batch: list[_Active]) -> None:
+        now = time.perf_counter()
+        for a in batch:
+            a.round_start = now  # prefill is counted apart (prefill_s): the first round starts after it
 
     def _verify_one(self) -> None:
         """Verify the longest-waiting generation whose round can run, and with it (one forward,

@@ -127,6 +127,68 @@ def test_a_failed_batch_leaves_caches_and_generators_as_they_were(loaded_target,
     assert [g.result().token_ids for g in gens] == [w.token_ids for w in want]
 
 
+@pytest.mark.parametrize("features", [False, True])
+def test_batched_prefill_equals_one_at_a_time(loaded_target, backend, features):
+    """Prompts of different lengths prefilled together, chunk by chunk (some finish before others,
+    a ragged batch each time): every cache holds what prefilling it alone gives, the features
+    collected are the same (float tolerance), and the generations then run as they would have."""
+    import torch
+
+    prompts = [PROMPTS[1] * 2, PROMPTS[0], PROMPTS[2] * 3]
+    caught = {}
+    for max_batch in (3, 1):
+        engine = TargetEngine(loaded_target, depth=4, max_batch=max_batch, prefill_chunk=6)
+        gens = [engine.start(engine.encode(p), 16, SamplingParams(), features=features) for p in prompts]
+        forwards = 0
+        while any(g.prefilling for g in gens):
+            engine.prefill_batch([g for g in gens if g.prefilling])
+            forwards += 1
+        assert all(g.prefilled == g.to_prefill == len(g.tokens) - 1 for g in gens)
+        assert [[layer.n for layer in g.cache.layers] for g in gens] == [[g.prefilled] * len(g.cache.layers)
+                                                                          for g in gens]
+        keys = [[layer.keys.clone() for layer in g.cache.layers] for g in gens]
+        feats = [torch.from_numpy(g.features().astype("float32")) for g in gens] if features else None
+        drafts = [LocalDrafts(backend) for _ in gens]
+        while not all(g.done for g in gens):
+            engine.verify_batch([(g, d.propose(g.tokens, g.draft_depth()), True)
+                                 for g, d in zip(gens, drafts) if not g.done])
+        caught[max_batch] = (forwards, keys, feats, [g.result() for g in gens])
+    longest = max(len(TargetEngine(loaded_target).encode(p)) - 1 for p in prompts)
+    assert caught[3][0] == -(-longest // 6)  # one forward per chunk of the longest prompt
+    for a, b in zip(caught[3][1], caught[1][1]):
+        for ka, kb in zip(a, b):
+            torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
+    if features:
+        for a, b in zip(caught[3][2], caught[1][2]):
+            assert a.shape == b.shape and a.shape[0] > 6
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    for a, b in zip(caught[3][3], caught[1][3]):
+        assert a.token_ids == b.token_ids and a.stats.accepted > 0
+
+
+def test_a_failed_batched_prefill_leaves_every_generation_as_it_was(loaded_target):
+    from starsd_target.engine import BatchFailed
+
+    engine = TargetEngine(loaded_target, depth=4, max_batch=2, prefill_chunk=4)
+    gens = [engine.start(engine.encode(p), 8, SamplingParams()) for p in PROMPTS[:2]]
+    engine.prefill_batch(gens)
+    before = [(g.prefilled, g.stats.prefill_s, [layer.n for layer in g.cache.layers]) for g in gens]
+    assert all(p == 4 for p, _, _ in before)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    hook = engine.model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(BatchFailed, match="fell over"):
+            engine.prefill_batch(gens)
+    finally:
+        hook.remove()
+    assert [(g.prefilled, g.stats.prefill_s, [layer.n for layer in g.cache.layers]) for g in gens] == before
+    engine.prefill_batch(gens)  # and it goes on from there
+    assert [g.prefilled for g in gens] == [min(8, g.to_prefill) for g in gens]
+
+
 def test_one_generation_failing_in_a_batch_fails_alone(loaded_target, backend, monkeypatch):
     engine = TargetEngine(loaded_target, depth=4, max_batch=2)
     gens = [engine.start(engine.encode(p), 20, SamplingParams()) for p in PROMPTS[:2]]
@@ -163,19 +225,43 @@ def test_the_scheduler_batches_concurrent_generations_exactly(loaded_target, bac
             client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
             client.handshake(10)
             sched = Scheduler(engine, lambda: client, draft_timeout_s=10, max_active=4)
-            sched.start()
+            # queued before the loop starts: its first pass admits all four, and prefills them together
             futures = [sched.submit(Job(engine.encode(p), 40, sp)) for p, sp in zip(PROMPTS, PARAMS)]
+            sched.start()
             outs[max_batch] = [f.result(120) for f in futures]
             load = sched.load()
             sched.stop()
             client.close()
         if max_batch == 4:
             assert load["batched_rounds"] > 0 and load["verify_forwards"] < sum(r.stats.rounds for r in outs[4])
+            assert load["prefill_forwards"] == 1 and load["batched_prefills"] == 4
         else:
-            assert load["batched_rounds"] == 0
+            assert load["batched_rounds"] == 0 and load["batched_prefills"] == 0
+            assert load["prefill_forwards"] == 4
     for a, b in zip(outs[4], outs[1]):
         assert a.token_ids == b.token_ids
         assert a.stats.accepted > 0 and a.stats.fallback_rounds == 0
+
+
+def test_prefill_batches_stay_within_one_chunk(loaded_target):
+    """The scheduler prefills prompts together only while their padded chunks fit one chunk's
+    positions: a long prompt's chunk goes alone, two short prompts go together, turns go round,
+    and every output equals the target alone one at a time."""
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4, prefill_chunk=8)
+    long_prompt = list(range(10, 31))  # 20 positions to prefill: chunks of 8, 8 and 4
+    short = [[40, 41, 42, 43], [50, 51, 52, 53]]  # 3 each
+    sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4)
+    futures = [sched.submit(Job(p, 6, SamplingParams(), no_draft=True)) for p in [long_prompt, *short]]
+    sched.start()
+    outs = [f.result(120) for f in futures]
+    load = sched.load()
+    sched.stop()
+    # the long prompt's first chunk (8 positions: no room for another); the two short ones
+    # together (2 x 3); then the long prompt's two other chunks
+    assert (load["prefill_forwards"], load["batched_prefills"]) == (4, 2)
+    alone = TargetEngine(loaded_target, depth=4)
+    for p, out in zip([long_prompt, *short], outs):
+        assert out.token_ids == alone.generate(p, 6, SamplingParams()).token_ids
 
 
 def test_batched_rounds_collect_the_same_features(loaded_target, backend):
