@@ -195,3 +195,26 @@ def test_fp16_fusion_is_refused_when_any_bit_differs(checkpoints, monkeypatch):
     plain = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"), lean=False)
     ca, cb = runner.new_cache(), plain.new_cache()
     _same(runner.forward(ca, list(range(40, 60)))[0], plain.forward(cb, list(range(40, 60)))[0])
+
+
+def test_float32_norms_run_as_one_op_only_where_it_gives_the_same_bits(checkpoints, monkeypatch):
+    """In float32 each RMS norm runs as ``torch.rms_norm`` once a check on its width found it
+    bit for bit equal to the norm's own ops (the exactness tests above then cover it); a
+    ``torch.rms_norm`` that differs in any bit leaves the norms' ops apart, and still exact."""
+    import common.lean as lean_mod
+
+    model = load_causal_lm(str(checkpoints["llama"]), dtype="float32").model
+    norm = model.model.layers[0].input_layernorm
+    monkeypatch.setattr(lean_mod, "_NORM_CHECKS", {})
+    assert lean_mod._norm(norm).__name__ == "rms_one_op"  # torch.rms_norm matches on this build
+    x = torch.randn(5, norm.weight.shape[0])
+    _same(lean_mod._norm(norm)(x), norm(x))
+
+    real = torch.rms_norm
+    monkeypatch.setattr(lean_mod, "_NORM_CHECKS", {})
+    monkeypatch.setattr(torch, "rms_norm", lambda *a, **k: torch.nextafter(real(*a, **k), torch.tensor(1e30)))
+    apart = lean_mod._norm(norm)
+    assert apart.__name__ == "rms"
+    _same(apart(x), norm(x))
+    bf16 = load_causal_lm(str(checkpoints["llama"]), dtype="bfloat16").model.model.layers[0].input_layernorm
+    assert lean_mod._norm(bf16).__name__ == "rms"  # a bfloat16 weight keeps transformers' casts
