@@ -175,6 +175,11 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "four streams speculative ran 0.60x-0.77x the target alone). auto: 2 on a CPU, no limit on other devices; 0: no "
              "limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft; with "
              "batching off (--max-batch 1, --compile) every round drafts.")
+@option("--admit-window-ms", type=click.FloatRange(0, 1000), default=_d.admit_window_s * 1000, show_default=True,
+        help="When idle, how long the target waits behind a new request for the next one of a burst, so that "
+             "requests sent together prefill in one forward and verify together from their first round "
+             "(each next request must come within this many ms of the last). A lone request's first token comes "
+             "this much later. 0: start each request at once.")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")
 @option("--http", "http_addr", default=None, metavar="HOST:PORT",
@@ -192,7 +197,7 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "drafts. A baseline, or a target kept serving while its draft daemon is away for good.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
 def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_batch, max_queue, http_addr,
-          served_model_name, metrics_port, stall_timeout, no_draft, draft_max_active, **kw) -> None:
+          served_model_name, metrics_port, stall_timeout, no_draft, draft_max_active, admit_window_ms, **kw) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
@@ -203,6 +208,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
     cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout
     cfg.draft_max_active = draft_max_active
+    cfg.admit_window_s = admit_window_ms / 1000
     check_listen(cfg)  # before the model loads
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)

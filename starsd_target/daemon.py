@@ -30,7 +30,8 @@ from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile
-from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed, ShuttingDown
+from starsd_target.scheduler import (DEFAULT_ADMIT_WINDOW_S, Job, Overloaded, Scheduler, SchedulerFailed,
+                                     ShuttingDown)
 
 log = logging.getLogger("starsd.target")
 
@@ -73,6 +74,7 @@ class TargetConfig:
     # rounds draft only while at most this many generations are active (0: always; None: auto,
     # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)
     draft_max_active: int | None = None
+    admit_window_s: float = DEFAULT_ADMIT_WINDOW_S  # from idle, a burst's jobs this close together start together
 
 
 class ServiceFailed(RuntimeError):
@@ -166,7 +168,8 @@ class TargetDaemon:
                                         heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s,
                                         adaptive_depth=self.config.adaptive_depth,
                                         adaptive_speculation=self.config.adaptive_speculation,
-                                        draft_max_active=self.draft_max_active)
+                                        draft_max_active=self.draft_max_active,
+                                        admit_window_s=self.config.admit_window_s)
             self._scheduler.metrics = self.metrics
             self.metrics.watch(self._scheduler.profile)
         return self._scheduler

@@ -264,6 +264,35 @@ def test_prefill_batches_stay_within_one_chunk(loaded_target):
         assert out.token_ids == alone.generate(p, 6, SamplingParams()).token_ids
 
 
+@pytest.mark.parametrize("window_s", [0.5, 0.0])
+def test_an_idle_target_starts_a_burst_of_requests_together(loaded_target, window_s):
+    """Requests that reach an idle scheduler one after another, each within the admission window
+    of the last, start together: one prefill forward, their rounds verified together from the
+    first. With no window the first starts alone, a pass ahead. Outputs are the same either way."""
+    import time
+
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4)
+    sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4, admit_window_s=window_s)
+    sched.start()
+    futures = []
+    for p in PROMPTS:
+        futures.append(sched.submit(Job(engine.encode(p), 8, SamplingParams(), no_draft=True)))
+        time.sleep(0.1)  # far longer than a pass of this tiny model, far shorter than the window
+    outs = [f.result(120) for f in futures]
+    load = sched.load()
+    sched.stop()
+    if window_s:
+        assert (load["prefill_forwards"], load["batched_prefills"]) == (1, 4)
+        assert load["verify_forwards"] == 8 and load["batched_rounds"] == 32  # every round with all four
+    else:
+        assert load["prefill_forwards"] >= 2
+    alone = TargetEngine(loaded_target, depth=4)
+    assert [o.token_ids for o in outs] == [alone.generate(alone.encode(p), 8, SamplingParams()).token_ids
+                                           for p in PROMPTS]
+    with pytest.raises(ValueError, match="admit_window_s"):
+        Scheduler(engine, lambda: None, draft_timeout_s=10, admit_window_s=-1)
+
+
 def test_batched_rounds_collect_the_same_features(loaded_target, backend):
     """For feature-based drafters (EAGLE) each generation keeps the target's hidden states of its
     kept positions: batched, they are those of one at a time (float tolerance)."""
