@@ -304,16 +304,22 @@ class TargetEngine:
                                 attention_mask=mask, position_ids=pos)
         return out.logits[0].float(), fused_features(out.hidden_states, layers)[0] if features else None
 
-    def prefill_batch(self, gens: list["Generation"]) -> None:
+    def prefill_batch(self, gens: list["Generation"]) -> list[Exception | None]:
         """The next prefill chunk of each of several generations, in one forward (their chunks
-        right-padded to the longest), exactly as ``Generation.prefill`` one at a time. One
-        generation, or any not in the pool, goes through ``prefill``. ``BatchFailed`` when the
-        forward fails: every generation is then as it was (a batched forward moves no row's
-        length until it has gone through), for the caller to prefill them one at a time."""
+        right-padded to the longest), exactly as ``Generation.prefill`` one at a time. Returns,
+        per generation, None or the exception that failed its own part (its features; that
+        generation alone is then broken). One generation, or any not in the pool, goes through
+        ``prefill``. ``BatchFailed`` when the batch fails before any generation took its chunk:
+        every cache is then as it was, for the caller to prefill them one at a time."""
         if len(gens) == 1 or any(not g.batchable for g in gens):
+            outcomes: list[Exception | None] = []
             for g in gens:
-                g.prefill()
-            return
+                try:
+                    g.prefill()
+                    outcomes.append(None)
+                except Exception as exc:
+                    outcomes.append(exc)
+            return outcomes
         if len(gens) > self.max_batch:
             raise ValueError(f"a batch of {len(gens)} exceeds max_batch {self.max_batch}")
         t0 = time.perf_counter()
@@ -324,10 +330,18 @@ class TargetEngine:
                                             [g.feats is not None for g in gens], logits=False,
                                             layers=[g.feature_layers for g in gens])
         except Exception as exc:
+            for g in gens:  # the rows' lengths moved if the forward went through and what followed failed
+                crop_cache(g.cache, g.prefilled)
             raise BatchFailed(f"a batched prefill of {len(gens)} generations failed: {exc}") from exc
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0  # each generation's prefill_s counts the whole shared forward
+        outcomes = []
         for g, end, h in zip(gens, ends, hidden):
-            g._prefilled(end, h, seconds)
+            try:
+                g._prefilled(end, h, seconds)
+                outcomes.append(None)
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def verify_batch(self, rounds: list[tuple["Generation", "Proposal | None", bool]]) -> list:
         """Verify several generations' rounds (generation, proposal, wanted) in one forward,

@@ -55,6 +55,7 @@ class Cancelled(RuntimeError):
 # 0.5 ms window took all four together in 3 runs of 4, 2 ms in 6 of 6. A lone request's first
 # token comes this much later.
 DEFAULT_ADMIT_WINDOW_S = 0.002
+ADMIT_WINDOWS_AT_MOST = 4  # a burst's gathering ends this many windows after it began, whatever comes
 
 
 @dataclass
@@ -263,12 +264,20 @@ class Scheduler:
 
     def _gather(self) -> None:
         """Right after an idle loop took a job: each job that follows the last one taken within
-        ``admit_window_s`` starts with it (up to ``max_active``), so that requests sent together
-        prefill in one forward and run their rounds together, rather than the first a pass
-        ahead of the rest. Only from idle: a busy loop admits at every pass anyway."""
-        while len(self.active) < self.max_active and not self._stop.is_set() and self.admit_window_s > 0:
+        ``admit_window_s`` starts with it (up to ``max_active``, for ``ADMIT_WINDOWS_AT_MOST``
+        windows in all), so that requests sent together prefill in one forward and run their
+        rounds together, rather than the first a pass ahead of the rest. Only from idle (a busy
+        loop admits at every pass anyway) and only where generations share forwards."""
+        if self.admit_window_s <= 0 or self.engine.max_batch <= 1:
+            return  # nothing to gain where every generation runs its own forwards
+        deadline = time.monotonic() + ADMIT_WINDOWS_AT_MOST * self.admit_window_s
+        while len(self.active) < self.max_active and not self._stop.is_set():
+            self.last_pass = time.monotonic()  # a slow trickle of requests is not a stalled loop
+            wait = min(self.admit_window_s, deadline - self.last_pass)
+            if wait <= 0:
+                return
             try:
-                job = self.jobs.get(timeout=self.admit_window_s)
+                job = self.jobs.get(timeout=wait)
             except queue.Empty:
                 return
             self._start(job)
@@ -479,15 +488,19 @@ class Scheduler:
             self._chunks += 1
             a.prefill_turn = self._chunks
         if len(batch) > 1:
+            self.prefill_forwards += 1
             try:
-                self.engine.prefill_batch([a.gen for a in batch])
+                outcomes = self.engine.prefill_batch([a.gen for a in batch])
             except BatchFailed:
                 # every generation is as it was: one at a time, so a fault fails its own job only
                 log.warning("prefilling them one at a time", exc_info=True)
             else:
-                self.prefill_forwards += 1
                 self.batched_prefills += len(batch)
-                self._prefilled(batch)
+                for a, outcome in zip(batch, outcomes):
+                    if outcome is not None:
+                        with self._confined(a):
+                            raise outcome  # its own part failed (in a batch): that job alone
+                self._prefilled([a for a in batch if a in self.active])
                 return True
         for a in batch:
             with self._confined(a):

@@ -293,6 +293,57 @@ def test_an_idle_target_starts_a_burst_of_requests_together(loaded_target, windo
         Scheduler(engine, lambda: None, draft_timeout_s=10, admit_window_s=-1)
 
 
+@pytest.mark.parametrize("where", ["the forward", "one generation's features"])
+def test_a_failed_batched_prefill_in_the_scheduler_fails_no_other_job(loaded_target, monkeypatch, where):
+    """A batched prefill whose forward fails is retried one generation at a time (every output as
+    it would have been); one whose failure is one generation's own (its features) fails that job
+    alone, and the others go on exactly."""
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4)
+    real = engine._forward_batch
+    calls = []
+
+    def flaky(caches, feeds, features, trees=None, layers=None, logits=True):
+        out = real(caches, feeds, features, trees, layers, logits)
+        calls.append(logits)
+        if not logits and len(calls) == 1 and where == "the forward":
+            raise RuntimeError("the device fell over")  # after the rows' lengths moved: they go back
+        return out
+
+    monkeypatch.setattr(engine, "_forward_batch", flaky)
+    if where == "one generation's features":
+        from starsd_target.engine import Generation
+
+        real_prefilled = Generation._prefilled
+
+        def broken(self, end, hidden, seconds):
+            if self.tokens[:3] == engine.encode(PROMPTS[1])[:3]:
+                raise MemoryError("no room for its features")
+            real_prefilled(self, end, hidden, seconds)
+
+        monkeypatch.setattr(Generation, "_prefilled", broken)
+    sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4)
+    futures = [sched.submit(Job(engine.encode(p), 8, SamplingParams(), no_draft=True)) for p in PROMPTS]
+    sched.start()
+    outcomes = []
+    for f in futures:
+        try:
+            outcomes.append(f.result(120).token_ids)
+        except Exception as exc:
+            outcomes.append(exc)
+    load = sched.load()
+    sched.stop()
+    monkeypatch.undo()
+    alone = TargetEngine(loaded_target, depth=4)
+    want = [alone.generate(alone.encode(p), 8, SamplingParams()).token_ids for p in PROMPTS]
+    if where == "the forward":
+        assert outcomes == want
+        assert (load["prefill_forwards"], load["batched_prefills"]) == (5, 0)  # the failed one, then one each
+    else:
+        assert isinstance(outcomes[1], MemoryError) and load["failed"] == 1
+        assert [o for i, o in enumerate(outcomes) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+        assert (load["prefill_forwards"], load["batched_prefills"]) == (1, 4)
+
+
 def test_batched_rounds_collect_the_same_features(loaded_target, backend):
     """For feature-based drafters (EAGLE) each generation keeps the target's hidden states of its
     kept positions: batched, they are those of one at a time (float tolerance)."""
