@@ -317,7 +317,6 @@ class PoolLayer(SlotLayer):
             self.pool._init_layer(self.li, key_states, value_states)
         self.device = key_states.device
         self.n = 0
-        self._views()
         self.is_initialized = True
 
     def _reserve(self, need: int) -> None:
@@ -328,18 +327,14 @@ class PoolLayer(SlotLayer):
 
     def reset(self) -> None:
         self.n = 0
-        if self.is_initialized:
-            self._views()
 
 
 class PoolRowCache(SlotCache):
     """One sequence's cache in a ``SlotPool`` row (see there); ``release()`` gives the row back."""
 
     def __init__(self, pool: SlotPool, row: int):
-        DynamicCache.__init__(self, config=pool.config)
+        Cache.__init__(self, layers=[PoolLayer(pool, row, li) for li in range(pool.n_layers)])
         self.pool, self.row = pool, row
-        self.layers = [PoolLayer(pool, row, li) for li in range(pool.n_layers)]
-        self.layer_class_to_replicate = None
 
     def reserve(self, positions: int) -> None:
         self.pool.reserve(positions)
@@ -457,6 +452,8 @@ class PoolBatch(DynamicCache):
         if self._slots is None or self._slots.device != device:
             # each new position's place in a layer's buffer seen as [rows * heads * slots, D]
             _, heads, slots, _ = keys.shape
+            if self.kv_len >= slots:  # reserve() made room; a flat index past a row's slots would land in the next
+                raise RuntimeError(f"the pool holds {slots} slots per row, the batch needs {self.kv_len + 1}")
             n = torch.tensor(self.lengths, device=device)[:, None, None]
             self._rows = self._rows.to(device)
             self._slots = (((self._rows[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
