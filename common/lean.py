@@ -10,7 +10,9 @@ with less of both:
   unchanged), and the model's own rotary embedding, mask builder and cache ``update``;
 - it runs the RMS norms and transformers' SDPA dispatch inline with the same ops in the same order
   (``_norm``, ``LeanForward._attend``; other accelerators keep transformers' attention function);
-- it applies the rotary embedding to queries and keys in one go (elementwise: the same values);
+  a float32 norm runs as one ``torch.rms_norm`` where a check at build time finds the same bits;
+- it applies the rotary embedding to queries and keys in one go, rotating by ``roll`` with the
+  sign moved onto ``sin`` (elementwise: the same values);
 - with fp16-weights it runs q/k/v as one GEMM and gate/up as one, calling fbgemm's GEMM directly
   (fbgemm computes each output column the same way whatever the matrix's width; ``fuse_fp16``
   checks that on the model's own shapes before it fuses, and leaves the layers apart if any bit
@@ -88,7 +90,8 @@ RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
 
 def _norm(module):
     """An RMS norm's forward: transformers' arithmetic for these classes (the same ops in the same
-    order) without the module call; any other norm's own forward."""
+    order) without the module call, in float32 as one ``torch.rms_norm`` where that gives the
+    same bits (``_one_op_norm_matches``); any other norm's own forward."""
     if type(module).__name__ not in RMS_NORMS:
         return _plain(module)
     _plain(module)
@@ -119,20 +122,22 @@ _NORM_CHECKS: dict = {}
 
 def _one_op_norm_matches(weight: torch.Tensor, eps: float) -> bool:
     """Whether ``torch.rms_norm`` (one op: the same arithmetic, less Python) gives transformers'
-    float32 RMS norm bit for bit here, checked on random rows of this width and epsilon (at
-    several row counts and scales, on the weight's device) with this weight; the answer is kept
-    per width, epsilon and device (the weight's values do not enter: both multiply by it last),
-    and the norm keeps its ops apart wherever it is not."""
-    key = (weight.shape[-1], eps, weight.device.type)
+    float32 RMS norm bit for bit here, checked with a random weight on random rows of this width
+    and epsilon (at the row counts of decode, verification and prefill chunks, and several
+    scales, on the weight's device); the answer is kept per width, epsilon and device, and the
+    norm keeps its ops apart wherever it is not."""
+    width = weight.shape[-1]
+    key = (width, eps, weight.device.type)
     if key not in _NORM_CHECKS:
         gen = torch.Generator().manual_seed(0)
+        w = torch.randn(width, generator=gen).to(weight.device)
         ok = True
         with torch.inference_mode():
-            for rows in FUSE_CHECK_ROWS[:5]:
+            for rows in FUSE_CHECK_ROWS:
                 for scale in (1e-3, 1.0, 30.0):
-                    x = (torch.randn(rows, weight.shape[-1], generator=gen) * scale).to(weight.device)
-                    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-                    ok = ok and torch.equal(want, torch.rms_norm(x, (weight.shape[-1],), weight, eps))
+                    x = (torch.randn(rows, width, generator=gen) * scale).to(weight.device)
+                    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+                    ok = ok and torch.equal(want, torch.rms_norm(x, (width,), w, eps))
         if not ok:
             log.info("torch.rms_norm differs from the RMS norm's own ops: they stay apart")
         _NORM_CHECKS[key] = ok
