@@ -251,6 +251,27 @@ def test_the_alternated_comparison_is_planned_alone_or_not_at_all(tmp_path):
     assert "alternated" not in [s["system"] for s in json.loads(CliRunner().invoke(main, ["--plan", "--no-vllm"]).output)]
 
 
+def test_the_alternated_comparison_can_send_the_prompts_together(tmp_path):
+    """--alternate-streams N: vLLM's engine kept up batches N prompts per call, the plan and the
+    report say so, and 0 is refused."""
+    from starsd_draftd.bench.peers.run import alternated_block, serve_command
+
+    base = ["--plan", "--cpus", "0,1", "--vllm-python", str(tmp_path / "python"), "--alternated-only"]
+    (step,) = json.loads(CliRunner().invoke(main, base + ["--alternate-streams", "4"]).output)
+    assert step["streams"] == 4 and step["vllm_command"][step["vllm_command"].index("--streams") + 1] == "4"
+    (one,) = json.loads(CliRunner().invoke(main, base).output)
+    assert one["streams"] == 1 and one["vllm_command"][one["vllm_command"].index("--streams") + 1] == "1"
+    res = CliRunner().invoke(main, base + ["--alternate-streams", "0"])
+    assert res.exit_code != 0 and "--alternate-streams" in res.output
+    cfg = PeersConfig(cpus=(0, 1), alternate_streams=4)
+    cmd, _ = serve_command(cfg, alternated_block(cfg), tmp_path, tmp_path / "p.json", tmp_path / "o.json")
+    assert cmd[cmd.index("--streams") + 1] == "4" and cmd[-1] == "--serve"
+    alt = {"summary": {"rounds": 0}, "rounds": [], "pause_s": 1.0, "streams": 4, "starsd": {"dtype": "fp16-weights"},
+           "vllm": {"cores": [1], "dtype": "bfloat16"}}
+    assert "the prompts sent 4 at once" in rep.format_alternated(alt)
+    assert "the prompts one at a time" in rep.format_alternated(dict(alt, streams=1))
+
+
 def test_the_make_variable_reaches_the_daemons_through_the_environment():
     res = CliRunner().invoke(main, ["--plan", "--no-vllm"], env={"STARSD_ARGS": "--compile"})
     assert res.exit_code == 0, res.output
@@ -500,9 +521,12 @@ def test_the_alternated_run_keeps_its_engines_on_the_target_core_and_restores_it
         def close(self):
             events.append(("starsd-closed",))
 
+    sizes = []
+
     def fake_generate(ep, prompts, max_tokens, no_draft, ctx, timeout_s):
         assert no_draft
         events.append(("starsd-pass", max_tokens))
+        sizes.append(len(prompts))
         return {"wall_s": 1.0, "results": [[{"token_ids": [1] * 5, "stats": {"rounds": 5, "fallback_rounds": 0}}]]}
 
     monkeypatch.setattr(run, "VllmServer", FakeServer)
@@ -522,6 +546,12 @@ def test_the_alternated_run_keeps_its_engines_on_the_target_core_and_restores_it
     if len(cores) > 1:  # the client threads were off the measured core during vLLM's passes
         assert all(cores[-1] not in e[1] for e in events if e[0] == "vllm-pass")
     assert [r["order"] for r in res["rounds"]] == [["starsd", "vllm"], ["vllm", "starsd"]]
+    assert res["streams"] == 1 and set(sizes) == {1}
+    sizes.clear()
+    cfg.alternate, cfg.alternate_streams = 1, 2  # --alternate-streams 2: StarSD's pass sends groups of two
+    res = run.run_alternated(cfg, [[1, 2], [3, 4], [5]], "float32", tmp_path, tmp_path / "p.json", tmp_path,
+                             lambda m: None)
+    assert sizes == [1, 2, 1] and res["streams"] == 2  # the warm-up's one prompt, then the pass: 2 and the rest
     events.clear()
     fail = True
     cfg.alternate = 3

@@ -66,6 +66,8 @@ def _words(text: str | None) -> tuple[str, ...]:
              "comparison on a noisy host); 0: none.")
 @option("--alternate-pause", type=click.FloatRange(0), default=_c.alternate_pause_s, show_default=True,
         help="Seconds of pause before each alternated pass.")
+@option("--alternate-streams", type=click.IntRange(1), default=_c.alternate_streams, show_default=True,
+        help="Prompts sent at once in each alternated pass (1: one at a time; 4: both targets batch the four).")
 @option("--alternated-only", is_flag=True, help="Run the alternated comparison only, not the table.")
 @option("--plan", "show_plan", is_flag=True, help="Print what would run (commands, cores, environment) and exit.")
 @option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
@@ -73,7 +75,7 @@ def _words(text: str | None) -> tuple[str, ...]:
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
 def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
          vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, alternate,
-         alternate_pause, alternated_only, show_plan, as_json, log_level, log_format) -> None:
+         alternate_pause, alternate_streams, alternated_only, show_plan, as_json, log_level, log_format) -> None:
     """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
     speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md, then the target
     alone of both alternated on one core, round by round (--alternate)."""
@@ -86,7 +88,8 @@ def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_star
                       starsd_dtypes=tuple(d.strip() for d in (starsd_dtypes or "").split(",") if d.strip()),
                       starsd_args=_words(starsd_args), draftd_args=_words(draftd_args),
                       target_args=_words(target_args), cpus=None if cpus is None else _ints(cpus), workdir=workdir,
-                      alternate=alternate, alternate_pause_s=alternate_pause, table=not alternated_only)
+                      alternate=alternate, alternate_pause_s=alternate_pause, alternate_streams=alternate_streams,
+                      table=not alternated_only)
     if show_plan:
         click.echo(json.dumps(plan(cfg), indent=2))
         return

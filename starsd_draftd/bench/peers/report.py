@@ -198,13 +198,17 @@ def alternated_summary(rounds: list[dict]) -> dict:
             "starsd_cpu_during_vllm_s": statistics.median(cpu["vllm"]) if cpu["vllm"] else None}
 
 
+def _at_a_time(streams: int) -> str:
+    return "the prompts one at a time" if streams == 1 else f"the prompts sent {streams} at once"
+
+
 def format_alternated(alt: dict) -> str:
     """The alternated comparison as a Markdown section."""
     s, v = alt["summary"], alt["vllm"]
     compiled = {True: "eager", False: "compiled"}.get(v.get("enforce_eager"), "eager or compiled: not reported")
     lines = [f"## Target alone, alternated on one core (core {','.join(map(str, v['cores']))})", "",
              f"StarSD's target daemon ({alt['starsd']['dtype']}) and vLLM ({v['dtype']}, {compiled}) both kept up on "
-             f"the same core, idle but for their turn; the prompts one at a time; a {alt['pause_s']:.1f} s pause before "
+             f"the same core, idle but for their turn; {_at_a_time(alt.get('streams', 1))}; a {alt['pause_s']:.1f} s pause before "
              "each pass; each system first in every other round.", "",
              "| round | first | StarSD tok/s | vLLM tok/s | StarSD / vLLM | vLLM's CPU during StarSD's pass (s) "
              "| StarSD's CPU during vLLM's pass (s) |", "|---" * 7 + "|"]

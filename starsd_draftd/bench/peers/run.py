@@ -19,7 +19,7 @@ One pass per engine cannot tell two systems apart within 20% on a shared host wh
 by that much within minutes. So the closest comparison, the target alone per core, is also run
 *alternated* (``--alternate N``): StarSD's target daemon and a vLLM engine (``vllm_peer.py
 --serve``) both stay up on the target's core, idle but for their turn, and run the prompts one
-at a time in turns, N rounds, each system first in every other round and each pass after the
+at a time (or ``--alternate-streams`` at once) in turns, N rounds, each system first in every other round and each pass after the
 same pause. Each round gives a ratio of two passes minutes apart at most; the report gives their
 median and spread and the CPU time each system's idle processes took during the other's passes.
 """
@@ -80,6 +80,7 @@ class PeersConfig:
     workdir: Path | None = None
     alternate: int = 6  # rounds of the alternated target-alone comparison; 0: none
     alternate_pause_s: float = 1.0  # before each alternated pass
+    alternate_streams: int = 1  # prompts sent at once in each alternated pass (1: one at a time)
     table: bool = True  # False: the alternated comparison only
 
     def check(self) -> None:
@@ -87,6 +88,8 @@ class PeersConfig:
             raise ValueError("prompts, max tokens and depth must be at least 1")
         if self.alternate < 0 or self.alternate_pause_s < 0:
             raise ValueError("alternated rounds and their pause cannot be negative")
+        if self.alternate_streams < 1:
+            raise ValueError("alternated streams must be at least 1")
         if not self.table and not self.alternates():
             raise ValueError("nothing to run: the alternated comparison only was asked for, and it needs vLLM, "
                              "StarSD and --alternate of at least 1")
@@ -233,7 +236,8 @@ def plan(cfg: PeersConfig) -> list[dict]:
         block = alternated_block(cfg)
         cmd, env = serve_command(cfg, block, Path("<target>"), Path("<prompts.json>"), Path("<out.json>"))
         target = alternated_target_args(cfg, cfg.dtypes()[0], "tcp://127.0.0.1:PORT")
-        steps.append({"system": "alternated", "rounds": cfg.alternate, "pause_s": cfg.alternate_pause_s,
+        steps.append({"system": "alternated", "rounds": cfg.alternate, "streams": cfg.alternate_streams,
+                      "pause_s": cfg.alternate_pause_s,
                       "cores": block["cores"], "starsd_target": target, "vllm_command": cmd, "vllm_env": env})
     return steps
 
@@ -295,9 +299,9 @@ def alternated_block(cfg: PeersConfig) -> dict:
 
 def serve_command(cfg: PeersConfig, block: dict, target_dir: Path, prompts_file: Path,
                   out_file: Path) -> tuple[list[str], dict]:
-    """``vllm_command`` for an engine kept up: ``--serve``, the prompts one at a time."""
+    """``vllm_command`` for an engine kept up: ``--serve``, the prompts ``alternate_streams`` at a time."""
     cmd, env = vllm_command(cfg, block, target_dir, target_dir, prompts_file, out_file)
-    cmd[cmd.index("--streams") + 1] = "1"
+    cmd[cmd.index("--streams") + 1] = str(cfg.alternate_streams)
     return cmd + ["--serve"], env
 
 
@@ -492,8 +496,9 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
             starsd_up = time.perf_counter() - t1
 
             def starsd_pass() -> dict:
-                return rep.starsd_case(1, [generate_at_once(endpoint, [p], cfg.max_tokens, True, ctx,
-                                                            cfg.job_timeout_s) for p in prompts])
+                return rep.starsd_case(cfg.alternate_streams,
+                                       [generate_at_once(endpoint, g, cfg.max_tokens, True, ctx, cfg.job_timeout_s)
+                                        for g in _groups(prompts, cfg.alternate_streams)])
 
             def report_pass(name: str, fn):
                 def run() -> dict:
@@ -511,7 +516,8 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
         os.sched_setaffinity(0, mine)
         procs.close()
         ctx.destroy(linger=0)
-    return {"vllm": dict(block, start=dict(ready.get("start", {}), process_up_s=vllm_up),
+    return {"streams": cfg.alternate_streams,
+            "vllm": dict(block, start=dict(ready.get("start", {}), process_up_s=vllm_up),
                          vllm_version=ready.get("vllm_version"), torch_version=ready.get("torch_version"),
                          omp_threads_bind=ready.get("omp_threads_bind"),
                          affinity=ready.get("affinity"), enforce_eager=ready.get("enforce_eager")),
