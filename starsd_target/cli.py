@@ -17,6 +17,7 @@ from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
 from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
 from starsd_target.profile import describe as describe_profile
+from starsd_target.scheduler import ADMIT_WINDOWS_AT_MOST
 
 option = env_options("STARSD_TARGET")
 _d = TargetConfig()
@@ -178,7 +179,8 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--admit-window-ms", type=click.FloatRange(0, 1000), default=_d.admit_window_s * 1000, show_default=True,
         help="When idle, how long the target waits behind a new request for the next one of a burst, so that "
              "requests sent together prefill in one forward and verify together from their first round "
-             "(each next request must come within this many ms of the last; 4 windows in all at most). A lone "
+             f"(each next request must come within this many ms of the last; {ADMIT_WINDOWS_AT_MOST} windows in all "
+             "at most). A lone "
              "request's first token comes this much later. 0: start each request at once.")
 @option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
         help="Jobs waiting beyond those; more are refused as busy.")

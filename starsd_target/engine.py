@@ -329,9 +329,11 @@ class TargetEngine:
                                             [g.tokens[g.prefilled: end] for g, end in zip(gens, ends)],
                                             [g.feats is not None for g in gens], logits=False,
                                             layers=[g.feature_layers for g in gens])
-        except Exception as exc:
+        except BaseException as exc:
             for g in gens:  # the rows' lengths moved if the forward went through and what followed failed
                 crop_cache(g.cache, g.prefilled)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt: the caches are restored, and it goes on up
             raise BatchFailed(f"a batched prefill of {len(gens)} generations failed: {exc}") from exc
         seconds = time.perf_counter() - t0  # each generation's prefill_s counts the whole shared forward
         outcomes = []

@@ -142,7 +142,7 @@ class Scheduler:
         self.cancelled = 0
         self.forwards = 0  # verification forwards run
         self.batched_rounds = 0  # rounds verified beside others in one forward
-        self.prefill_forwards = 0  # prefill forwards run (one chunk each, or several batched)
+        self.prefill_forwards = 0  # prefill forwards that went through (one chunk each, or several batched)
         self.batched_prefills = 0  # prefill chunks run beside others in one forward
         self._chunks = 0  # prefill chunks run so far: the clock the turns are taken by
         self.last_pass = time.monotonic()  # liveness: the loop stamps every pass
@@ -488,13 +488,13 @@ class Scheduler:
             self._chunks += 1
             a.prefill_turn = self._chunks
         if len(batch) > 1:
-            self.prefill_forwards += 1
             try:
                 outcomes = self.engine.prefill_batch([a.gen for a in batch])
             except BatchFailed:
                 # every generation is as it was: one at a time, so a fault fails its own job only
                 log.warning("prefilling them one at a time", exc_info=True)
             else:
+                self.prefill_forwards += 1
                 self.batched_prefills += len(batch)
                 for a, outcome in zip(batch, outcomes):
                     if outcome is not None:
@@ -505,7 +505,7 @@ class Scheduler:
         for a in batch:
             with self._confined(a):
                 a.gen.prefill()
-            self.prefill_forwards += 1
+                self.prefill_forwards += 1  # forwards that went through, as verify_forwards counts
         self._prefilled([a for a in batch if a in self.active])
         return True
 

@@ -337,11 +337,50 @@ def test_a_failed_batched_prefill_in_the_scheduler_fails_no_other_job(loaded_tar
     want = [alone.generate(alone.encode(p), 8, SamplingParams()).token_ids for p in PROMPTS]
     if where == "the forward":
         assert outcomes == want
-        assert (load["prefill_forwards"], load["batched_prefills"]) == (5, 0)  # the failed one, then one each
+        assert (load["prefill_forwards"], load["batched_prefills"]) == (4, 0)  # after the failed one, one each
     else:
         assert isinstance(outcomes[1], MemoryError) and load["failed"] == 1
         assert [o for i, o in enumerate(outcomes) if i != 1] == [w for i, w in enumerate(want) if i != 1]
         assert (load["prefill_forwards"], load["batched_prefills"]) == (1, 4)
+
+
+def test_the_admission_window_waits_only_where_it_can_gain_and_stays_live(loaded_target, monkeypatch):
+    """The window's wait, driven directly: no wait at all where generations never share a forward
+    (max_batch 1) or with no window; otherwise each wait at most one window, the gathering over
+    after ADMIT_WINDOWS_AT_MOST windows whatever keeps coming, and the loop's liveness stamped
+    while it waits."""
+    import queue
+
+    import starsd_target.scheduler as sched_mod
+
+    class Trickle:  # a job always waiting: the window alone must end the gathering
+        def __init__(self):
+            self.waits = []
+
+        def get(self, timeout):
+            self.waits.append(timeout)
+            clock[0] += timeout  # as if the job came at the end of the wait
+            return Job([5, 6, 7], 2, SamplingParams(), no_draft=True)
+
+    clock = [100.0]
+    monkeypatch.setattr(sched_mod.time, "monotonic", lambda: clock[0])
+    for max_batch, window in ((1, 0.5), (4, 0.0)):
+        sched = Scheduler(TargetEngine(loaded_target, max_batch=max_batch), lambda: None, draft_timeout_s=10,
+                          max_active=8, admit_window_s=window)
+        sched.jobs = Trickle()
+        sched._gather()
+        assert sched.jobs.waits == [] and not sched.active
+    sched = Scheduler(TargetEngine(loaded_target, max_batch=4, rows=8), lambda: None, draft_timeout_s=10,
+                      max_active=8, admit_window_s=0.5)
+    sched.jobs, sched.last_pass = Trickle(), 0.0
+    sched._gather()
+    assert sched.jobs.waits == [0.5] * sched_mod.ADMIT_WINDOWS_AT_MOST  # a job every window, cut at the cap
+    assert len(sched.active) == sched_mod.ADMIT_WINDOWS_AT_MOST < sched.max_active
+    assert sched.last_pass == 100.0 + 0.5 * sched_mod.ADMIT_WINDOWS_AT_MOST  # stamped at every turn, the last too
+    sched.jobs, sched.active = queue.Queue(), []
+    sched.jobs.put(Job([5, 6, 7], 2, SamplingParams(), no_draft=True))
+    sched._gather()  # one job behind, then a window with none: done
+    assert len(sched.active) == 1
 
 
 def test_batched_rounds_collect_the_same_features(loaded_target, backend):
