@@ -263,6 +263,12 @@ def test_the_alternated_comparison_can_send_the_prompts_together(tmp_path):
     assert one["streams"] == 1 and one["vllm_command"][one["vllm_command"].index("--streams") + 1] == "1"
     res = CliRunner().invoke(main, base + ["--alternate-streams", "0"])
     assert res.exit_code != 0 and "--alternate-streams" in res.output
+    with pytest.raises(ValueError, match=r"alternated streams must lie in 1\.\.4"):
+        PeersConfig(cpus=(0, 1), alternate_streams=5).check()  # more than the 4 prompts
+    (wide,) = json.loads(CliRunner().invoke(main, base + ["--prompts", "8", "--alternate-streams", "8"]).output)
+    t = wide["starsd_target"]  # the daemon takes as many at once as vLLM's engine batches
+    assert t[t.index("--max-active") + 1] == "8" and t[t.index("--max-batch") + 1] == "8"
+    assert "--max-batch" not in step["starsd_target"]  # 4 at once: the daemon's defaults
     cfg = PeersConfig(cpus=(0, 1), alternate_streams=4)
     cmd, _ = serve_command(cfg, alternated_block(cfg), tmp_path, tmp_path / "p.json", tmp_path / "o.json")
     assert cmd[cmd.index("--streams") + 1] == "4" and cmd[-1] == "--serve"

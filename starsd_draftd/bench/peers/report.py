@@ -208,7 +208,8 @@ def format_alternated(alt: dict) -> str:
     compiled = {True: "eager", False: "compiled"}.get(v.get("enforce_eager"), "eager or compiled: not reported")
     lines = [f"## Target alone, alternated on one core (core {','.join(map(str, v['cores']))})", "",
              f"StarSD's target daemon ({alt['starsd']['dtype']}) and vLLM ({v['dtype']}, {compiled}) both kept up on "
-             f"the same core, idle but for their turn; {_at_a_time(alt.get('streams', 1))}; a {alt['pause_s']:.1f} s pause before "
+             f"the same core, idle but for their turn; {_at_a_time(alt.get('streams', 1))}; "
+             f"a {alt['pause_s']:.1f} s pause before "
              "each pass; each system first in every other round.", "",
              "| round | first | StarSD tok/s | vLLM tok/s | StarSD / vLLM | vLLM's CPU during StarSD's pass (s) "
              "| StarSD's CPU during vLLM's pass (s) |", "|---" * 7 + "|"]

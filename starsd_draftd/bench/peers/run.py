@@ -19,8 +19,8 @@ One pass per engine cannot tell two systems apart within 20% on a shared host wh
 by that much within minutes. So the closest comparison, the target alone per core, is also run
 *alternated* (``--alternate N``): StarSD's target daemon and a vLLM engine (``vllm_peer.py
 --serve``) both stay up on the target's core, idle but for their turn, and run the prompts one
-at a time (or ``--alternate-streams`` at once) in turns, N rounds, each system first in every other round and each pass after the
-same pause. Each round gives a ratio of two passes minutes apart at most; the report gives their
+at a time (or ``--alternate-streams`` at once) in turns, N rounds, each system first in every
+other round and each pass after the same pause. Each round gives a ratio of two passes minutes apart at most; the report gives their
 median and spread and the CPU time each system's idle processes took during the other's passes.
 """
 
@@ -88,8 +88,9 @@ class PeersConfig:
             raise ValueError("prompts, max tokens and depth must be at least 1")
         if self.alternate < 0 or self.alternate_pause_s < 0:
             raise ValueError("alternated rounds and their pause cannot be negative")
-        if self.alternate_streams < 1:
-            raise ValueError("alternated streams must be at least 1")
+        if not 1 <= self.alternate_streams <= self.prompts:
+            raise ValueError(f"alternated streams must lie in 1..{self.prompts} (the prompts), "
+                             f"got {self.alternate_streams}")
         if not self.table and not self.alternates():
             raise ValueError("nothing to run: the alternated comparison only was asked for, and it needs vLLM, "
                              "StarSD and --alternate of at least 1")
@@ -308,8 +309,10 @@ def serve_command(cfg: PeersConfig, block: dict, target_dir: Path, prompts_file:
 def alternated_target_args(cfg: PeersConfig, dtype: str, endpoint: str) -> list[str]:
     """The target daemon of the alternated comparison: as in the table, with no draft daemon (and no
     link to one: no retries in the background on the measured core)."""
+    wide = cfg.alternate_streams > 4  # beyond the daemon's default --max-active/--max-batch: as wide as vLLM's batch
+    width = ["--max-active", str(cfg.alternate_streams), "--max-batch", str(cfg.alternate_streams)] if wide else []
     return ["starsd_target", "serve", "--model", cfg.target_model, "--no-draft", "--listen", endpoint, "--threads",
-            "1", "--dtype", dtype, "--name", "peers-alternated", *cfg.starsd_args, *cfg.target_args]
+            "1", "--dtype", dtype, "--name", "peers-alternated", *width, *cfg.starsd_args, *cfg.target_args]
 
 
 def process_cpu_s(pid: int, group: bool = False) -> float:
@@ -476,7 +479,8 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
     ctx = zmq.Context()
     procs = ProcessSet(workdir, ctx)
     progress(f"Alternated: vLLM {block['label']} and StarSD's target daemon ({dtype}), both on core "
-             f"{block['cores'][0]}, {cfg.alternate} rounds (logs in {workdir})")
+             f"{block['cores'][0]}, {cfg.alternate} rounds, {cfg.alternate_streams} prompt(s) at once "
+             f"(logs in {workdir})")
     mine = os.sched_getaffinity(0)
     elsewhere = mine - set(block["cores"])
     if elsewhere:  # this process's client threads off the measured core
