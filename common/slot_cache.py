@@ -271,6 +271,20 @@ class SlotPool:
         self.slots_hint = cap  # the rows' keys and values are views made when read: of the new buffers
 
 
+def _filled_slots(buf: str, what: str) -> property:
+    """A pool row layer's ``keys`` or ``values``: the filled part of its buffer ``buf``, made when
+    read (None before its first forward). Only None may be set (as ``DynamicLayer`` does)."""
+
+    def read(layer) -> torch.Tensor | None:
+        return getattr(layer, buf)[:, :, : layer.n] if layer.is_initialized else None
+
+    def write(layer, value) -> None:
+        if value is not None:
+            raise AttributeError(f"a pool row's {what} are its slots in the pool")
+
+    return property(read, write)
+
+
 class PoolLayer(SlotLayer):
     """One layer of one pool row: a ``SlotLayer`` whose buffer is the row's slice of the pool's.
     Its ``keys`` and ``values`` are made when read, so that a batched forward's commit (every
@@ -281,23 +295,8 @@ class PoolLayer(SlotLayer):
         self.pool, self.row, self.li = pool, row, li
         self.n = 0
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.k_buf[:, :, : self.n] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a pool row's keys are its slots in the pool")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.v_buf[:, :, : self.n] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value) -> None:
-        if value is not None:
-            raise AttributeError("a pool row's values are its slots in the pool")
+    keys = _filled_slots("k_buf", "keys")
+    values = _filled_slots("v_buf", "values")
 
     def _views(self) -> None:
         pass  # made when read
