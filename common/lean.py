@@ -100,7 +100,7 @@ def _norm(module):
 
     def rms(x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # transformers' casts to and from float32 are no-ops then
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            return _rms_float32(x, weight, eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
@@ -115,6 +115,11 @@ def _norm(module):
         return rms(x)
 
     return rms_one_op
+
+
+def _rms_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMS norm of a float32 ``x``, op for op."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 _NORM_CHECKS: dict = {}
@@ -136,8 +141,7 @@ def _one_op_norm_matches(weight: torch.Tensor, eps: float) -> bool:
             for rows in FUSE_CHECK_ROWS:
                 for scale in (1e-3, 1.0, 30.0):
                     x = (torch.randn(rows, width, generator=gen) * scale).to(weight.device)
-                    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-                    ok = ok and torch.equal(want, torch.rms_norm(x, (width,), w, eps))
+                    ok = ok and torch.equal(_rms_float32(x, w, eps), torch.rms_norm(x, (width,), w, eps))
         if not ok:
             log.info("torch.rms_norm differs from the RMS norm's own ops: they stay apart")
         _NORM_CHECKS[key] = ok
