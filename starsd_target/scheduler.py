@@ -487,33 +487,28 @@ class Scheduler:
         for a in batch:
             self._chunks += 1
             a.prefill_turn = self._chunks
+        gens, outcomes = [a.gen for a in batch], None
         if len(batch) > 1:
             try:
-                outcomes = self.engine.prefill_batch([a.gen for a in batch])
+                outcomes = self.engine.prefill_batch(gens)
             except BatchFailed:
                 # every generation is as it was: one at a time, so a fault fails its own job only
                 log.warning("prefilling them one at a time", exc_info=True)
             else:
                 self.prefill_forwards += 1
                 self.batched_prefills += len(batch)
-                for a, outcome in zip(batch, outcomes):
-                    if outcome is not None:
-                        with self._confined(a):
-                            raise outcome  # its own part failed (in a batch): that job alone
-                self._prefilled([a for a in batch if a in self.active])
-                return True
-        for a in batch:
-            with self._confined(a):
-                a.gen.prefill()
-                self.prefill_forwards += 1  # forwards that went through, as verify_forwards counts
-        self._prefilled([a for a in batch if a in self.active])
-        return True
-
-    @staticmethod
-    def _prefilled(batch: list[_Active]) -> None:
+        if outcomes is None:
+            outcomes = [self.engine.prefill_batch([g])[0] for g in gens]
+            self.prefill_forwards += sum(o is None for o in outcomes)  # went through, as verify_forwards counts
+        for a, outcome in zip(batch, outcomes):
+            if outcome is not None:
+                with self._confined(a):
+                    raise outcome  # its own part failed: that job alone
         now = time.perf_counter()
         for a in batch:
-            a.round_start = now  # prefill is counted apart (prefill_s): the first round starts after it
+            if a in self.active:
+                a.round_start = now  # prefill is counted apart (prefill_s): the first round starts after it
+        return True
 
     def _verify_one(self) -> None:
         """Verify the longest-waiting generation whose round can run, and with it (one forward,
