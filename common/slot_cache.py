@@ -227,6 +227,15 @@ class SlotPool:
         k = next((t for t in self.k if t is not None), None)
         return self.slots_hint if k is None else int(k.shape[2])
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffers are made (at the first forward that writes the pool)."""
+        return any(t is not None for t in self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v) if t is not None)
+
     def acquire(self, capacity: int = 0) -> "PoolRowCache | None":
         """A free row with room for ``capacity`` positions (the pool grows if it must), or None
         when every row is taken."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -24,6 +23,7 @@ from common.tensors import as_torch, to_wire
 from common.tree import TreeError, check_parents, mask_refusal, tree_attention
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_host,
                            verify_greedy_tensor, verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
+from starsd_target import warmup
 from starsd_target.detokenizer import IncrementalText
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
@@ -186,30 +186,16 @@ class TargetEngine:
         return self.runner.new_cache(capacity)
 
     def warm_up(self, features: bool = False, feature_layers: tuple[int, ...] | None = None) -> float:
-        """With a compiled runner, compile the kinds of forward serving runs before the daemon
-        takes jobs: prefill chunks (a first one, one after cached positions, a one-token rest),
-        a round with drafts and a round without; with ``features`` (a draft daemon with a
-        feature-based head; ``feature_layers``: the states it fuses) both with and without hidden
-        states. 0 s when eager."""
-        tok = next(t for t in range(1, self.loaded.logits_size) if t not in self.loaded.eos_token_ids)
+        """Before the daemon takes jobs: make the pool's KV buffers (``prime_pool``), and with a
+        compiled runner compile the kinds of forward serving runs (``warmup.compile_exercise``;
+        ``features``: a draft daemon with a feature-based head, ``feature_layers`` the states it
+        fuses). Returns the compile seconds (0 when eager)."""
+        warmup.prime_pool(self)
+        return self.runner.warm_up(lambda: warmup.compile_exercise(self, features, feature_layers), "target model")
 
-        def exercise():
-            chunk = self.prefill_chunk
-            self.prefill_chunk = 4  # 9 prompt positions to prefill: chunks of 4, 4 and 1
-            try:
-                for feats in ((False, True) if features else (False,)):
-                    g = self.start([tok] * 10, self.depth + 3, SamplingParams(), features=feats,
-                                   feature_layers=feature_layers)
-                    while g.prefilling:
-                        g.prefill()
-                    g.verify(_WarmUpDrafts([tok] * min(self.depth, g.draft_depth())))
-                    if not g.done:
-                        g.verify(None, wanted=False)
-                    g.release()
-            finally:
-                self.prefill_chunk = chunk
-
-        return self.runner.warm_up(exercise, "target model")
+    def prime_pool(self) -> float:
+        """See ``warmup.prime_pool``."""
+        return warmup.prime_pool(self)
 
     def check(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop=(),
               max_draft: int | None = None, logprobs: int | None = None) -> None:
@@ -481,13 +467,6 @@ def _parents(prop) -> list[int] | None:
     parents = [int(p) for p in parents]
     chain = len(parents) == len(prop.tokens) and all(p == i - 1 for i, p in enumerate(parents))
     return None if chain else parents
-
-
-@dataclass
-class _WarmUpDrafts:
-    tokens: list[int]
-    q_ids: None = None
-    q_probs: None = None
 
 
 class Generation:

@@ -404,3 +404,24 @@ def test_batched_rounds_collect_the_same_features(loaded_target, backend):
     for a, b in zip(feats[2], feats[1]):
         assert a.shape == b.shape and a.shape[0] > 16
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_warm_up_makes_the_pool_and_leaves_nothing_behind(loaded_target, backend):
+    """The daemon's warm-up makes the pool's KV buffers before the first request (they would
+    otherwise be made, and zeroed, inside its first forward), with every row free again after,
+    once; the generations that follow are exactly those of an engine that was never warmed up."""
+    primed = TargetEngine(loaded_target, depth=4, max_batch=4, rows=4)
+    assert primed.pool is not None and not primed.pool.allocated and primed.pool.nbytes == 0
+    assert primed.warm_up() == 0.0  # eager: nothing compiled
+    pool = primed.pool
+    assert pool.allocated and pool.nbytes > 0 and pool.free == [0, 1, 2, 3] and not pool.live
+    buffers = [id(t) for t in pool.k]
+    assert primed.prime_pool() == 0.0 and [id(t) for t in pool.k] == buffers  # once
+    cold = TargetEngine(loaded_target, depth=4, max_batch=4, rows=4)
+    got, batches = _lockstep(primed, backend, PROMPTS, PARAMS, 24)
+    want, _ = _lockstep(cold, backend, PROMPTS, PARAMS, 24)
+    assert batches >= 5
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.stats.accepted == w.stats.accepted
+    assert sum(g.stats.accepted for g in got) > 0
+    assert TargetEngine(loaded_target, depth=4).prime_pool() == 0.0  # no pool: nothing to make
