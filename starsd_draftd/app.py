@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from common.heap import freeze_startup_objects
 from common.models import load_causal_lm, resolve_model_path, set_torch_threads
 from starsd_draftd.server import DraftServer, ServerConfig
 
@@ -80,5 +81,6 @@ def run(cfg: ServeConfig) -> None:
     ctx = zmq.Context()
     server = DraftServer(backend, cfg.server, ctx)
     server.install_signal_handlers()
+    freeze_startup_objects("draft daemon")
     server.serve_forever()
     ctx.term()  # returns once the last messages (GOODBYEs) have left, within the sockets' linger

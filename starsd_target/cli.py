@@ -10,6 +10,7 @@ import click
 import zmq
 
 from common.cliutil import env_options, fail_cleanly, logging_options, status_command
+from common.heap import freeze_startup_objects
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
@@ -220,6 +221,7 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     daemon.scheduler()
     if http_addr is None:
         daemon.install_signal_handlers()
+        freeze_startup_objects("target daemon")
         daemon.serve_forever()
     else:
         _serve_http(daemon, http_addr, served_model_name or daemon.loaded.path.name)
@@ -257,6 +259,7 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
 
     config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=30)
+    freeze_startup_objects("target daemon")
     # uvicorn takes SIGTERM/SIGINT while it runs, drains HTTP, then re-raises the signal: our
     # handler then stops the job socket and the scheduler instead of the default kill.
     daemon.install_signal_handlers()

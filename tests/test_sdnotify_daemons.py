@@ -2,6 +2,7 @@
 systemd asks for it, STOPPING=1 when SIGTERM starts the drain, then a clean exit."""
 
 import json
+import re
 import signal
 import socket
 import time
@@ -102,6 +103,11 @@ def test_daemons_notify_ready_watchdog_stopping(tiny_target, tiny_draft, tmp_pat
                 "--draft", draft_ep, "--connect-timeout", "0", env=target_l.env)
         wait_ready(d, "target", target_ep, target_l)
 
+        for name, what in (("draftd", "draft daemon"), ("target", "target daemon")):
+            # start-up's objects are out of the collector's reach before serving (common.heap)
+            frozen = re.search(what + r": (\d+) start-up objects moved out", d.log(name))
+            assert frozen and int(frozen.group(1)) > 10_000, d.log(name)[-3000:]
+
         for name, listener in (("draftd", draft_l), ("target", target_l)):
             proc, describe = d.procs[name], (lambda n=name: d.log(n)[-3000:])
             while listener.poll(0.0):  # pings sent while the other daemon started up
@@ -150,6 +156,7 @@ def test_target_with_http_api_notifies_once(tiny_target, tiny_draft, tmp_path):
                 assert time.monotonic() < deadline, "HTTP API not listening 5 s after READY=1"
                 time.sleep(0.05)
         target_l.wait_for("WATCHDOG=1", proc, 5.0, describe)
+        assert re.search(r"target daemon: \d+ start-up objects moved out", d.log("target")), describe()
         proc.send_signal(signal.SIGTERM)
         target_l.wait_for("STOPPING=1", proc, 60.0, describe)
         assert proc.wait(60) == 0, describe()
