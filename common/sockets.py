@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import ipaddress
+import os
+import queue
 import socket as _socket
 import threading
 from dataclasses import dataclass
@@ -138,3 +140,52 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
     """``tcp://host:port`` on a ``free_tcp_port``."""
     return f"tcp://{host}:{free_tcp_port(host)}"
+
+
+class WakingQueue:
+    """A queue another thread fills for a socket's thread to empty, where each ``put`` also
+    wakes that thread's poll at once: ``fd`` (a pipe's read end) goes into its ``zmq.Poller``
+    beside the socket. After a poll, ``clear()`` first and only then ``get_nowait()`` until
+    ``queue.Empty``: an item put after the clear leaves the pipe readable for the next poll."""
+
+    def __init__(self):
+        self._items: queue.Queue = queue.Queue()
+        self.fd, self._wfd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._wfd, False)
+        self._lock = threading.Lock()  # no write to a descriptor number closed (and perhaps reused)
+        self._closed = False
+
+    def put(self, item) -> None:
+        self._items.put(item)
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wfd, b"\0")
+            except BlockingIOError:  # the pipe is full of wake-ups already: the reader is woken
+                pass
+
+    def clear(self) -> None:
+        """Read the wake-ups that are in the pipe (the items stay)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                while os.read(self.fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def get(self, timeout: float | None = None):
+        return self._items.get(timeout=timeout)
+
+    def get_nowait(self):
+        return self._items.get_nowait()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)
+                os.close(self._wfd)

@@ -21,7 +21,7 @@ from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.runner import ModelRunner
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
-from common.sockets import bind_server, check_server_endpoint
+from common.sockets import WakingQueue, bind_server, check_server_endpoint
 from common.verify import SamplingParams
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
@@ -40,6 +40,9 @@ log = logging.getLogger("starsd.target")
 # demo pair on one core each, speculation gave 1.23x-1.54x the target alone with one generation,
 # 0.80x-1.03x with two (about break-even) and 0.60x-0.77x with four (docs/bench.md).
 CPU_DRAFT_MAX_ACTIVE = 2
+# the job socket's loop wakes at once for a request or a reply, and at least this often for its
+# other duties: the scheduler's health, systemd's watchdog, a key reload, a stop
+CONTROL_POLL_MS = 100
 
 
 @dataclass
@@ -213,7 +216,7 @@ class TargetDaemon:
         return self._scheduler is not None and self._scheduler.healthy()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop.set()  # the job socket's loop sees it within CONTROL_POLL_MS
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -236,7 +239,10 @@ class TargetDaemon:
         if notify_ready:
             notify("READY=1", f"STATUS=taking jobs on {self.endpoint}")
         watchdog = Watchdog()
-        replies: queue.Queue[list] = queue.Queue()  # filled by job callbacks, sent by this thread
+        replies = WakingQueue()  # filled by job callbacks, sent by this thread
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(replies.fd, zmq.POLLIN)  # a reply is sent the moment it is put
         pending = 0
         try:
             while not self._stop.is_set():
@@ -248,9 +254,11 @@ class TargetDaemon:
                 if self._reload_keys.is_set() and self.allow is not None:
                     self._reload_keys.clear()
                     self.allow.reload()
-                if sock.poll(20, zmq.POLLIN):
+                events = dict(poller.poll(CONTROL_POLL_MS))
+                if events.get(sock):
                     frames = sock.recv_multipart(copy=False)
                     pending += self._on_control(frames, replies)
+                replies.clear()  # before taking the replies: one put after this wakes the next poll
                 pending -= self._send_replies(sock, replies)
             notify("STOPPING=1", "STATUS=finishing jobs in progress")
             sched.stop(0.0 if self.failure else 60.0)  # queued jobs fail with SHUTTING_DOWN, running ones finish
@@ -263,6 +271,7 @@ class TargetDaemon:
         finally:
             # give the last replies (results, refusals) a moment to leave
             sock.close(linger=1000 if self._stop.is_set() or self.failure else 0)
+            replies.close()
             if self.allow is not None:
                 self.allow.stop()
             if self.client is not None and not (sched.thread is not None and sched.thread.is_alive()):
@@ -278,7 +287,7 @@ class TargetDaemon:
         notify(f"STATUS=scheduler {why}")
 
     @staticmethod
-    def _send_replies(sock: zmq.Socket, replies: queue.Queue, wait_s: float = 0.0) -> int:
+    def _send_replies(sock: zmq.Socket, replies: WakingQueue, wait_s: float = 0.0) -> int:
         sent = 0
         while True:
             try:
@@ -291,7 +300,7 @@ class TargetDaemon:
                 log.warning("could not return a reply to its client: %s", exc)
             sent += 1
 
-    def _on_control(self, frames: list, replies: queue.Queue) -> int:
+    def _on_control(self, frames: list, replies: WakingQueue) -> int:
         """Handle one control message; returns 1 (a reply will be queued) in every case."""
         identity = frames[0].bytes
         try:
