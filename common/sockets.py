@@ -153,11 +153,17 @@ class WakingQueue:
         self.fd, self._wfd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._wfd, False)
-        self._lock = threading.Lock()  # no write to a descriptor number closed (and perhaps reused)
+        # no write to a descriptor number closed (and perhaps reused); reentrant, for a signal
+        # handler that wakes the loop while the loop's own thread is inside clear()
+        self._lock = threading.RLock()
         self._closed = False
 
     def put(self, item) -> None:
         self._items.put(item)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the reader's poll with no item (to see a stop, say)."""
         with self._lock:
             if self._closed:
                 return

@@ -244,9 +244,6 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
         raise click.BadParameter(f"expected HOST:PORT, got {addr!r}", param_hint="--http")
     from common.sdnotify import notify
 
-    control = threading.Thread(target=daemon.serve_forever, kwargs={"notify_ready": False}, name="starsd-control",
-                               daemon=True)
-    control.start()
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -259,7 +256,10 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
 
     config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=30)
-    freeze_startup_objects("target daemon")
+    freeze_startup_objects("target daemon")  # before any job can come
+    control = threading.Thread(target=daemon.serve_forever, kwargs={"notify_ready": False}, name="starsd-control",
+                               daemon=True)
+    control.start()
     # uvicorn takes SIGTERM/SIGINT while it runs, drains HTTP, then re-raises the signal: our
     # handler then stops the job socket and the scheduler instead of the default kill.
     daemon.install_signal_handlers()

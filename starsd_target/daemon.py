@@ -40,8 +40,8 @@ log = logging.getLogger("starsd.target")
 # demo pair on one core each, speculation gave 1.23x-1.54x the target alone with one generation,
 # 0.80x-1.03x with two (about break-even) and 0.60x-0.77x with four (docs/bench.md).
 CPU_DRAFT_MAX_ACTIVE = 2
-# the job socket's loop wakes at once for a request or a reply, and at least this often for its
-# other duties: the scheduler's health, systemd's watchdog, a key reload, a stop
+# the job socket's loop wakes at once for a request, a reply or a stop, and at least this often
+# for its other duties: the scheduler's health, systemd's watchdog, a key reload
 CONTROL_POLL_MS = 100
 
 
@@ -110,6 +110,7 @@ class TargetDaemon:
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
         self.served = 0
+        self._replies: WakingQueue | None = None  # the job socket's replies, while it serves
 
     # ------------------------------------------------------------ draft link
     def _link(self) -> DraftClient:
@@ -216,7 +217,10 @@ class TargetDaemon:
         return self._scheduler is not None and self._scheduler.healthy()
 
     def stop(self) -> None:
-        self._stop.set()  # the job socket's loop sees it within CONTROL_POLL_MS
+        self._stop.set()
+        replies = self._replies
+        if replies is not None:
+            replies.wake()  # the job socket's loop sees the stop now, not at its next timeout
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -226,6 +230,7 @@ class TargetDaemon:
     def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
         """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
         in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
+        replies = self._replies = WakingQueue()  # filled by job callbacks, sent by this thread
         sched = self.scheduler()
         sched.start()
         if self.config.metrics_port is not None:
@@ -239,7 +244,6 @@ class TargetDaemon:
         if notify_ready:
             notify("READY=1", f"STATUS=taking jobs on {self.endpoint}")
         watchdog = Watchdog()
-        replies = WakingQueue()  # filled by job callbacks, sent by this thread
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(replies.fd, zmq.POLLIN)  # a reply is sent the moment it is put

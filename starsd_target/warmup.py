@@ -63,11 +63,14 @@ def prime_pool(engine: "TargetEngine") -> float:
         return 0.0
     t0 = time.perf_counter()
     tok = warm_up_token(engine)
-    gens = [engine.start([tok] * (2 + i), 2, SamplingParams()) for i in range(min(2, engine.max_batch))]
+    gens = []
     try:
-        for outcome in engine.prefill_batch(gens):
-            if outcome is not None:
-                raise outcome
+        for i in range(min(2, engine.max_batch)):
+            gens.append(engine.start([tok] * (2 + i), 2, SamplingParams()))
+        while any(g.prefilling for g in gens):  # more than one pass with a --prefill-chunk of 1
+            for outcome in engine.prefill_batch([g for g in gens if g.prefilling]):
+                if outcome is not None:
+                    raise outcome
         rounds = [(g, WarmUpDrafts([tok] * min(engine.depth, g.draft_depth())) if i == 0 else None, i == 0)
                   for i, g in enumerate(gens)]
         for outcome in engine.verify_batch(rounds):

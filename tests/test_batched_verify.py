@@ -425,3 +425,11 @@ def test_warm_up_makes_the_pool_and_leaves_nothing_behind(loaded_target, backend
         assert g.token_ids == w.token_ids and g.stats.accepted == w.stats.accepted
     assert sum(g.stats.accepted for g in got) > 0
     assert TargetEngine(loaded_target, depth=4).prime_pool() == 0.0  # no pool: nothing to make
+
+
+def test_warm_up_with_one_position_per_prefill_chunk(loaded_target):
+    """The warm-up's prompts take more than one prefill pass with --prefill-chunk 1: each is
+    prefilled to its end before its round."""
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4, rows=4, prefill_chunk=1)
+    assert engine.prime_pool() > 0 and engine.pool.allocated
+    assert engine.pool.free == [0, 1, 2, 3] and not engine.pool.live

@@ -274,6 +274,35 @@ def daemon(tiny_target, loaded_target):
     ctx.destroy(linger=0)
 
 
+def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_target, monkeypatch):
+    """The job socket's loop sends a job's reply when the job ends and sees a stop when it comes,
+    not at its poll's timeout: with that timeout made 10 minutes, a GENERATE is still answered
+    (exactly) and a stop still ends serving, each well within a minute."""
+    import starsd_target.daemon as daemon_module
+
+    monkeypatch.setattr(daemon_module, "CONTROL_POLL_MS", 600_000)
+    ctx = zmq.Context()
+    d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=free_tcp_endpoint(), depth=4),
+                     loaded=loaded_target, ctx=ctx)
+    ready = threading.Event()
+    thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        prompt = d.engine.encode(PROMPT)
+        with ControlClient(d.endpoint, ctx) as cc:
+            for i in range(2):  # the second after the first reply's wake-up was cleared
+                r = cc.call(Message(MsgType.GENERATE, {"id": i + 1, "prompt_ids": prompt, "max_tokens": 6,
+                                                       "temperature": 0.0}), timeout_s=60)
+                assert r.header["token_ids"] == reference_greedy(tiny_target, prompt, 6)
+    finally:
+        d.stop()
+        thread.join(60)
+        stopped = not thread.is_alive()
+        ctx.destroy(linger=0)
+    assert stopped
+
+
 @pytest.fixture(scope="module")
 def http(daemon):
     with TestClient(create_app(daemon, "tiny")) as c:
