@@ -38,8 +38,9 @@ log = logging.getLogger("starsd.target")
 # On a CPU, verifying every active generation's drafts in one forward costs more than a batched
 # forward without drafts once several are active (each verified token is computed): with the
 # demo pair on one core each, speculation gave 1.23x-1.54x the target alone with one generation,
-# 0.80x-1.03x with two (about break-even) and 0.60x-0.77x with four (docs/bench.md).
-CPU_DRAFT_MAX_ACTIVE = 2
+# 0.80x-1.03x with two and 0.60x-0.77x with four (docs/bench.md). Two generations at once ran
+# 1.18x faster without drafts than with them (median of 8 alternated bursts, faster in all 8).
+CPU_DRAFT_MAX_ACTIVE = 1
 # the job socket's loop wakes at once for a request, a reply or a stop, and at least this often
 # for its other duties: the scheduler's health, systemd's watchdog, a key reload
 CONTROL_POLL_MS = 100

@@ -210,7 +210,7 @@ def test_the_link_keeps_its_heartbeat_while_crowded_rounds_run_without_drafts():
     assert link.beats == 2
 
 
-def test_auto_is_two_on_a_cpu_and_none_with_batching_off(loaded_target):
+def test_auto_is_one_on_a_cpu_and_none_with_batching_off(loaded_target):
     """``auto`` resolves per device; an explicit count is kept; a target verifying one
     generation per forward reports 0 (the limit would never apply)."""
     from starsd_target.daemon import CPU_DRAFT_MAX_ACTIVE, TargetConfig, TargetDaemon
@@ -218,8 +218,8 @@ def test_auto_is_two_on_a_cpu_and_none_with_batching_off(loaded_target):
     def effective(**kw):
         return TargetDaemon(TargetConfig(draft=None, **kw), loaded=loaded_target).draft_max_active
 
-    assert CPU_DRAFT_MAX_ACTIVE == 2
-    assert effective() == 2
+    assert CPU_DRAFT_MAX_ACTIVE == 1
+    assert effective() == 1
     assert effective(draft_max_active=3) == 3 and effective(draft_max_active=0) == 0
     assert effective(max_batch=1) == 0
 
