@@ -234,7 +234,8 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
     draft_ep = star.draftd(tiny_draft)
     target_ep, metrics = free_tcp_endpoint(), free_tcp_port()
     star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
-               target_ep, "--depth", "4", "--adaptive-speculation", "--metrics-port", str(metrics))
+               target_ep, "--depth", "4", "--adaptive-speculation", "--metrics-port", str(metrics),
+               "--draft-max-active", "0")  # both generations may draft: adaptive speculation decides
     star.wait_ready("t0", target_ep)
     engine = TargetEngine(loaded_target)
     prompts = [engine.encode("def parse(line):\n    "), engine.encode("class Point:\n")]
