@@ -17,7 +17,10 @@ with less of both:
   (fbgemm computes each output column the same way whatever the matrix's width; ``fuse_fp16``
   checks that on the model's own shapes before it fuses, and leaves the layers apart if any bit
   differs). The fused weights replace the separate ones (``Fp16Part`` serves the original
-  modules from them), so the model takes no more memory.
+  modules from them), so the model takes no more memory;
+- with fp16-weights fused and float32 one-op norms, it runs each decoder layer as two
+  TorchScript methods around the cache update (``common.lean_script``: the same ops without
+  Python between them, checked bit for bit at build time).
 
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
 and caches against the model's own forward, in float32, bfloat16 and fp16-weights). Measured
@@ -114,6 +117,7 @@ def _norm(module):
             return torch.rms_norm(x, width, weight, eps)
         return rms(x)
 
+    rms_one_op.one_op = True  # common.lean_script runs such norms as the same one op
     return rms_one_op
 
 
@@ -192,7 +196,7 @@ class LeanForward:
     ``hidden_states`` (a tuple when asked, else None) and ``cache``. ``fuse``: fuse fp16-weights
     GEMMs (changes the model's modules in place, see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, fuse: bool = True):
+    def __init__(self, model: torch.nn.Module, fuse: bool = True, script: bool = True):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import create_causal_mask
         from transformers.modeling_utils import slice_logits_to_keep
@@ -254,7 +258,7 @@ class LeanForward:
             self.layers.append(SimpleNamespace(
                 idx=attn.layer_idx, attn=attn, head_dim=attn.head_dim, scaling=attn.scaling,
                 heads=config.num_attention_heads, qk_heads=config.num_attention_heads + config.num_key_value_heads,
-                inter=mlp.gate_proj.out_features,
+                inter=mlp.gate_proj.out_features, act_src=act, qkv_module=fused_qkv, gate_up_module=fused_gu,
                 groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True),
                 in_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
                 qkv=None if fused_qkv is None else _linear(fused_qkv),
@@ -262,6 +266,42 @@ class LeanForward:
                 gate_up=None if fused_gu is None else _linear(fused_gu),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
+        self.scripted, self.script_reason = None, "off"
+        if script:
+            from common.lean_script import script_layers
+
+            self.scripted, self.script_reason = script_layers(self, base)
+
+    def _pre(self, L, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rolled: bool = True):
+        """A layer up to its cache: the input norm, q/k/v and the rotary embedding (``sin``
+        signed when ``rolled``); returns the queries, keys and values."""
+        shape = x.shape[:-1]
+        h = L.in_norm(x)
+        if L.qkv is not None:
+            y = L.qkv(h).view(*shape, -1, L.head_dim).transpose(1, 2)
+            qk, v = y[:, : L.qk_heads], y[:, L.qk_heads:]
+        else:
+            qk = torch.cat((L.q(h), L.k(h)), dim=-1).view(*shape, -1, L.head_dim).transpose(1, 2)
+            v = L.v(h).view(*shape, -1, L.head_dim).transpose(1, 2)
+        # queries and keys rotated together: the same elementwise products and sums, once
+        qk = (qk * cos) + ((qk.roll(sin.shape[-1] // 2, -1) if rolled else _rotate_half(qk)) * sin)
+        return qk[:, : L.heads], qk[:, L.heads:], v
+
+    def _post(self, L, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """A layer from its cache's keys and values on: attention, the output projection, the
+        residual, the MLP and its residual; returns the layer's output."""
+        shape = x.shape[:-1]
+        if self._inline_attention and L.causal:
+            a = self._attend(L, q, k, v, mask)
+        else:
+            a, _ = self._attention(L.attn, q, k, v, mask, dropout=0.0, scaling=L.scaling)
+        x = x + L.o(a.reshape(*shape, -1).contiguous())
+        h = L.post_norm(x)
+        if L.gate_up is not None:
+            gu = L.gate_up(h)
+            return x + L.down(L.act(gu[..., : L.inter]) * gu[..., L.inter:])
+        return x + L.down(L.act(L.gate(h)) * L.up(h))
 
     @staticmethod
     def _attend(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -315,36 +355,25 @@ class LeanForward:
                           position_ids=position_ids)
         cos, sin = self._rotary(x, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = sin.shape[-1] // 2
         rolled = sin.shape[-1] % 2 == 0
         if rolled:
             sin = _signed_sin(sin)
         hidden = [] if output_hidden_states else None
-        shape = x.shape[:-1]
-        for L in self.layers:
-            if hidden is not None:
-                hidden.append(x)
-            h = L.in_norm(x)
-            if L.qkv is not None:
-                y = L.qkv(h).view(*shape, -1, L.head_dim).transpose(1, 2)
-                qk, v = y[:, : L.qk_heads], y[:, L.qk_heads:]
-            else:
-                qk = torch.cat((L.q(h), L.k(h)), dim=-1).view(*shape, -1, L.head_dim).transpose(1, 2)
-                v = L.v(h).view(*shape, -1, L.head_dim).transpose(1, 2)
-            # queries and keys rotated together: the same elementwise products and sums, once
-            qk = (qk * cos) + ((qk.roll(half, -1) if rolled else _rotate_half(qk)) * sin)
-            k, v = cache.update(qk[:, L.heads:], v, L.idx)
-            if self._inline_attention and L.causal:
-                a = self._attend(L, qk[:, : L.heads], k, v, mask)
-            else:
-                a, _ = self._attention(L.attn, qk[:, : L.heads], k, v, mask, dropout=0.0, scaling=L.scaling)
-            x = x + L.o(a.reshape(*shape, -1).contiguous())
-            h = L.post_norm(x)
-            if L.gate_up is not None:
-                gu = L.gate_up(h)
-                x = x + L.down(L.act(gu[..., : L.inter]) * gu[..., L.inter:])
-            else:
-                x = x + L.down(L.act(L.gate(h)) * L.up(h))
+        if self.scripted is not None and x.dtype == torch.float32:
+            with torch.jit.optimized_execution(False):  # the scripted ops as written (common.lean_script)
+                for L, S in zip(self.layers, self.scripted):
+                    if hidden is not None:
+                        hidden.append(x)
+                    q, k, v = S.pre(x, cos, sin)
+                    k, v = cache.update(k, v, L.idx)
+                    x = S.post(x, q, k, v, mask)
+        else:
+            for L in self.layers:
+                if hidden is not None:
+                    hidden.append(x)
+                q, k, v = self._pre(L, x, cos, sin, rolled)
+                k, v = cache.update(k, v, L.idx)
+                x = self._post(L, x, q, k, v, mask)
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)

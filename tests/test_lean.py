@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import pytest
 import torch
 
@@ -28,6 +30,10 @@ def _pair(path, dtype):
     plain = ModelRunner(load_causal_lm(str(path), dtype=dtype), lean=False)
     assert lean.forward_kind == "lean", lean.lean_reason
     assert plain.forward_kind == "transformers" and plain.lean is None
+    if dtype == "fp16-weights":  # the CPU serving default: its layers run as TorchScript (common.lean_script)
+        assert lean.lean.scripted is not None or "one op" in lean.lean.script_reason, lean.lean.script_reason
+    else:
+        assert lean.lean.scripted is None
     lean.model.forward = _not_called  # every comparison below is lean against transformers
     return lean, plain
 
@@ -221,3 +227,35 @@ def test_float32_norms_run_as_one_op_only_where_it_gives_the_same_bits(checkpoin
     _same(apart(x), norm(x))
     bf16 = load_causal_lm(str(checkpoints["llama"]), dtype="bfloat16").model.model.layers[0].input_layernorm
     assert lean_mod._norm(bf16).__name__ == "rms"  # a bfloat16 weight keeps transformers' casts
+
+
+@pytest.mark.skipif(not fp16_weights_available(), reason="fp16-weights needs fbgemm (x86 PyTorch builds)")
+def test_scripted_layers_are_refused_when_any_bit_differs(checkpoints, monkeypatch):
+    """The scripted layers are checked against the lean forward's Python ops before use: a
+    scripted layer that rounds differently anywhere leaves the layers in Python, still exact."""
+    import common.lean_script as script_mod
+
+    class OffByABit(script_mod.ScriptedLayer):
+        @torch.jit.export
+        def pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor]:
+            b, t = x.shape[0], x.shape[1]
+            h = torch.rms_norm(x, [self.width], self.in_weight, self.in_eps)
+            y = torch.ops.quantized.linear_dynamic_fp16(h, self.qkv).view(b, t, -1, self.head_dim).transpose(1, 2)
+            qk, v = y[:, : self.qk_heads], y[:, self.qk_heads:]
+            qk = (qk * cos) + (qk.roll(self.half, -1) * sin)
+            q = torch.nextafter(qk[:, : self.heads], torch.full_like(qk[:, : self.heads], 1e30))  # one ulp up
+            return q, qk[:, self.heads:], v
+
+    good = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"))
+    if good.lean.scripted is None:
+        pytest.skip(f"no scripted layers on this build ({good.lean.script_reason})")
+    monkeypatch.setattr(script_mod, "ScriptedLayer", OffByABit)
+    runner = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"))
+    assert runner.forward_kind == "lean" and runner.lean.scripted is None
+    assert "differs" in runner.lean.script_reason
+    plain = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"), lean=False)
+    for r in (good, runner):
+        ca, cb = r.new_cache(), plain.new_cache()
+        _same(r.forward(ca, list(range(40, 60)))[0], plain.forward(cb, list(range(40, 60)))[0])
+        _same(r.forward(ca, [61])[0], plain.forward(cb, [61])[0])

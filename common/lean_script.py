@@ -1,0 +1,162 @@
+"""The lean forward's decoder layers as TorchScript: the same aten ops, without Python between them.
+
+On a CPU core a small model's step spends about as long in Python dispatching its small ops as
+in those ops: a layer's norm, rotary embedding, attention call, residual adds and gated
+activation cost the demo target about 50 us a layer in Python calls, 30 layers a step. Compiled
+by TorchScript and run by its interpreter without its graph optimisations (and its fusers off),
+the same aten ops run in the same order on the same inputs, so the results are the same bits; ``script_layers``
+checks that on the model's own first layer, at the row counts serving uses, before it is used.
+
+Each layer is two calls, because its KV cache is Python (a slot cache, a pool row, a batch of
+rows): ``pre`` (the input norm, the fused q/k/v GEMM and the rotary embedding) returns the
+queries, keys and values; the cache takes the keys and values and returns the layer's whole
+keys and values; ``post`` (attention as ``LeanForward._attend`` runs it, the output GEMM, the
+residual, the post norm, the fused gate/up GEMM, SiLU, the down GEMM, the residual) returns the
+layer's output. Only the configuration the CPU serving default runs is taken: fp16-weights with
+the q/k/v and gate/up GEMMs fused, float32 norms as one ``torch.rms_norm``, SiLU, rotary heads of
+an even width, and attention through the inline SDPA branches."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+log = logging.getLogger("starsd.lean")
+
+
+class ScriptedLayer(torch.nn.Module):
+    """One decoder layer's arithmetic in two TorchScript methods (see the module docstring)."""
+
+    def __init__(self, L, packed_qkv, packed_o, packed_gate_up, packed_down, in_weight: torch.Tensor,
+                 post_weight: torch.Tensor, in_eps: float, post_eps: float):
+        super().__init__()
+        self.qkv = packed_qkv
+        self.o = packed_o
+        self.gate_up = packed_gate_up
+        self.down = packed_down
+        self.register_buffer("in_weight", in_weight.detach(), persistent=False)
+        self.register_buffer("post_weight", post_weight.detach(), persistent=False)
+        self.in_eps = float(in_eps)
+        self.post_eps = float(post_eps)
+        self.width = int(in_weight.shape[-1])
+        self.heads = int(L.heads)
+        self.qk_heads = int(L.qk_heads)
+        self.head_dim = int(L.head_dim)
+        self.half = int(L.head_dim) // 2
+        self.inter = int(L.inter)
+        self.groups = int(L.groups)
+        self.scaling = float(L.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # the layer runs as pre and post, around the cache
+
+    @torch.jit.export
+    def pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        b, t = x.shape[0], x.shape[1]
+        h = torch.rms_norm(x, [self.width], self.in_weight, self.in_eps)
+        y = torch.ops.quantized.linear_dynamic_fp16(h, self.qkv).view(b, t, -1, self.head_dim).transpose(1, 2)
+        qk, v = y[:, : self.qk_heads], y[:, self.qk_heads:]
+        qk = (qk * cos) + (qk.roll(self.half, -1) * sin)
+        return qk[:, : self.heads], qk[:, self.heads:], v
+
+    @torch.jit.export
+    def post(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: Optional[torch.Tensor]) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        q_len = q.shape[2]
+        gqa = False
+        if self.groups > 1:
+            if mask is None and k.shape[-1] == v.shape[-1] and v.shape[-1] <= 256:
+                gqa = True
+            elif q_len == 1:
+                q = q.reshape(q.shape[0], q.shape[1] // self.groups, self.groups, q.shape[3])
+                if mask is not None and mask.shape[1] != 1:
+                    mask = mask.reshape(mask.shape[0], mask.shape[1] // self.groups, self.groups, mask.shape[3])
+            else:
+                kb, kh, ks, kd = k.shape
+                k = k[:, :, None].expand(kb, kh, self.groups, ks, kd).reshape(kb, kh * self.groups, ks, kd)
+                vb, vh, vs, vd = v.shape
+                v = v[:, :, None].expand(vb, vh, self.groups, vs, vd).reshape(vb, vh * self.groups, vs, vd)
+        causal = q_len > 1 and mask is None
+        if causal and k.shape[2] > q_len:
+            k, v = k[:, :, :q_len], v[:, :, :q_len]
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                                             is_causal=causal, scale=self.scaling, enable_gqa=gqa)
+        a = a.reshape(a.shape[0], -1, q_len, v.shape[-1]).transpose(1, 2).contiguous()
+        x = x + torch.ops.quantized.linear_dynamic_fp16(a.reshape(b, t, -1).contiguous(), self.o)
+        h = torch.rms_norm(x, [self.width], self.post_weight, self.post_eps)
+        gu = torch.ops.quantized.linear_dynamic_fp16(h, self.gate_up)
+        act = torch.nn.functional.silu(gu[..., : self.inter])
+        return x + torch.ops.quantized.linear_dynamic_fp16(act * gu[..., self.inter:], self.down)
+
+
+def script_layers(lean, base) -> tuple[list | None, str | None]:
+    """The scripted layers for a built ``LeanForward`` over ``base`` (the model's decoder), or
+    None and why not: a configuration outside the one taken (module docstring), TorchScript
+    failing, or a check finding any bit different from the lean forward's Python ops."""
+    from common.fp16_weights import Fp16Linear
+
+    if not lean.fused:
+        return None, "the linears are not fused fp16-weights"
+    if not lean._inline_attention:
+        return None, "attention does not take the inline SDPA branches here"
+    inv_freq = getattr(base.rotary_emb, "inv_freq", None)
+    if inv_freq is None or 2 * inv_freq.shape[-1] != lean.layers[0].head_dim:
+        return None, "the rotary embedding does not cover whole heads"
+    layers = []
+    for L, layer in zip(lean.layers, base.layers):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (getattr(L.in_norm, "one_op", False) and getattr(L.post_norm, "one_op", False)):
+            return None, "the norms do not run as one op"
+        if type(L.act_src).__name__ != "SiLUActivation" or L.head_dim % 2 or not L.causal:
+            return None, "not a SiLU layer with even rotary heads and causal attention"
+        whole = [L.qkv_module, layer.self_attn.o_proj, L.gate_up_module, layer.mlp.down_proj]
+        if not all(type(m) is Fp16Linear and m._packed is not None for m in whole):
+            return None, "a linear is not fp16-weights"
+        layers.append(ScriptedLayer(L, *[m._packed for m in whole], norms[0].weight, norms[1].weight,
+                                    norms[0].variance_epsilon, norms[1].variance_epsilon))
+    try:
+        torch._C._jit_set_texpr_fuser_enabled(False)  # the same ops as written, never fused kernels
+        torch._C._jit_override_can_fuse_on_cpu(False)
+        with warnings.catch_warnings():  # PyTorch calls TorchScript deprecated; this pinned build runs it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = [torch.jit.script(s) for s in layers]
+    except Exception as exc:  # a PyTorch without TorchScript, or with other limits: the Python ops work
+        return None, f"TorchScript could not compile a layer ({type(exc).__name__}: {exc})"
+    if not _same_bits(lean, lean.layers[0], scripted[0]):
+        log.info("scripted layers differ from the lean forward's Python ops: the layers stay in Python")
+        return None, "a scripted layer's output differs from the Python ops'"
+    return scripted, None
+
+
+def _same_bits(lean, L, S) -> bool:
+    """The scripted layer against the lean forward's own Python ops (``lean._pre``/``lean._post``),
+    on random inputs: one row and several, with and without a mask, a few cached positions."""
+    gen = torch.Generator().manual_seed(0)
+    width, hd = S.width, S.head_dim
+    kv_heads = S.qk_heads - S.heads
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        for rows, tokens, cached, masked in ((1, 1, 7, True), (3, 1, 9, True), (1, 5, 4, True), (2, 5, 0, False),
+                                             (1, 9, 0, False), (4, 1, 30, True)):
+            x = torch.randn(rows, tokens, width, generator=gen)
+            ang = torch.randn(rows, tokens, hd, generator=gen)
+            cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+            old_k = torch.randn(rows, kv_heads, cached, hd, generator=gen)
+            old_v = torch.randn(rows, kv_heads, cached, hd, generator=gen)
+            mask = None
+            if masked:
+                keep = torch.rand(rows, 1, tokens, cached + tokens, generator=gen) > 0.2
+                keep[..., cached:] = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+                mask = keep if rows == 3 else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+            want = lean._pre(L, x, cos, sin)
+            got = S.pre(x, cos, sin)
+            if not all(torch.equal(a, b) for a, b in zip(want, got)):
+                return False
+            k, v = torch.cat((old_k, want[1]), 2), torch.cat((old_v, want[2]), 2)
+            if not torch.equal(lean._post(L, x, want[0], k, v, mask), S.post(x, want[0], k, v, mask)):
+                return False
+    return True
