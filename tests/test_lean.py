@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import pytest
 import torch
 
@@ -235,17 +233,10 @@ def test_scripted_layers_are_refused_when_any_bit_differs(checkpoints, monkeypat
     scripted layer that rounds differently anywhere leaves the layers in Python, still exact."""
     import common.lean_script as script_mod
 
-    class OffByABit(script_mod.ScriptedLayer):
-        @torch.jit.export
-        def pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
-                                                                                       torch.Tensor]:
-            b, t = x.shape[0], x.shape[1]
-            h = torch.rms_norm(x, [self.width], self.in_weight, self.in_eps)
-            y = torch.ops.quantized.linear_dynamic_fp16(h, self.qkv).view(b, t, -1, self.head_dim).transpose(1, 2)
-            qk, v = y[:, : self.qk_heads], y[:, self.qk_heads:]
-            qk = (qk * cos) + (qk.roll(self.half, -1) * sin)
-            q = torch.nextafter(qk[:, : self.heads], torch.full_like(qk[:, : self.heads], 1e30))  # one ulp up
-            return q, qk[:, self.heads:], v
+    class OffByABit(script_mod.ScriptedLayer):  # its input norm's epsilon not the model's
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.in_eps = self.in_eps + 1e-3
 
     good = ModelRunner(load_causal_lm(str(checkpoints["llama"]), dtype="fp16-weights"))
     if good.lean.scripted is None:
