@@ -360,10 +360,16 @@ class LeanForward:
             sin = _signed_sin(sin)
         hidden = [] if output_hidden_states else None
         if self.scripted is not None and x.dtype == torch.float32:
+            # adjacent pool rows (a batched verification): the cache write inside the scripted call too
+            span = cache.adjacent_rows() if hasattr(cache, "adjacent_rows") else None
             with torch.jit.optimized_execution(False):  # the scripted ops as written (common.lean_script)
                 for L, S in zip(self.layers, self.scripted):
                     if hidden is not None:
                         hidden.append(x)
+                    if span is not None:
+                        keys, values, flat = cache.flat(L.idx, x.device)
+                        x = S.pool_step(x, cos, sin, mask, keys, values, flat, span[0], span[1], cache.kv_len)
+                        continue
                     q, k, v = S.pre(x, cos, sin)
                     k, v = cache.update(k, v, L.idx)
                     x = S.post(x, q, k, v, mask)

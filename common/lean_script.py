@@ -64,6 +64,19 @@ class ScriptedLayer(torch.nn.Module):
         return qk[:, : self.heads], qk[:, self.heads:], v
 
     @torch.jit.export
+    def pool_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                  keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor, a: int, b: int,
+                  kv_len: int) -> torch.Tensor:
+        """The whole layer over adjacent pool rows [a, b): ``pre``, the new keys and values written
+        to their places ``flat`` in the buffers seen flat, as ``PoolBatch`` writes them, then
+        ``post`` over the rows' first ``kv_len`` slots."""
+        q, k, v = self.pre(x, cos, sin)
+        width = k.shape[-1]
+        keys.view(-1, width).index_copy_(0, flat, k.reshape(-1, width))
+        values.view(-1, v.shape[-1]).index_copy_(0, flat, v.reshape(-1, v.shape[-1]))
+        return self.post(x, q, keys[a:b, :, :kv_len], values[a:b, :, :kv_len], mask)
+
+    @torch.jit.export
     def post(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]

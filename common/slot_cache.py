@@ -446,6 +446,25 @@ class PoolBatch(DynamicCache):
                 allowed[b] = row
         return additive_mask(allowed, dtype)[:, None]
 
+    def flat(self, li: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``li``'s key and value buffers and each new position's place in them, the buffers
+        seen as [rows * heads * slots, D] (the places are built once per forward)."""
+        keys, values = self.pool.k[li], self.pool.v[li]
+        if self._slots is None or self._slots.device != device:
+            _, heads, slots, _ = keys.shape
+            if self.kv_len >= slots:  # reserve() made room; a flat index past a row's slots would land in the next
+                raise RuntimeError(f"the pool holds {slots} slots per row, the batch needs {self.kv_len + 1}")
+            n = torch.tensor(self.lengths, device=device)[:, None, None]
+            self._rows = self._rows.to(device)
+            self._slots = (((self._rows[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
+                            * slots + n + torch.arange(self.M, device=device)[None, None, :]).reshape(-1))
+        return keys, values, self._slots
+
+    def adjacent_rows(self) -> tuple[int, int] | None:
+        """The rows' span [a, b) in the pool where they are adjacent and every layer's buffers are
+        made (then a layer's keys and values are ``buffer[a:b, :, :kv_len]``), else None."""
+        return self._span if not self._fresh and self.pool.allocated else None
+
     def _update(self, li: int, key_states: torch.Tensor, value_states: torch.Tensor):
         pool = self.pool
         if self._fresh:  # a first forward on a fresh pool or row allocates and marks its layers
@@ -455,20 +474,10 @@ class PoolBatch(DynamicCache):
                 layer = c.layers[li]
                 if not layer.is_initialized:
                     layer.device, layer.n, layer.is_initialized = key_states.device, 0, True
-        keys, values = pool.k[li], pool.v[li]
-        device = key_states.device
-        if self._slots is None or self._slots.device != device:
-            # each new position's place in a layer's buffer seen as [rows * heads * slots, D]
-            _, heads, slots, _ = keys.shape
-            if self.kv_len >= slots:  # reserve() made room; a flat index past a row's slots would land in the next
-                raise RuntimeError(f"the pool holds {slots} slots per row, the batch needs {self.kv_len + 1}")
-            n = torch.tensor(self.lengths, device=device)[:, None, None]
-            self._rows = self._rows.to(device)
-            self._slots = (((self._rows[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
-                            * slots + n + torch.arange(self.M, device=device)[None, None, :]).reshape(-1))
+        keys, values, flat = self.flat(li, key_states.device)
         width = key_states.shape[-1]
-        keys.view(-1, width).index_copy_(0, self._slots, key_states.reshape(-1, width))
-        values.view(-1, value_states.shape[-1]).index_copy_(0, self._slots, value_states.reshape(-1, value_states.shape[-1]))
+        keys.view(-1, width).index_copy_(0, flat, key_states.reshape(-1, width))
+        values.view(-1, value_states.shape[-1]).index_copy_(0, flat, value_states.reshape(-1, value_states.shape[-1]))
         if self._span is not None:
             a, b = self._span
             return keys[a:b, :, : self.kv_len], values[a:b, :, : self.kv_len]
