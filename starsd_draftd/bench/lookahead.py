@@ -7,7 +7,8 @@ runs at a time, in turns, each configuration twice in opposite orders, so drift 
 machine hits them alike. Each run reports its tok/s, the speedup over the target alone measured
 in the same turn, tokens kept per round, the drafts asked for per round, rounds without drafts,
 the lookahead's hit rate (from the draft daemon's counters) and whether the tokens equal the
-target alone's."""
+target alone's. The targets run with ``--draft-max-active 0``: with the CPU default (1), two
+streams on one target would run without drafts, and there would be nothing to compare."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def start_lookahead(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> 
             "starsd_target", "serve", "--model", str(target_dir), "--draft", drafts[la], "--listen", ep,
             "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", f"la-{n}",
             "--adaptive-depth" if ad else "--no-adaptive-depth", "--max-active", str(max(STREAMS)),
+            "--draft-max-active", "0",  # two streams draft too: this section compares ways of drafting
             "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
             "--log-level", "warning"], cpus=topo.targets[0])
     eps["draftd-on"], eps["draftd-off"] = drafts[True], drafts[False]
