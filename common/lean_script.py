@@ -5,7 +5,8 @@ in those ops: a layer's norm, rotary embedding, attention call, residual adds an
 activation cost the demo target about 50 us a layer in Python calls, 30 layers a step. Compiled
 by TorchScript and run by its interpreter without its graph optimisations (and its fusers off),
 the same aten ops run in the same order on the same inputs, so the results are the same bits; ``script_layers``
-checks that on the model's own first layer, at the row counts serving uses, before it is used.
+checks that on the model's own first layer (every layer runs the same graph with its own weights),
+with the shapes and masks serving passes, before it is used.
 
 Each layer is two calls, because its KV cache is Python (a slot cache, a pool row, a batch of
 rows): ``pre`` (the input norm, the fused q/k/v GEMM and the rotary embedding) returns the
@@ -28,7 +29,9 @@ log = logging.getLogger("starsd.lean")
 
 
 class ScriptedLayer(torch.nn.Module):
-    """One decoder layer's arithmetic in two TorchScript methods (see the module docstring)."""
+    """One decoder layer's arithmetic in two TorchScript methods (see the module docstring). Call
+    them only inside ``torch.jit.optimized_execution(False)``: a plan TorchScript has once
+    optimised stays in use for that method, and only the plain one is checked."""
 
     def __init__(self, L, packed_qkv, packed_o, packed_gate_up, packed_down, in_weight: torch.Tensor,
                  post_weight: torch.Tensor, in_eps: float, post_eps: float):
@@ -133,28 +136,37 @@ def script_layers(lean, base) -> tuple[list | None, str | None]:
         layers.append(ScriptedLayer(L, *[m._packed for m in whole], norms[0].weight, norms[1].weight,
                                     norms[0].variance_epsilon, norms[1].variance_epsilon))
     try:
-        torch._C._jit_set_texpr_fuser_enabled(False)  # the same ops as written, never fused kernels
+        # never fused kernels, even in an optimised plan (process-wide; nothing else here uses TorchScript)
+        torch._C._jit_set_texpr_fuser_enabled(False)
         torch._C._jit_override_can_fuse_on_cpu(False)
         with warnings.catch_warnings():  # PyTorch calls TorchScript deprecated; this pinned build runs it
             warnings.simplefilter("ignore", DeprecationWarning)
             scripted = [torch.jit.script(s) for s in layers]
     except Exception as exc:  # a PyTorch without TorchScript, or with other limits: the Python ops work
         return None, f"TorchScript could not compile a layer ({type(exc).__name__}: {exc})"
-    if not _same_bits(lean, lean.layers[0], scripted[0]):
+    try:
+        same = _same_bits(lean, lean.layers[0], scripted[0])
+    except Exception as exc:  # a scripted call that fails at run time: the Python ops work
+        return None, f"a scripted layer failed its check ({type(exc).__name__}: {exc})"
+    if not same:
         log.info("scripted layers differ from the lean forward's Python ops: the layers stay in Python")
         return None, "a scripted layer's output differs from the Python ops'"
     return scripted, None
 
 
 def _same_bits(lean, L, S) -> bool:
-    """The scripted layer against the lean forward's own Python ops (``lean._pre``/``lean._post``),
-    on random inputs: one row and several, with and without a mask, a few cached positions."""
+    """The scripted layer against the lean forward's own Python ops (``lean._pre``/``lean._post``,
+    and for ``pool_step`` the cache write ``PoolBatch`` makes), on random inputs with the shapes
+    and masks serving passes: decode of one row and several without a mask (a lone generation's
+    step) and with one (a batch's), verification-sized feeds with masks bool and additive, prefill
+    chunks without a mask (causal), a few cached positions or none."""
     gen = torch.Generator().manual_seed(0)
     width, hd = S.width, S.head_dim
     kv_heads = S.qk_heads - S.heads
     with torch.inference_mode(), torch.jit.optimized_execution(False):
-        for rows, tokens, cached, masked in ((1, 1, 7, True), (3, 1, 9, True), (1, 5, 4, True), (2, 5, 0, False),
-                                             (1, 9, 0, False), (4, 1, 30, True)):
+        for rows, tokens, cached, masked in ((1, 1, 7, False), (3, 1, 9, False), (1, 1, 7, True), (3, 1, 9, True),
+                                             (1, 5, 4, True), (2, 5, 0, False), (1, 9, 0, False), (1, 64, 0, False),
+                                             (4, 1, 30, True)):
             x = torch.randn(rows, tokens, width, generator=gen)
             ang = torch.randn(rows, tokens, hd, generator=gen)
             cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
@@ -170,6 +182,30 @@ def _same_bits(lean, L, S) -> bool:
             if not all(torch.equal(a, b) for a, b in zip(want, got)):
                 return False
             k, v = torch.cat((old_k, want[1]), 2), torch.cat((old_v, want[2]), 2)
-            if not torch.equal(lean._post(L, x, want[0], k, v, mask), S.post(x, want[0], k, v, mask)):
+            out = lean._post(L, x, want[0], k, v, mask)
+            if not torch.equal(out, S.post(x, want[0], k, v, mask)):
+                return False
+            if masked and not _same_pool_step(S, x, cos, sin, mask, old_k, old_v, want, out, gen):
                 return False
     return True
+
+
+def _same_pool_step(S, x, cos, sin, mask, old_k, old_v, want, out, gen) -> bool:
+    """``pool_step`` over rows 1.. of a pool of one more row (a batch's rows adjacent, not from
+    0), against the Python path's outputs ``want`` and ``out`` for the same inputs: the same
+    output, and the same keys and values at the same places of the buffers."""
+    rows, kv_heads, cached, hd = old_k.shape
+    tokens = x.shape[1]
+    slots = cached + tokens + 3
+    buffers = []
+    for old in (old_k, old_v):
+        buf = torch.randn(rows + 1, kv_heads, slots, hd, generator=gen)
+        buf[1:, :, :cached] = old
+        buffers.append(buf)
+    keys, values = buffers
+    row_ids = torch.arange(1, rows + 1)[:, None, None]
+    flat = (((row_ids * kv_heads + torch.arange(kv_heads)[None, :, None]) * slots + cached
+             + torch.arange(tokens)[None, None, :]).reshape(-1))
+    got = S.pool_step(x, cos, sin, mask, keys, values, flat, 1, rows + 1, cached + tokens)
+    return (torch.equal(got, out) and torch.equal(keys[1:, :, cached: cached + tokens], want[1])
+            and torch.equal(values[1:, :, cached: cached + tokens], want[2]))

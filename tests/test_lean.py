@@ -79,13 +79,15 @@ def test_lean_forward_is_bit_exact(checkpoints, arch, dtype):
 
 @pytest.mark.parametrize("one_token", [False, True], ids=["verify", "decode"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype, one_token):
+def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype, one_token, monkeypatch):
     """The runner's masked calls: a pool batch of rows with different lengths and feeds, one of
     them a draft tree, with hidden states; and a batch of one token per row (one query with a
     mask: attention packs the query heads per key head)."""
     lean, plain = _pair(checkpoints["qwen2"], dtype)
     torch.manual_seed(4)
     out = []
+    real_update, updates = PoolBatch._update, []
+    monkeypatch.setattr(PoolBatch, "_update", lambda self, *a: updates.append(1) or real_update(self, *a))
     for runner in (lean, plain):
         pool = SlotPool(runner.model.config, rows=3, capacity=8)
         rows = [pool.acquire(8) for _ in range(3)]
@@ -96,11 +98,14 @@ def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype, one_to
             feeds, trees = [[40], [41], [42]], None
         batch = PoolBatch(rows, [len(f) for f in feeds], trees)
         ids = torch.tensor([f + [f[-1]] * (batch.M - len(f)) for f in feeds])
+        updates.clear()
         with torch.inference_mode():  # as the engine's batched verification runs
             res = runner.eager(input_ids=ids, cache=batch, use_cache=True, output_hidden_states=True,
                                attention_mask=batch.mask(runner.loaded.dtype, runner.device),
                                position_ids=batch.positions(runner.device))
         batch.commit()
+        # scripted layers write adjacent rows' keys and values in their own call (pool_step)
+        assert (updates == []) == (runner is lean and runner.lean.scripted is not None), len(updates)
         out.append((res.logits, res.hidden_states, [pool.k[i].clone() for i in range(3)] + [pool.v[i].clone() for i in range(3)]))
     (la, ha, ka), (lb, hb, kb) = out
     _same(la, lb)
