@@ -175,8 +175,9 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "on the target alone, batched (up to --max-batch per forward), and drafting resumes as they finish. On a CPU, "
              "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core each, "
              "two streams speculative ran 0.85x the target alone batched, four 0.60x-0.77x). auto: 1 on a CPU (a lone "
-             "generation drafts), no limit on other devices; 0: no limit. Counted as plain_rounds (STATS: crowded_rounds). Seeded sampled generations always draft; with "
-             "batching off (--max-batch 1, --compile) every round drafts.")
+             "generation drafts), no limit on other devices; 0: no limit. Counted as plain_rounds (STATS: "
+             "crowded_rounds). Seeded sampled generations always draft; with batching off (--max-batch 1, --compile) "
+             "every round drafts.")
 @option("--admit-window-ms", type=click.FloatRange(0, 1000), default=_d.admit_window_s * 1000, show_default=True,
         help="When idle, how long the target waits behind a new request for the next one of a burst, so that "
              "requests sent together prefill in one forward and verify together from their first round "
