@@ -258,7 +258,7 @@ class LeanForward:
             self.layers.append(SimpleNamespace(
                 idx=attn.layer_idx, attn=attn, head_dim=attn.head_dim, scaling=attn.scaling,
                 heads=config.num_attention_heads, qk_heads=config.num_attention_heads + config.num_key_value_heads,
-                inter=mlp.gate_proj.out_features, act_src=act, qkv_module=fused_qkv, gate_up_module=fused_gu,
+                inter=mlp.gate_proj.out_features,
                 groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True),
                 in_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
                 qkv=None if fused_qkv is None else _linear(fused_qkv),

@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from common.slot_cache import flat_places
+
 log = logging.getLogger("starsd.lean")
 
 
@@ -128,9 +130,10 @@ def script_layers(lean, base) -> tuple[list | None, str | None]:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (getattr(L.in_norm, "one_op", False) and getattr(L.post_norm, "one_op", False)):
             return None, "the norms do not run as one op"
-        if type(L.act_src).__name__ != "SiLUActivation" or L.head_dim % 2 or not L.causal:
+        if type(layer.mlp.act_fn).__name__ != "SiLUActivation" or L.head_dim % 2 or not L.causal:
             return None, "not a SiLU layer with even rotary heads and causal attention"
-        whole = [L.qkv_module, layer.self_attn.o_proj, L.gate_up_module, layer.mlp.down_proj]
+        whole = [getattr(layer.self_attn.q_proj, "whole", None), layer.self_attn.o_proj,
+                 getattr(layer.mlp.gate_proj, "whole", None), layer.mlp.down_proj]
         if not all(type(m) is Fp16Linear and m._packed is not None for m in whole):
             return None, "a linear is not fp16-weights"
         layers.append(ScriptedLayer(L, *[m._packed for m in whole], norms[0].weight, norms[1].weight,
@@ -203,9 +206,7 @@ def _same_pool_step(S, x, cos, sin, mask, old_k, old_v, want, out, gen) -> bool:
         buf[1:, :, :cached] = old
         buffers.append(buf)
     keys, values = buffers
-    row_ids = torch.arange(1, rows + 1)[:, None, None]
-    flat = (((row_ids * kv_heads + torch.arange(kv_heads)[None, :, None]) * slots + cached
-             + torch.arange(tokens)[None, None, :]).reshape(-1))
+    flat = flat_places(torch.arange(1, rows + 1), kv_heads, slots, torch.full((rows,), cached), tokens)
     got = S.pool_step(x, cos, sin, mask, keys, values, flat, 1, rows + 1, cached + tokens)
     return (torch.equal(got, out) and torch.equal(keys[1:, :, cached: cached + tokens], want[1])
             and torch.equal(values[1:, :, cached: cached + tokens], want[2]))

@@ -359,6 +359,14 @@ class PoolRowCache(SlotCache):
                     bufs[li][self.row].zero_()
 
 
+def flat_places(rows: torch.Tensor, heads: int, slots: int, lengths: torch.Tensor, m: int) -> torch.Tensor:
+    """Where ``m`` new positions of each of ``rows`` (whose lengths are ``lengths``) go in a
+    layer's buffer [pool rows, heads, slots, D] seen flat as [pool rows * heads * slots, D], in
+    the order of keys [len(rows), heads, m, D] reshaped to [-1, D]."""
+    heads_of = rows[:, None, None] * heads + torch.arange(heads, device=rows.device)[None, :, None]
+    return (heads_of * slots + lengths[:, None, None] + torch.arange(m, device=rows.device)[None, None, :]).reshape(-1)
+
+
 class _BatchLayer(DynamicLayer):
     def __init__(self, batch: "PoolBatch", li: int):
         super().__init__()
@@ -454,10 +462,8 @@ class PoolBatch(DynamicCache):
             _, heads, slots, _ = keys.shape
             if self.kv_len >= slots:  # reserve() made room; a flat index past a row's slots would land in the next
                 raise RuntimeError(f"the pool holds {slots} slots per row, the batch needs {self.kv_len + 1}")
-            n = torch.tensor(self.lengths, device=device)[:, None, None]
             self._rows = self._rows.to(device)
-            self._slots = (((self._rows[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None])
-                            * slots + n + torch.arange(self.M, device=device)[None, None, :]).reshape(-1))
+            self._slots = flat_places(self._rows, heads, slots, torch.tensor(self.lengths, device=device), self.M)
         return keys, values, self._slots
 
     def adjacent_rows(self) -> tuple[int, int] | None:
