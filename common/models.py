@@ -132,7 +132,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 # ---------------------------------------------------------------- the built-in demo checkpoints
-DEMO_RECIPE = "smollm2-v2"  # the demo builder's recipe: a new recipe is a new cache directory
+DEMO_RECIPE = "smollm2-v3"  # the demo builder's recipe: a new recipe is a new cache directory
 DEMO_CHECKPOINTS = {"demo": "target", "demo-draft": "draft", "demo-eagle": "eagle", "demo-eagle3": "eagle3"}
 DEMO_BUILD_COMMAND = "starsd-draftd demo --prepare"
 DEMO_BUILD_COMMANDS = {"demo": DEMO_BUILD_COMMAND, "demo-draft": DEMO_BUILD_COMMAND,

@@ -27,7 +27,7 @@ def built(tmp_path_factory):
     write_tiny_llama_gguf(gguf, seed=3)
     out = root / "out"
     report = build_demo_checkpoints(out, progress=False, threads=1, teacher_budget_s=1.0, distill_budget_s=1.5,
-                                    gguf=gguf, corpus_bytes=120_000)
+                                    layers=1, gguf=gguf, corpus_bytes=120_000)  # the tiny target has 2
     return out, report
 
 
