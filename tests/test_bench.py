@@ -136,6 +136,69 @@ def test_emulated_backend_sleeps_service_time_and_drafts():
         be.draft(st, [], 2)
 
 
+def test_emulated_backend_drafts_ahead_for_the_all_kept_guess():
+    """The work ahead guesses the token after the last draft, sleeps S(d + 1) in d + 1 steps (the
+    model's S_a), and drafts what a request for the guessed sequence would get; off by default."""
+    clock = FakeClock()
+    off = EmulatedBackend(ServiceModel(1.0, 0.5), vocab_size=100, sleep=clock.sleep)
+    st = off.new_state(SamplingParams())
+    assert not off.drafts_ahead and off.lookahead(st, [5, 96], off.draft(st, [5, 96], 3), 4) is None
+    be = EmulatedBackend(ServiceModel(1.0, 0.5), vocab_size=100, sleep=clock.sleep, lookahead=True)
+    st = be.new_state(SamplingParams())
+    sent = be.draft(st, [5, 96], 3)  # 97, 98, 99
+    clock.slept.clear()
+    task = be.lookahead(st, [5, 96], sent, 4)
+    assert be.drafts_ahead and task.guesses == [[5, 96, 97, 98, 99, 0]] and task.total_steps == 5
+    steps = 0
+    while not task.step():
+        steps += 1
+    assert steps + 1 == 5 and clock.slept == pytest.approx([0.0015] + [0.0005] * 4)
+    assert sum(clock.slept) == pytest.approx(be.service.ahead_s(4))
+    assert task.take(0).tokens == be.draft(be.new_state(SamplingParams()), task.guesses[0], 4).tokens == [1, 2, 3, 4]
+    sampled = be.new_state(SamplingParams(temperature=1.0))
+    assert be.lookahead(sampled, [5, 96], be.draft(sampled, [5, 96], 3), 4) is None  # greedy sessions only
+
+
+@pytest.mark.parametrize("guess_rate,hits", [(1.0, True), (0.0, False)])
+def test_an_emulated_target_that_takes_the_guess_gets_answers_from_work_ahead(guess_rate, hits):
+    """Every draft kept: with guess rate 1 the target's own token is the drafter's guess, so after
+    the first round every request brings the sequence drafted ahead (a hit); with guess rate 0
+    none does. The bookkeeping stays exact either way (no round without drafts)."""
+    with running_server(EmulatedBackend(ServiceModel(0.0, 0.0), lookahead=True)) as (server, ctx):
+        tm = TargetModel(verify_ms=10.0, rtt_ms=0.0, depth=3, acceptance=1.0, guess_rate=guess_rate)
+        t = EmulatedTarget(server.endpoint, tm, seed=2, ctx=ctx)
+        rounds = t.run(threading.Event(), max_rounds=12)
+        la = dict(server.stats.lookahead)
+    assert len(rounds) == 12 and not any(r.fallback for r in rounds)
+    assert all(r.accepted == r.drafted == 3 for r in rounds)
+    answered = la["hits"] + la["late_hits"]
+    if hits:
+        assert answered == 11 and la["misses"] == 0
+    else:
+        assert answered == 0 and la["misses"] >= 1
+
+
+def test_lookahead_row_takes_the_hit_rate_over_all_requests():
+    class T:
+        def __init__(self, rounds):
+            self.rounds = rounds
+
+    rounds = [Round(10.0 + 0.1 * i, 10.01 + 0.1 * i, 10.1 + 0.1 * i, 16 + 3 * i, 2, 2, False) for i in range(10)]
+    run = {"n": 1, "targets": [T(rounds)], "w0": 10.0, "w1": 11.0,
+           "s0": {"lookahead": {"hits": 5, "late_hits": 0, "misses": 1, "idle_s": 1.0}},
+           "s1": {"lookahead": {"hits": 8, "late_hits": 1, "misses": 3, "idle_s": 1.25}}}
+    model = Plan(verify_ms=60, rtt_ms=4, depth=2, acceptance=0.5, draft_ms=20)
+    plain = {"measured": {"system_tps": 25.0}, "predicted": {"system_tps": model.system_tps(1)}}
+    row = star.lookahead_row(run, model, 30.0, model.tokens_per_round, plain)
+    assert row["rounds"] == 10 and row["system_tps"] == pytest.approx(30.0)  # 3 tokens a round
+    assert row["hits"] == 4 and row["misses"] == 2 and row["hit_rate"] == pytest.approx(0.4)
+    assert row["checked_hit_rate"] == pytest.approx(4 / 6) and row["idle_s_used"] == pytest.approx(0.25)
+    t1 = 64 + 0.4 * 0 + 0.6 * 20  # W + h max(0, S_a - W) + (1 - h) S, N = 1
+    assert row["predicted_system_tps"] == pytest.approx(model.tokens_per_round / t1 * 1000)
+    assert row["gain"] == pytest.approx(30.0 / 25.0)
+    assert row["predicted_gain"] == pytest.approx(model.round_ms(1) / t1)
+
+
 def test_tracing_backend_records_services_sessions_and_batches():
     clock = FakeClock()
     inner = EmulatedBackend(ServiceModel(2.0, 0.0), sleep=clock.sleep)
@@ -397,6 +460,12 @@ def test_quick_bench_emulation_fields(quick_report):
         assert _num(row["alternatives_predicted"]["target_alone_system_tps"])
     t = e["targets"]
     assert isinstance(t["throughput_within_10pct"], bool) and _num(t["max_abs_error_pct"])
+    la = e["lookahead"]
+    assert [row["n"] for row in la["rows"]] == [1, 2, 3] and _num(la["hit_rate_iid"])
+    for row in la["rows"]:
+        assert row["rounds"] > 0 and row["fallback_rounds"] == 0 and 0.0 <= row["hit_rate"] <= 1.0
+        for k in ("system_tps", "predicted_system_tps", "predicted_coverage", "error_pct", "gain", "predicted_gain"):
+            assert _num(row[k]), k
 
 
 @pytest.mark.slow

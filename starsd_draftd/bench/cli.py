@@ -41,6 +41,9 @@ _b = BenchConfig()
         help="Emulation: the target's single-token forward V1 (standalone baseline) [default: V].")
 @option("--acceptance", type=click.FloatRange(0, 1), default=_b.acceptance,
         help="Emulation: i.i.d. acceptance probability of each draft token.")
+@option("--guess-rate", type=click.FloatRange(0, 1), default=_b.guess_rate,
+        help="Emulation with lookahead: the chance that the emulated drafter's guess of a target's next token "
+             "after a round that kept every draft is right (hit rate acceptance^depth x this).")
 @option("--models", type=click.Choice(["demo", "tiny"]), default=None,
         help="Real section: the demo checkpoints (SmolLM2 and its distilled draft), or tiny random checkpoints [default: demo; quick: tiny].")
 @option("--max-tokens", type=click.IntRange(1), default=None,
@@ -59,8 +62,8 @@ _b = BenchConfig()
 @logging_options(option, default_level="warning")  # the progress bar is the bench's running report
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
 def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
-          single_ms, acceptance, models, max_tokens, jobs, repeats, batch_max, seed, no_plot, no_progress, as_json,
-          log_level, log_format) -> None:
+          single_ms, acceptance, guess_rate, models, max_tokens, jobs, repeats, batch_max, seed, no_plot, no_progress,
+          as_json, log_level, log_format) -> None:
     """Measure the star on this machine: wire cost, accelerator emulation beside the analytic model,
     real models beside the target alone and co-located speculative decoding, batched drafting."""
     setup_logging(log_level, log_format)
@@ -68,7 +71,7 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
              "jobs_per_target": jobs, "repeats": repeats}
     kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
               draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
-              acceptance=acceptance, batch_max=batch_max, seed=seed, plot=not no_plot, progress=not no_progress,
+              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, seed=seed, plot=not no_plot, progress=not no_progress,
               sections=tuple(s.strip() for s in sections.split(",") if s.strip()))
     cfg = BenchConfig.quick_config(**kw) if quick else BenchConfig(**kw)
     report = run_bench(cfg)

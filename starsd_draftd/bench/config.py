@@ -37,6 +37,7 @@ class BenchConfig:
     rtt_ms: float = 4.0
     single_ms: float | None = None
     acceptance: float = 0.8
+    guess_rate: float = 0.8  # emulation with lookahead: the drafter's guess of the token after an all-kept round
     min_rounds: int = 500  # rounds per N (all targets together): sampling error of tokens per round ~2% (1 sd)
     min_window_s: float = 2.0
     max_window_s: float = 40.0

@@ -23,13 +23,18 @@ log = logging.getLogger("starsd.bench")
 @dataclass(frozen=True)
 class TargetModel:
     """A target's timing: each round's verification takes verify_ms, plus rtt_ms of emulated
-    network delay (on top of the real loopback); a round that gets no drafts costs single_ms."""
+    network delay (on top of the real loopback); a round that gets no drafts costs single_ms.
+    ``guess_rate`` g: after a round that keeps every draft, the probability that the target's
+    own token is the emulated drafter's guess of it (the token after its last draft), which a
+    lookahead daemon drafted ahead for; so under i.i.d. acceptance a request is a lookahead hit
+    with probability acceptance^d * g. 0: the token is random, as before."""
 
     verify_ms: float
     rtt_ms: float = 0.0
     depth: int = 4
     acceptance: float = 0.8
     single_ms: float | None = None
+    guess_rate: float = 0.0
 
     @property
     def fallback_ms(self) -> float:
@@ -127,6 +132,12 @@ class EmulatedTarget:
                 if isinstance(reply, DraftReply):
                     drafted = len(reply.tokens)
                     n = acceptance_chain(rng, self.model.acceptance, drafted)
+                    if self.model.guess_rate and drafted and n == drafted:
+                        guess = (reply.tokens[-1] + 1) % self.vocab_size  # the emulated drafter's guess
+                        if rng.random() < self.model.guess_rate:
+                            own = guess
+                        elif own == guess:  # a miss stays a miss
+                            own = 3 + (own - 2) % (self.vocab_size - 3)
                     self._sleep((self.model.verify_ms + self.model.rtt_ms) / 1000.0)
                     self.rounds.append(Round(t_send, t_reply, self._clock(), pos, drafted, n, False))
                     verified += list(reply.tokens[:n]) + [own]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import Draft, DraftBackend
+from starsd_draftd.backends.base import Draft, DraftBackend, Lookahead
 
 log = logging.getLogger("starsd.bench")
 
@@ -58,6 +58,11 @@ class ServiceModel:
     def service_s(self, depth: int) -> float:
         return (self.base_ms + self.per_token_ms * depth) / 1000.0
 
+    def ahead_s(self, depth: int) -> float:
+        """The work ahead for ``depth`` drafts: one forward for the guess of the target's next
+        token, then the drafts after it, S(depth + 1) (the analytic model's S_a)."""
+        return self.service_s(depth + 1)
+
 
 @dataclass
 class EmulatedState:
@@ -68,13 +73,22 @@ class EmulatedState:
 
 class EmulatedBackend(DraftBackend):
     """Sleeps S(d) per request and proposes d tokens (in sampling mode with a sparse q of
-    ``q_topk`` entries per token, as a real model backend would send)."""
+    ``q_topk`` entries per token, as a real model backend would send). The drafts after a
+    sequence ending in token t are t + 1, t + 2, ... (mod the vocabulary).
+
+    With ``lookahead``, greedy sessions are drafted ahead as the model backend does: the guess of
+    the target's next token after an all-kept round is the token after the last draft (an
+    emulated target with ``TargetModel.guess_rate`` g puts it there with probability g), and the
+    work ahead sleeps S_a = S(d + 1) in d + 1 steps: the guess's forward (base + one token), then
+    one token's time per draft."""
 
     name = "emulated"
 
     def __init__(self, service: ServiceModel, vocab_size: int = EMU_VOCAB, fingerprint: str = EMU_FINGERPRINT,
-                 q_topk: int = 32, feature_size: int = 0, sleep: Callable[[float], None] | None = None):
+                 q_topk: int = 32, feature_size: int = 0, sleep: Callable[[float], None] | None = None,
+                 lookahead: bool = False):
         self.service = service
+        self.drafts_ahead = lookahead
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.q_topk = min(q_topk, vocab_size)
@@ -108,15 +122,33 @@ class EmulatedBackend(DraftBackend):
         if delay > 0:
             self._sleep(delay)
         st.calls += 1
-        start = verified[-1] + 1
-        if start + depth <= self.vocab_size:
-            tokens = list(range(start, start + depth))
-        else:
-            tokens = [(start + i) % self.vocab_size for i in range(depth)]
+        tokens = self._after(verified[-1], depth)
         if st.params.greedy:
             return Draft(tokens)
         start = tokens[0]
         ids = self._q_table[start:start + depth] if self._q_table is not None else self._q_rows(start, depth)
         return Draft(tokens, ids, self._q_probs[depth])
 
+    def _after(self, token: int, depth: int) -> list[int]:
+        start = token + 1
+        if start + depth <= self.vocab_size:
+            return list(range(start, start + depth))
+        return [(start + i) % self.vocab_size for i in range(depth)]
+
+    def lookahead(self, state: object, verified: list[int], draft: Draft, depth: int) -> Lookahead | None:
+        st: EmulatedState = state  # type: ignore[assignment]
+        if not self.drafts_ahead or not st.params.greedy or not draft.tokens:
+            return None
+        guess = self._after(draft.tokens[-1], 1)[0]
+        sequence = list(verified) + list(draft.tokens) + [guess]
+        service = self.service
+
+        def steps(task: Lookahead):  # one sleep per step: the last one returns the drafts
+            self._sleep((service.base_ms + service.per_token_ms) / 1000.0)  # the guess's forward
+            for _ in range(depth):
+                yield
+                self._sleep(service.per_token_ms / 1000.0)
+            return [Draft(self._after(guess, depth))]
+
+        return Lookahead(steps, [sequence], steps=depth + 1)
 

@@ -77,10 +77,12 @@ def main() -> None:
 @_option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help="--backend model or eagle: " + DTYPE_HELP)
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
 @_option("--lookup/--no-lookup", default=True, help="--backend model: greedy drafts from the context (see starsd-draftd serve).")
+@_option("--lookahead/--no-lookahead", default=False,
+         help="--backend emulated: draft greedy sessions' next rounds ahead in idle time (see EmulatedBackend).")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
 def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
-          model, eagle_head, device, dtype, threads, lookup, trace, log_level) -> None:
+          model, eagle_head, device, dtype, threads, lookup, lookahead, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -89,7 +91,7 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
     set_torch_threads(threads)
     if backend == "emulated":
         inner = EmulatedBackend(ServiceModel(draft_base_ms, draft_per_token_ms), q_topk=q_topk,
-                                feature_size=feature_size)
+                                feature_size=feature_size, lookahead=lookahead)
         name = EMU_SERVER_NAME
     else:
         from starsd_draftd.app import ServeConfig, build_backend

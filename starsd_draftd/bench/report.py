@@ -123,6 +123,24 @@ def format_report(report: dict) -> str:
                          f"{100 * pd['busy_fraction']:.1f}% | {_fmt(g['p50'], '.2f')} / {_fmt(g['p99'], '.2f')} | "
                          f"{lat['p50']:.2f} / {lat['p99']:.2f} / {lat['std']:.2f} | {_fmt(ov['p50'], '.2f')} |")
         lines.append("")
+        la = e.get("lookahead")
+        if la and la["rows"]:
+            lines += ["### With lookahead", "",
+                      f"The daemon drafts each session's next round ahead while idle (S_a = {la['ahead_ms']:g} ms of "
+                      f"work ahead); the emulated drafter's guess of a target's next token after an all-kept round "
+                      f"is right with probability {la['guess_rate']:g} (i.i.d. hit rate "
+                      f"{100 * la['hit_rate_iid']:.0f}%). The model (`plan.lookahead_round`) takes the measured hit "
+                      f"rate, over all requests.", "",
+                      "| N | system tok/s | predicted | error | without lookahead | gain (x) | predicted gain (x) | hit rate | "
+                      "predicted coverage | rounds without drafts |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in la["rows"]:
+                lines.append(f"| {r['n']} | {r['system_tps']:.1f} | {r['predicted_system_tps']:.1f} | "
+                             f"{r['error_pct']:+.1f}% | {_fmt(r.get('without_lookahead_tps'), '.1f')} | "
+                             f"{_fmt(r.get('gain'), '.3f')} | {_fmt(r.get('predicted_gain'), '.3f')} | "
+                             f"{100 * r['hit_rate']:.0f}% | {100 * r['predicted_coverage']:.0f}% | "
+                             f"{r['fallback_rounds']} of {r['rounds']} |")
+            lines.append("")
     if "real" in report:
         r = report["real"]
         tr = r["models"].get("training") or {}

@@ -47,7 +47,7 @@ from starsd_draftd.bench.pool import Pool
 from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_transformers, real_finish,
                                       real_measure, start_real)
 from starsd_draftd.bench.report import _derive, format_report, plot_report
-from starsd_draftd.bench.star import emulation_section, start_emulation
+from starsd_draftd.bench.star import emulation_section, lookahead_n_max, start_emulation
 from starsd_draftd.bench.lookahead import lookahead_section, lookahead_streams, start_lookahead
 from starsd_draftd.bench.trees import start_trees, tree_backends, trees_section
 from starsd_draftd.bench.verify_batch import start_verify, verify_section, verify_streams
@@ -70,7 +70,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="starsd-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1,
+    n_steps = {"wire": len(WIRE_CASES) + 1, "emulation": cfg.n_max + 1 + lookahead_n_max(cfg),
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
                "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,

@@ -128,6 +128,12 @@ def emulation_calibration(one: dict, sat: dict, trace: Trace, busy_idx: BusyInde
     }
 
 
+def _sweep_times(cfg: BenchConfig, nominal: plan_mod.Plan, n: int) -> tuple[float, float]:
+    """(warm-up, window) in seconds for N targets: the window holds about ``cfg.min_rounds`` rounds."""
+    window = min(cfg.max_window_s, max(cfg.min_window_s, cfg.min_rounds * nominal.round_ms(n) / n / 1000.0))
+    return max(cfg.warmup_s, 2 * nominal.round_ms(n) / 1000.0), window
+
+
 def start_emulation(cfg: BenchConfig, pool: Pool) -> str:
     """The emulated draft daemon (traced, one session at a time: the paper's loop)."""
     return pool.start("emu-draftd", lambda e: _draftd_emulation_args(e, base_ms=cfg.draft_base_ms,
@@ -157,9 +163,7 @@ def emulation_section(cfg: BenchConfig, pool: Pool, step) -> dict:
     step("emulation calibration")
     runs = []
     for n in range(1, cfg.n_max + 1):
-        window = min(cfg.max_window_s, max(cfg.min_window_s, cfg.min_rounds * nominal.round_ms(n) / n / 1000.0))
-        warmup = max(cfg.warmup_s, 2 * nominal.round_ms(n) / 1000.0)
-        runs.append(_run_emulated_targets(ep, n, tm, warmup, window, ctx, seed=cfg.seed + 1000 * n))
+        runs.append(_run_emulated_targets(ep, n, tm, *_sweep_times(cfg, nominal, n), ctx, seed=cfg.seed + 1000 * n))
         step(f"emulation N={n}")
     trace = pool.stop("emu-draftd")
     busy_idx = BusyIndex(trace.services)
@@ -168,6 +172,7 @@ def emulation_section(cfg: BenchConfig, pool: Pool, step) -> dict:
                           depth=cfg.depth, acceptance=cfg.acceptance,
                           draft_ms=nominal.service_ms + calibration["server_ms_per_request"], single_ms=cfg.single_ms)
     rows = [emulation_row(run, trace, busy_idx, model, nominal) for run in runs]
+    ahead = emulation_lookahead(cfg, pool, step, model, rows)
     nf = model.n_full
     full_rows = [r for r in rows if r["n"] >= nf]
     within = [r for r in rows if r["n"] <= 16]
@@ -178,6 +183,7 @@ def emulation_section(cfg: BenchConfig, pool: Pool, step) -> dict:
                    "single_ms": nominal.v1_ms, "depth": cfg.depth, "acceptance": cfg.acceptance,
                    "batch_max": 1, "min_rounds": cfg.min_rounds},
         "calibration": calibration,
+        "lookahead": ahead,
         "model": dict(model.summary(), note="S and R include the framework costs measured in calibration"),
         "model_nominal": nominal.summary(),
         "rows": rows,
@@ -193,4 +199,70 @@ def emulation_section(cfg: BenchConfig, pool: Pool, step) -> dict:
         },
     }
 
+
+# ---------------------------------------------------------------- emulation with lookahead
+LOOKAHEAD_N_MAX = 8  # the lookahead sweep's largest N (it covers the under-loaded range N < N_full)
+
+
+def lookahead_n_max(cfg: BenchConfig) -> int:
+    return min(cfg.n_max, LOOKAHEAD_N_MAX)
+
+
+def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan, plain_rows: list[dict]) -> dict:
+    """N = 1..min(8, N_max) emulated targets against an emulated daemon that drafts ahead (its
+    guess of each target's next token is right with probability ``cfg.guess_rate`` after an
+    all-kept round), beside the extended model (``plan.lookahead_round``) at the hit rate
+    measured: the share of the window's requests answered from work ahead. The model's S and R
+    are the calibrated ones of the sweep without lookahead; its S_a is the emulated work ahead,
+    S(d + 2): the daemon drafts d + 1 tokens ahead (room for a longer next round) after the
+    guess's forward."""
+    nominal = cfg.emulation_plan()
+    tm = TargetModel(verify_ms=cfg.verify_ms, rtt_ms=cfg.rtt_ms, depth=cfg.depth, acceptance=cfg.acceptance,
+                     single_ms=cfg.single_ms, guess_rate=cfg.guess_rate)
+    ep = pool.start("emu-draftd-ahead", lambda e: _draftd_emulation_args(
+        e, base_ms=cfg.draft_base_ms, per_token_ms=cfg.draft_per_token_ms, depth=cfg.depth, q_topk=cfg.q_topk,
+        lookahead=True))
+    pool.ready("emu-draftd-ahead")
+    ahead_ms = plan_mod.service_time_ms(cfg.depth + 2, cfg.draft_base_ms, cfg.draft_per_token_ms)
+    tokens_per_round = plan_mod.expected_tokens_per_round(cfg.acceptance, cfg.depth)
+    plain = {r["n"]: r for r in plain_rows}
+    rows = []
+    for n in range(1, lookahead_n_max(cfg) + 1):
+        run = _run_emulated_targets(ep, n, tm, *_sweep_times(cfg, nominal, n), pool.ctx,
+                                    seed=cfg.seed + 500_000 + 1000 * n)
+        rows.append(lookahead_row(run, model, ahead_ms, tokens_per_round, plain.get(n)))
+        step(f"emulation with lookahead N={n}")
+    pool.stop("emu-draftd-ahead")
+    return {"guess_rate": cfg.guess_rate, "ahead_ms": ahead_ms,
+            "hit_rate_iid": plan_mod.lookahead_hit_rate(cfg.acceptance, cfg.depth, cfg.guess_rate), "rows": rows}
+
+
+def lookahead_row(run: dict, model: plan_mod.Plan, ahead_ms: float, tokens_per_round: float,
+                  plain: dict | None) -> dict:
+    """One N of the lookahead sweep: measured throughput and hit rate beside the model's."""
+    n, w0, w1 = run["n"], run["w0"], run["w1"]
+    window = w1 - w0
+    rounds = [r for t in run["targets"] for r in t.rounds if w0 <= r.t_done <= w1]
+    tokens = sum(r.tokens for r in rounds)
+    la0, la1 = run["s0"]["lookahead"], run["s1"]["lookahead"]
+    hits = sum(la1[k] - la0[k] for k in ("hits", "late_hits"))
+    misses = la1["misses"] - la0["misses"]
+    requests = max(1, len(rounds))
+    hit_rate = min(1.0, hits / requests)  # over every request: rounds not drafted ahead count as misses
+    pred = plan_mod.lookahead_round(n, model.service_ms, max(ahead_ms, model.service_ms), model.verify_ms,
+                                    model.rtt_ms, hit_rate)
+    predicted_tps = n * tokens_per_round / pred.round_ms * 1000.0
+    measured_tps = tokens / window
+    row = {"n": n, "label": "emulation", "rounds": len(rounds), "system_tps": measured_tps,
+           "fallback_rounds": sum(r.fallback for r in rounds),
+           "hits": hits, "misses": misses, "hit_rate": hit_rate,
+           "checked_hit_rate": hits / (hits + misses) if hits + misses else None,
+           "idle_s_used": la1["idle_s"] - la0["idle_s"],
+           "predicted_system_tps": predicted_tps, "predicted_coverage": pred.coverage,
+           "error_pct": relative_error_pct(measured_tps, predicted_tps)}
+    if plain is not None:
+        row["without_lookahead_tps"] = plain["measured"]["system_tps"]
+        row["gain"] = measured_tps / plain["measured"]["system_tps"]
+        row["predicted_gain"] = predicted_tps / plain["predicted"]["system_tps"]
+    return row
 
