@@ -10,7 +10,7 @@ import time
 import zmq
 
 from starsd_draftd.bench import plan as plan_mod
-from starsd_draftd.bench.emulation import EMULATION_LABEL
+from starsd_draftd.bench.emulation import EMULATION_LABEL, ServiceModel
 from starsd_draftd.bench.emulated_target import EmulatedTarget, TargetModel
 from starsd_draftd.bench.trace import BusyIndex, Trace, idle_gaps, services_between
 from starsd_draftd.bench.config import BenchConfig, GAP_EDGES_MS
@@ -223,7 +223,8 @@ def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan
         e, base_ms=cfg.draft_base_ms, per_token_ms=cfg.draft_per_token_ms, depth=cfg.depth, q_topk=cfg.q_topk,
         lookahead=True))
     pool.ready("emu-draftd-ahead")
-    ahead_ms = plan_mod.service_time_ms(cfg.depth + 2, cfg.draft_base_ms, cfg.draft_per_token_ms)
+    # the daemon drafts depth + 1 ahead (the room it leaves a target that lengthens its next round)
+    ahead_ms = 1000.0 * ServiceModel(cfg.draft_base_ms, cfg.draft_per_token_ms).ahead_s(cfg.depth + 1)
     tokens_per_round = plan_mod.expected_tokens_per_round(cfg.acceptance, cfg.depth)
     plain = {r["n"]: r for r in plain_rows}
     rows = []
