@@ -94,3 +94,26 @@ def test_a_cut_draft_copies_the_first_layers_and_distilling_trains_only_them(bui
     assert summary["steps"] > 0
     assert torch.equal(draft.model.embed_tokens.weight, embed_before)
     assert not torch.equal(draft.model.layers[0].mlp.down_proj.weight, layer_before)
+
+
+def test_earlier_recipes_are_named_not_removed(tmp_path):
+    """Beside a new recipe's build, complete builds of other recipes are listed with their sizes
+    (the log names them); incomplete ones, lock files and the current build are not."""
+    from starsd_draftd.demo.checkpoints import REPORT_NAME, earlier_recipes
+
+    def build(name: str, complete: bool = True) -> None:
+        for sub in ("target", "draft"):
+            (tmp_path / name / sub).mkdir(parents=True)
+            if complete:
+                (tmp_path / name / sub / "config.json").write_text("{}")
+        if complete:
+            (tmp_path / name / REPORT_NAME).write_text("x" * 100)
+
+    build("demo-old-v1")
+    build("demo-half", complete=False)
+    build("demo-now")
+    (tmp_path / "demo-old-v1.lock").write_text("")
+    got = earlier_recipes(tmp_path / "demo-now")
+    assert [(p.name, n) for p, n in got] == [("demo-old-v1", 104)]
+    assert (tmp_path / "demo-old-v1" / REPORT_NAME).is_file()  # left in place
+

@@ -95,7 +95,22 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
                     shutil.rmtree(tmp, ignore_errors=True)
             log.info("demo checkpoints ready in %.0fs (draft agreement with the target %.1f%%): %s",
                      report["wall_s"], 100 * report["draft"]["heldout_top1_agreement"], final)
+            for old, size in earlier_recipes(final):
+                log.info("an earlier demo recipe's checkpoints remain in %s (%.0f MiB); this version never "
+                         "reads them: remove the directory unless an older StarSD install still uses it",
+                         old, size / 2**20)
     return final / "target", final / "draft"
+
+
+def earlier_recipes(current: Path) -> list[tuple[Path, int]]:
+    """Other recipes' demo checkpoint directories beside ``current`` (complete builds only), with
+    their sizes in bytes: left in place (an older install may share the cache), named in the log."""
+    out = []
+    for d in sorted(current.parent.glob("demo-*")):
+        if d == current or not d.is_dir() or not _complete(d):
+            continue
+        out.append((d, sum(f.stat().st_size for f in d.rglob("*") if f.is_file())))
+    return out
 
 
 def build_demo_checkpoints(out: Path, progress: bool = True, threads: int = 2,
