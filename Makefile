@@ -31,7 +31,8 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/starsd-draftd demo --targets $(DEMO_TARGETS)
 
-# The standard benchmark set (under 10 minutes here): JSON, a Markdown table and a PNG in results/.
+# The standard benchmark set (under 10 minutes here before the emulation with lookahead, which adds about 2):
+# JSON, a Markdown table and a PNG in results/.
 bench: install
 	$(BIN)/starsd-draftd bench --out results
 

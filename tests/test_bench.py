@@ -165,7 +165,7 @@ def test_an_emulated_target_that_takes_the_guess_gets_answers_from_work_ahead(gu
     the first round every request brings the sequence drafted ahead (a hit); with guess rate 0
     none does. The bookkeeping stays exact either way (no round without drafts)."""
     with running_server(EmulatedBackend(ServiceModel(0.0, 0.0), lookahead=True)) as (server, ctx):
-        tm = TargetModel(verify_ms=10.0, rtt_ms=0.0, depth=3, acceptance=1.0, guess_rate=guess_rate)
+        tm = TargetModel(verify_ms=30.0, rtt_ms=0.0, depth=3, acceptance=1.0, guess_rate=guess_rate)
         t = EmulatedTarget(server.endpoint, tm, seed=2, ctx=ctx)
         rounds = t.run(threading.Event(), max_rounds=12)
         la = dict(server.stats.lookahead)

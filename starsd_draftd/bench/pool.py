@@ -23,10 +23,16 @@ log = logging.getLogger("starsd.bench")
 
 
 # ---------------------------------------------------------------- shared plumbing
+def emulation_max_depth(depth: int) -> int:
+    """The emulated draft daemon's --depth for a bench at ``depth``."""
+    return max(depth, 8)
+
+
 def _draftd_emulation_args(endpoint: str, *, base_ms: float, per_token_ms: float, depth: int, batch_max: int = 1,
                            feature_size: int = 0, q_topk: int = 32, lookahead: bool = False) -> list[str]:
     return ["starsd_draftd.bench.emulation_serve", "serve", "--bind", endpoint, "--draft-base-ms", str(base_ms),
-            "--draft-per-token-ms", str(per_token_ms), "--depth", str(max(depth, 8)), "--batch-max", str(batch_max),
+            "--draft-per-token-ms", str(per_token_ms), "--depth", str(emulation_max_depth(depth)),
+            "--batch-max", str(batch_max),
             "--feature-size", str(feature_size), "--q-topk", str(q_topk), "--log-level", "warning",
             "--lookahead" if lookahead else "--no-lookahead"]
 

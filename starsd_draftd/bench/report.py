@@ -130,7 +130,8 @@ def format_report(report: dict) -> str:
                       f"work ahead); the emulated drafter's guess of a target's next token after an all-kept round "
                       f"is right with probability {la['guess_rate']:g} (i.i.d. hit rate "
                       f"{100 * la['hit_rate_iid']:.0f}%). The model (`plan.lookahead_round`) takes the measured hit "
-                      f"rate, over all requests.", "",
+                      f"rate, over all requests: exact at N = 1; from N = 2 it also applies its own idle-time "
+                      f"coverage, so there it understates the gain.", "",
                       "| N | system tok/s | predicted | error | without lookahead | gain (x) | predicted gain (x) | hit rate | "
                       "predicted coverage | rounds without drafts |",
                       "|---|---|---|---|---|---|---|---|---|---|"]

@@ -14,7 +14,7 @@ from starsd_draftd.bench.emulation import EMULATION_LABEL, ServiceModel
 from starsd_draftd.bench.emulated_target import EmulatedTarget, TargetModel
 from starsd_draftd.bench.trace import BusyIndex, Trace, idle_gaps, services_between
 from starsd_draftd.bench.config import BenchConfig, GAP_EDGES_MS
-from starsd_draftd.bench.pool import Pool, _busy_fraction, _draftd_emulation_args, _stats
+from starsd_draftd.bench.pool import Pool, _busy_fraction, _draftd_emulation_args, _stats, emulation_max_depth
 from starsd_draftd.bench.stats import framework_overheads, histogram, per_token_latencies, relative_error_pct, summarize
 
 log = logging.getLogger("starsd.bench")
@@ -208,6 +208,12 @@ def lookahead_n_max(cfg: BenchConfig) -> int:
     return min(cfg.n_max, LOOKAHEAD_N_MAX)
 
 
+def emulated_ahead_depth(depth: int) -> int:
+    """The drafts the emulated daemon makes ahead after a request for ``depth``: one more (the
+    room the server leaves a target that lengthens its next round), within its maximum depth."""
+    return min(emulation_max_depth(depth), depth + 1)
+
+
 def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan, plain_rows: list[dict]) -> dict:
     """N = 1..min(8, N_max) emulated targets against an emulated daemon that drafts ahead (its
     guess of each target's next token is right with probability ``cfg.guess_rate`` after an
@@ -223,8 +229,7 @@ def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan
         e, base_ms=cfg.draft_base_ms, per_token_ms=cfg.draft_per_token_ms, depth=cfg.depth, q_topk=cfg.q_topk,
         lookahead=True))
     pool.ready("emu-draftd-ahead")
-    # the daemon drafts depth + 1 ahead (the room it leaves a target that lengthens its next round)
-    ahead_ms = 1000.0 * ServiceModel(cfg.draft_base_ms, cfg.draft_per_token_ms).ahead_s(cfg.depth + 1)
+    ahead_ms = 1000.0 * ServiceModel(cfg.draft_base_ms, cfg.draft_per_token_ms).ahead_s(emulated_ahead_depth(cfg.depth))
     tokens_per_round = plan_mod.expected_tokens_per_round(cfg.acceptance, cfg.depth)
     plain = {r["n"]: r for r in plain_rows}
     rows = []
@@ -240,7 +245,11 @@ def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan
 
 def lookahead_row(run: dict, model: plan_mod.Plan, ahead_ms: float, tokens_per_round: float,
                   plain: dict | None) -> dict:
-    """One N of the lookahead sweep: measured throughput and hit rate beside the model's."""
+    """One N of the lookahead sweep: measured throughput and hit rate beside the model's. The hit
+    rate given to the model counts every request (a round the daemon's gate or a lack of idle time
+    left undrafted ahead is a miss). At N = 1 that is the model's h exactly (its coverage is 1);
+    from N = 2 the model applies its own idle-time coverage on top, so there it understates what
+    lookahead gains."""
     n, w0, w1 = run["n"], run["w0"], run["w1"]
     window = w1 - w0
     rounds = [r for t in run["targets"] for r in t.rounds if w0 <= r.t_done <= w1]
@@ -249,7 +258,7 @@ def lookahead_row(run: dict, model: plan_mod.Plan, ahead_ms: float, tokens_per_r
     hits = sum(la1[k] - la0[k] for k in ("hits", "late_hits"))
     misses = la1["misses"] - la0["misses"]
     requests = max(1, len(rounds))
-    hit_rate = min(1.0, hits / requests)  # over every request: rounds not drafted ahead count as misses
+    hit_rate = hits / requests  # over every request: rounds not drafted ahead count as misses
     pred = plan_mod.lookahead_round(n, model.service_ms, max(ahead_ms, model.service_ms), model.verify_ms,
                                     model.rtt_ms, hit_rate)
     predicted_tps = n * tokens_per_round / pred.round_ms * 1000.0

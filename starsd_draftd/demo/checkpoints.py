@@ -65,7 +65,7 @@ def _complete(root: Path) -> bool:
 
 
 def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -> tuple[Path, Path]:
-    """``(target_dir, draft_dir)``, built first if not cached (about 4 minutes on 2 cores)."""
+    """``(target_dir, draft_dir)``, built first if not cached (about 6.5 minutes on 2 cores)."""
     final = demo_dir()
     if _complete(final):
         if not (final / "draft" / VOCAB_FILE).is_file():  # a cache built before the draft's vocabulary
