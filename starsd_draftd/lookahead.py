@@ -26,6 +26,13 @@ LOOKAHEAD_MIN_SCORE = 0.25
 LOOKAHEAD_PROBE_EVERY = 8
 
 
+def ahead_depth(max_depth: int, asked: int) -> int:
+    """Drafts made ahead for a session whose request asked for ``asked``: one more (a target that
+    picks its own length may ask for it after a round answered from work ahead), within the
+    daemon's ``max_depth``."""
+    return min(max_depth, asked + 1)
+
+
 class LookaheadServing:
     """Lookahead's part of the draft daemon's loop (a mixin of ``DraftServer``, whose state it uses:
     ``backend``, ``sessions``, ``stats``, ``_ahead``)."""

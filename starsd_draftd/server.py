@@ -32,7 +32,7 @@ from common.sockets import SocketOptions, bind_server, check_server_endpoint, is
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
-from starsd_draftd.lookahead import LookaheadServing
+from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
@@ -753,7 +753,7 @@ class DraftServer(LookaheadServing):
                     session.replied_at = sent
                     self._awaited[key] = session
                 if self.config.lookahead and not self.draining and draft.parents is None:
-                    self._start_lookahead(session, draft, min(self.config.max_depth, req.depth + 1), h["seq"])
+                    self._start_lookahead(session, draft, ahead_depth(self.config.max_depth, req.depth), h["seq"])
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
 

@@ -71,7 +71,8 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
              "jobs_per_target": jobs, "repeats": repeats}
     kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
               draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
-              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, seed=seed, plot=not no_plot, progress=not no_progress,
+              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, seed=seed, plot=not no_plot,
+              progress=not no_progress,
               sections=tuple(s.strip() for s in sections.split(",") if s.strip()))
     cfg = BenchConfig.quick_config(**kw) if quick else BenchConfig(**kw)
     report = run_bench(cfg)

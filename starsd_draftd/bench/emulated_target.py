@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from common.verify import SamplingParams
-from starsd_draftd.bench.emulation import EMU_FINGERPRINT, EMU_VOCAB, PacedSleep
+from starsd_draftd.bench.emulation import EMU_FINGERPRINT, EMU_VOCAB, PacedSleep, emulated_guess
 
 log = logging.getLogger("starsd.bench")
 
@@ -133,7 +133,7 @@ class EmulatedTarget:
                     drafted = len(reply.tokens)
                     n = acceptance_chain(rng, self.model.acceptance, drafted)
                     if self.model.guess_rate and drafted and n == drafted:
-                        guess = (reply.tokens[-1] + 1) % self.vocab_size  # the emulated drafter's guess
+                        guess = emulated_guess(reply.tokens[-1], self.vocab_size)
                         if rng.random() < self.model.guess_rate:
                             own = guess
                         elif own == guess:  # a miss stays a miss

@@ -26,6 +26,12 @@ _Q_TABLE_MAX_BYTES = 64 << 20
 EMU_SERVER_NAME = "starsd-draftd-emulation"
 
 
+def emulated_guess(last_draft: int, vocab_size: int) -> int:
+    """The emulated drafter's guess of a target's token after a round that kept every draft: the
+    token after its last draft (what ``EmulatedTarget`` puts there with ``TargetModel.guess_rate``)."""
+    return (last_draft + 1) % vocab_size
+
+
 # ---------------------------------------------------------------- timed sleeps
 class PacedSleep:
     """``time.sleep`` whose mean length is exact: the OS wakes a sleeper late (about 0.1 ms here,
@@ -139,7 +145,7 @@ class EmulatedBackend(DraftBackend):
         st: EmulatedState = state  # type: ignore[assignment]
         if not self.drafts_ahead or not st.params.greedy or not draft.tokens:
             return None
-        guess = self._after(draft.tokens[-1], 1)[0]
+        guess = emulated_guess(draft.tokens[-1], self.vocab_size)
         sequence = list(verified) + list(draft.tokens) + [guess]
         service = self.service
 

@@ -132,8 +132,8 @@ def format_report(report: dict) -> str:
                       f"{100 * la['hit_rate_iid']:.0f}%). The model (`plan.lookahead_round`) takes the measured hit "
                       f"rate, over all requests: exact at N = 1; from N = 2 it also applies its own idle-time "
                       f"coverage, so there it understates the gain.", "",
-                      "| N | system tok/s | predicted | error | without lookahead | gain (x) | predicted gain (x) | hit rate | "
-                      "predicted coverage | rounds without drafts |",
+                      "| N | system tok/s | predicted | error | without lookahead | gain (x) | predicted gain (x) | "
+                      "hit rate | predicted coverage | rounds without drafts |",
                       "|---|---|---|---|---|---|---|---|---|---|"]
             for r in la["rows"]:
                 lines.append(f"| {r['n']} | {r['system_tps']:.1f} | {r['predicted_system_tps']:.1f} | "

@@ -16,6 +16,7 @@ from starsd_draftd.bench.trace import BusyIndex, Trace, idle_gaps, services_betw
 from starsd_draftd.bench.config import BenchConfig, GAP_EDGES_MS
 from starsd_draftd.bench.pool import Pool, _busy_fraction, _draftd_emulation_args, _stats, emulation_max_depth
 from starsd_draftd.bench.stats import framework_overheads, histogram, per_token_latencies, relative_error_pct, summarize
+from starsd_draftd.lookahead import ahead_depth
 
 log = logging.getLogger("starsd.bench")
 
@@ -209,9 +210,8 @@ def lookahead_n_max(cfg: BenchConfig) -> int:
 
 
 def emulated_ahead_depth(depth: int) -> int:
-    """The drafts the emulated daemon makes ahead after a request for ``depth``: one more (the
-    room the server leaves a target that lengthens its next round), within its maximum depth."""
-    return min(emulation_max_depth(depth), depth + 1)
+    """The drafts the emulated daemon makes ahead after a request for ``depth`` (the server's rule)."""
+    return ahead_depth(emulation_max_depth(depth), depth)
 
 
 def emulation_lookahead(cfg: BenchConfig, pool: Pool, step, model: plan_mod.Plan, plain_rows: list[dict]) -> dict:
