@@ -119,5 +119,10 @@ install-systemd:
 	echo "     systemctl enable --now starsd-target@NAME"; \
 	echo "  4. systemctl status starsd-draftd 'starsd-target@*'; journalctl -u starsd-draftd -f"
 
+# docs/configuration.md from the command lines' own --help (tests/test_docs.py fails while it is stale).
+.PHONY: docs
+docs: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python tools/gen_configuration.py
+
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) *.egg-info .pytest_cache
