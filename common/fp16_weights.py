@@ -106,6 +106,22 @@ class Fp16Part(torch.nn.Module):
         return f"columns {self.start}:{self.stop} of a fused fp16-weights layer"
 
 
+FP16_MAX = 65504.0  # torch.finfo(torch.float16).max
+
+
+def linears_beyond_fp16(module: torch.nn.Module) -> tuple[int, int]:
+    """(weights whose magnitude exceeds float16's largest value, all weights) over every
+    ``nn.Linear`` in ``module``: a weight beyond it would become infinite in fp16-weights. Counted
+    one layer at a time in the weights' own dtype, so a bfloat16 checkpoint is never copied whole."""
+    over = total = 0
+    for child in module.modules():
+        if isinstance(child, torch.nn.Linear):
+            w = child.weight.detach()
+            over += int(torch.count_nonzero(w.abs() > FP16_MAX))
+            total += w.numel()
+    return over, total
+
+
 def pack_linears(module: torch.nn.Module) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by an ``Fp16Linear``, in place; returns how
     many. The module must be a float32 module on the CPU."""

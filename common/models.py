@@ -28,7 +28,8 @@ class LoadedModel:
     tokenizer: object | None
     path: Path
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations' dtype
+    dtype_name: str  # the concrete --dtype served (never "auto"): fp16-weights computes in float32
     vocab_size: int  # tokens the tokenizer knows (the ids both sides may exchange)
     logits_size: int  # width of the model's output layer (may be padded beyond vocab_size)
     feature_size: int  # width of the final hidden state the output layer reads
@@ -51,26 +52,55 @@ def resolve_device(name: str) -> torch.device:
 
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp16-weights")
-DTYPE_HELP = ("Model dtype. auto: float32 on CPU, bfloat16/float16 on CUDA. fp16-weights (x86 CPUs): linear "
-              "weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over a few "
-              "tokens costs about one token's (what speculation needs); the model is then the checkpoint with "
-              "its linear weights rounded to float16.")
+DTYPE_HELP = ("Model dtype. auto: the fastest format whose outputs are exact: fp16-weights on an x86 CPU "
+              "(when the checkpoint's linear weights fit float16's range, else float32), float32 on other "
+              "CPUs, bfloat16/float16 on CUDA; the log says what it picked and why. fp16-weights (x86 CPUs): "
+              "linear weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over "
+              "a few tokens costs about one token's (what speculation needs); the model is then the checkpoint "
+              "with its linear weights rounded to float16. bfloat16 on a CPU is not token-exact at near-ties.")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A concrete ``--dtype`` (never ``auto``) and why it was taken."""
+
+    name: str
+    reason: str
+
+
+def choose_dtype(name: str, device: torch.device) -> DtypeChoice:
+    """What ``--dtype NAME`` means on ``device``: an explicit choice stands; ``auto`` is the fastest
+    format whose greedy outputs are the target alone's. On an x86 CPU that is fp16-weights: it
+    computes in float32 (a many-row verification and a one-row step round alike) and moves half the
+    weight bytes; bfloat16 is not, as its coarse logits break near-ties differently at different row
+    counts. A checkpoint whose linear weights overflow float16 is taken back to float32 at load
+    (``load_causal_lm``), where the weights can be counted."""
+    from common.fp16_weights import FP16_WEIGHTS, fp16_weights_available
+
+    if name != "auto":
+        return DtypeChoice(name, "asked for")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice("bfloat16", "auto on CUDA with bfloat16 support")
+        return DtypeChoice("float16", "auto on CUDA without bfloat16 support")
+    if device.type == "cpu" and fp16_weights_available():
+        return DtypeChoice(FP16_WEIGHTS, "auto on an x86 CPU with fbgemm: float16 weights, float32 arithmetic, "
+                                         "exact and about twice float32's speed")
+    return DtypeChoice("float32", f"auto on {device.type} without fbgemm (fp16-weights needs x86): float32 "
+                                  "is exact where bfloat16 is not")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The activations' dtype for a ``--dtype`` choice (fp16-weights computes in float32)."""
     from common.fp16_weights import FP16_WEIGHTS, fp16_weights_available
 
+    name = choose_dtype(name, device).name
     if name == FP16_WEIGHTS:
         if device.type != "cpu":
             raise ModelLoadError(f"--dtype {FP16_WEIGHTS} is a CPU format; on {device} use bfloat16 or float16")
         if not fp16_weights_available():
             raise ModelLoadError(f"--dtype {FP16_WEIGHTS} needs PyTorch's fbgemm kernels (x86 CPUs), which this "
                                  f"build lacks ({torch.backends.quantized.supported_engines}); use float32")
-        return torch.float32
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     try:
         return DTYPES[name]
@@ -171,11 +201,15 @@ def resolve_model_path(name_or_dir: str) -> Path:
     return path
 
 
-def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", draft_vocab=None) -> LoadedModel:
+def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32", draft_vocab=None) -> LoadedModel:
     """Load a Hugging Face causal LM (and its tokenizer, when the directory has one) from a
     local directory, or one of the cached demo checkpoints (``demo`` / ``demo-draft``).
+    ``dtype``: a ``--dtype`` choice; library callers get the checkpoint in float32 unless they ask,
+    the daemons pass theirs (``auto`` by default: see ``choose_dtype``).
     ``draft_vocab`` (a ``common.draft_vocab.DraftVocab``): cut the output layer to its ids."""
     from transformers import AutoModelForCausalLM
+
+    from common.fp16_weights import FP16_WEIGHTS
 
     path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
@@ -184,10 +218,10 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
             "directory, or 'demo' / 'demo-draft' for the built-in pair"
         )
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    choice = choose_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(choice.name, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    shown = dtype if dtype == "fp16-weights" else str(torch_dtype).replace("torch.", "")
-    log.info("loading model %s on %s as %s", path, dev, shown)
+    log.info("loading model %s on %s as %s (%s)", path, dev, choice.name, choice.reason)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
@@ -205,22 +239,39 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "auto", 
         restrict_head(model, draft_vocab)
         log.info("output layer cut to %d of %d token ids (%s)", len(draft_vocab.ids), logits_size,
                  draft_vocab.path or "given ids")
-    if dtype == "fp16-weights":
-        from common.fp16_weights import pack_linears
-
-        log.info("%d linear layers packed with float16 weights for fbgemm", pack_linears(model))
+    if choice.name == FP16_WEIGHTS:
+        choice = _pack_fp16_weights(model, choice, path, asked=dtype != "auto")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         path=path,
         device=dev,
         dtype=torch_dtype,
+        dtype_name=choice.name,
         vocab_size=vocab,
         logits_size=logits_size,
         feature_size=feature_size,
         fingerprint=fingerprint,
         eos_token_ids=_eos_ids(model, tokenizer),
     )
+
+
+def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, asked: bool) -> DtypeChoice:
+    """Pack ``model``'s linears for fp16-weights, after counting the weights float16 cannot hold:
+    with any, ``auto`` keeps float32 (the model is loaded in it) and an explicit choice is refused."""
+    from common.fp16_weights import FP16_MAX, linears_beyond_fp16, pack_linears
+
+    over, total = linears_beyond_fp16(model)
+    if over:
+        why = (f"{over} of {total} linear weights in {path} exceed float16's range (|w| > {FP16_MAX:g}) and "
+               "would become infinite")
+        if asked:
+            raise ModelLoadError(f"--dtype fp16-weights: {why}; use float32 or bfloat16")
+        log.warning("dtype auto: %s; serving float32 instead", why)
+        return DtypeChoice("float32", f"auto: {why}")
+    log.info("%d linear layers packed with float16 weights for fbgemm (all %d weights within float16's range)",
+             pack_linears(model), total)
+    return choice
 
 
 def context_length(model) -> int | None:

@@ -6,6 +6,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The daemons' --dtype auto serves fp16-weights on an x86 CPU, and the suite's references are the
+# float32 checkpoint's own generate: daemons started here serve float32 unless a test says otherwise
+# (tests/test_dtype_auto.py runs auto itself, against an fp16-weights reference).
+os.environ.setdefault("STARSD_TARGET_DTYPE", "float32")
+os.environ.setdefault("STARSD_DRAFTD_DTYPE", "float32")
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, pack_linears
-from common.models import (ModelLoadError, kv_bytes_per_token, resolve_device, resolve_dtype, resolve_model_path,
-                           tokenizer_identity)
+from common.models import (ModelLoadError, choose_dtype, kv_bytes_per_token, resolve_device, resolve_dtype,
+                           resolve_model_path, tokenizer_identity)
 from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
@@ -223,7 +223,7 @@ def _target_tensors(base: Path, lm_head: bool = True) -> tuple[torch.Tensor, tor
 
 
 def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu",
-                    dtype: str = "auto") -> EagleHead:
+                    dtype: str = "float32") -> EagleHead:
     """Load an EAGLE-1 head saved in EAGLE's layout (``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin``) and the target tensors it needs from ``base_model_dir``."""
     # the head class comes from eagle-llm, which only EAGLE-1 heads need (EAGLE-3 heads are this project's)
@@ -256,6 +256,7 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
                              f"expected ({vocab}, {hidden})")
 
     dev = resolve_device(device)
+    dtype = choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
     torch_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):  # no memory and no random init: every weight is assigned below
         module = build_head(config, bias=has_bias)
@@ -332,7 +333,7 @@ class EagleBackend(DraftBackend):
         self.kv_bytes_per_token = kv_bytes_per_token(head.config, head.dtype, layers=1)  # the head's one layer
 
     @classmethod
-    def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",
+    def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                   q_topk: int = 32, tree_topk: int = 1) -> "EagleBackend":
         head = load_eagle_head(head_dir, base_model_dir, device=device, dtype=dtype)
         return cls(head, head.base_path, q_topk=q_topk, tree_topk=tree_topk)

@@ -45,7 +45,8 @@ from torch import nn
 
 from common.features import check_feature_layers, default_feature_layers
 from common.fp16_weights import FP16_WEIGHTS, pack_linears
-from common.models import ModelLoadError, kv_bytes_per_token, resolve_device, resolve_dtype, resolve_model_path
+from common.models import (ModelLoadError, choose_dtype, kv_bytes_per_token, resolve_device, resolve_dtype,
+                           resolve_model_path)
 from starsd_draftd.backends.eagle import EagleBackend, _head_state_dict, _read_json, _target_tensors
 
 log = logging.getLogger("starsd.eagle3")
@@ -292,7 +293,7 @@ def _expect(state: dict, name: str, shape: tuple, where: Path) -> torch.Tensor:
 
 
 def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu",
-                     dtype: str = "auto") -> Eagle3Head:
+                     dtype: str = "float32") -> Eagle3Head:
     """Load an EAGLE-3 head in the published layout and check it against the target checkpoint
     in ``base_model_dir`` (its embedding, hidden size, vocabulary and layer count)."""
     head_dir = Path(head_dir)
@@ -365,6 +366,7 @@ def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: s
     attention_bias = "midlayer.self_attn.q_proj.bias" in state
 
     dev = resolve_device(device)
+    dtype = choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
     torch_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):
         module = Eagle3Module(config, fused, attention_bias)
@@ -422,7 +424,7 @@ class Eagle3Backend(EagleBackend):
         self.kv_bytes_per_token = kv_bytes_per_token(head.config, head.dtype, layers=1)
 
     @classmethod
-    def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "auto",
+    def from_dirs(cls, head_dir: str | Path, base_model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
                   q_topk: int = 32, tree_topk: int = 1) -> "Eagle3Backend":
         head = load_eagle3_head(head_dir, base_model_dir, device=device, dtype=dtype)
         return cls(head, head.base_path, q_topk=q_topk, tree_topk=tree_topk)

@@ -1,0 +1,120 @@
+"""--dtype auto: the fastest exact format for the device, said in the log, and refused or
+taken back where a checkpoint's weights do not fit float16."""
+
+import logging
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common import fp16_weights
+from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, fp16_weights_available
+from common.models import ModelLoadError, choose_dtype, load_causal_lm
+from tiny_models import EOS_ID, PAD_ID
+
+needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
+                                  reason="fbgemm is x86-only; auto picks fp16-weights only on an x86 build of PyTorch")
+CPU = torch.device("cpu")
+
+
+def test_auto_on_a_cpu_with_fbgemm_is_fp16_weights_and_without_it_float32(monkeypatch):
+    monkeypatch.setattr(fp16_weights, "fp16_weights_available", lambda: True)
+    assert choose_dtype("auto", CPU).name == FP16_WEIGHTS
+    monkeypatch.setattr(fp16_weights, "fp16_weights_available", lambda: False)
+    picked = choose_dtype("auto", CPU)
+    assert picked.name == "float32" and "fbgemm" in picked.reason
+    for explicit in ("float32", "bfloat16", "float16", FP16_WEIGHTS):  # an explicit choice stands
+        assert choose_dtype(explicit, CPU).name == explicit
+
+
+def test_auto_on_cuda_follows_bfloat16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert choose_dtype("auto", torch.device("cuda")).name == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert choose_dtype("auto", torch.device("cuda")).name == "float16"
+
+
+@needs_fbgemm
+def test_auto_loads_fp16_weights_and_says_why(tiny_target, caplog):
+    with caplog.at_level(logging.INFO, logger="starsd.models"):
+        loaded = load_causal_lm(str(tiny_target), dtype="auto")
+    assert loaded.dtype_name == FP16_WEIGHTS and loaded.dtype == torch.float32
+    assert any(isinstance(m, Fp16Linear) for m in loaded.model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.model.modules())
+    text = caplog.text
+    assert "as fp16-weights (auto on an x86 CPU with fbgemm" in text
+    assert "within float16's range" in text
+
+
+def _with_a_huge_weight(src, out, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1.0e5  # beyond float16's 65504
+        model.model.layers[0].mlp.down_proj.weight[1, 2] = -7.0e4
+    model.to(dtype).save_pretrained(out)
+    return out
+
+
+@needs_fbgemm
+def test_weights_beyond_float16_make_auto_serve_float32_and_an_explicit_choice_fail(tiny_target, tmp_path, caplog):
+    wide = _with_a_huge_weight(tiny_target, tmp_path / "wide")
+    with caplog.at_level(logging.WARNING, logger="starsd.models"):
+        loaded = load_causal_lm(str(wide), dtype="auto")
+    assert loaded.dtype_name == "float32"
+    assert not any(isinstance(m, Fp16Linear) for m in loaded.model.modules())
+    assert "2 of " in caplog.text and "exceed float16's range" in caplog.text
+    with pytest.raises(ModelLoadError, match=r"2 of \d+ linear weights .* exceed float16's range"):
+        load_causal_lm(str(wide), dtype=FP16_WEIGHTS)
+
+
+@needs_fbgemm
+def test_a_bfloat16_checkpoint_within_range_loads_as_fp16_weights(tiny_target, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = load_causal_lm(str(tmp_path / "bf16"), dtype="auto")
+    assert loaded.dtype_name == FP16_WEIGHTS
+    ids = torch.tensor([[1, 5, 9, 30]])
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def _fp16_rounded_greedy(model_dir, prompt_ids, n):
+    """What fp16-weights serves, decoded the plain way: the checkpoint with its linear weights
+    rounded to float16, computed in float32, through the model's own generate."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.half().float())
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@needs_fbgemm
+@pytest.mark.slow
+def test_daemons_with_their_default_dtype_serve_fp16_weights_exactly_and_speculate(star, tiny_target, near_draft,
+                                                                                 monkeypatch):
+    """Both daemons as a user starts them, no --dtype: fp16-weights, said in their logs; greedy
+    output equals the fp16-rounded checkpoint's own generate, with drafts kept and no fallback."""
+    from fakes import run_concurrently
+    from starsd_target.engine import TargetEngine
+
+    monkeypatch.delenv("STARSD_TARGET_DTYPE", raising=False)
+    monkeypatch.delenv("STARSD_DRAFTD_DTYPE", raising=False)
+    assert "STARSD_TARGET_DTYPE" not in os.environ
+    draft_ep = star.draftd(near_draft)
+    (target_ep,) = star.targets(tiny_target, draft_ep, 1, "--connect-timeout", "120", "--draft-timeout", "30")
+    for name in ("draftd", "t0"):
+        assert "as fp16-weights (auto on an x86 CPU" in star.log(name), star.log(name)[-2000:]
+    prompt = "def parse(line):\n    "
+    ids = TargetEngine(load_causal_lm(str(tiny_target))).encode(prompt)
+    ref = _fp16_rounded_greedy(tiny_target, ids, 40)
+    (res,) = run_concurrently([target_ep], [{"id": 1, "prompt": prompt, "max_tokens": 40}])
+    assert res["token_ids"] == ref
+    assert res["stats"]["fallback_rounds"] == 0
+    assert res["stats"]["accepted"] > 0 and res["stats"]["rounds"] < len(ref)
