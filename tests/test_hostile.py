@@ -5,6 +5,7 @@ drafts. No assertion on time."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -142,6 +143,17 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
     return cond()
 
 
+def _idle_for(server, seconds: float) -> None:
+    """Age every connection, peer and session the daemon holds by ``seconds``, as if that long had
+    passed without a word from any of them (instead of waiting it out). Called while the daemon
+    has nothing to answer, so its loop touches none of them meanwhile."""
+    table = server.sessions
+    for entry in [*table.conns.values(), *table.peers.values()]:
+        entry.seen -= seconds
+    for s in list(table.sessions.values()):
+        s.touched -= seconds
+
+
 def test_every_connection_says_hello_before_anything_is_served():
     with running_server() as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
@@ -213,7 +225,7 @@ def test_throwaway_hellos_give_way_to_a_new_target():
         squatters = [RawPeer(ctx, server.endpoint) for _ in range(40)]
         codes = [_code(p.hello()) for p in squatters]  # connections that greet and then stay silent
         assert codes.count("WELCOME") == 20 and codes.count("BUSY") == 20
-        time.sleep(3.1)  # they are idle now: the least recently seen makes room for a newcomer
+        _idle_for(server, 3.1)  # they are idle now: the least recently seen makes room for a newcomer
         client = _client(server, ctx)
         s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
         assert isinstance(_reply(client, s.session, s.send([1, 2, 3], 3)), DraftReply)
@@ -269,7 +281,7 @@ def test_cache_memory_is_bounded_per_session_per_target_and_in_all():
         assert [_opened(b, sid, 45) for sid in (1, 2)] == ["OK", "OK"]
         assert server.snapshot()["kv_bytes"] == 300_000
         assert _opened(b, 3, 45) == "BUSY"  # the daemon's 300 kB are taken, and no session is idle yet
-        time.sleep(3.1)
+        _idle_for(server, 3.1)
         assert _opened(b, 3, 45) == "OK"  # now the least recently used idle session makes room
         snap = server.snapshot()
         assert snap["kv_bytes"] == 300_000 and snap["sessions_evicted"] == 1 and snap["live_sessions"] == 6
@@ -299,32 +311,46 @@ def test_the_cache_estimate_matches_what_the_drafter_holds(near_draft):
     assert positions >= 200 and held == positions * backend.kv_bytes_per_token
 
 
-class FirstDraftSlowCacheBackend(CacheBackend):
-    """The first draft takes a second: requests sent meanwhile are served as one batch."""
+class FirstDraftHeldCacheBackend(CacheBackend):
+    """The first draft waits until the test lets it go (``let_go``): requests sent meanwhile are
+    served as one batch."""
 
-    slow = True
+    def __init__(self):
+        super().__init__()
+        self.first = True
+        self.drafting = threading.Event()  # the first draft has begun
+        self._gate = threading.Event()
 
     def draft(self, state, verified, depth, new_features=None):
-        if self.slow:
-            self.slow = False
-            time.sleep(1.0)
+        if self.first:
+            self.first = False
+            self.drafting.set()
+            self._gate.wait(10.0)
         return super().draft(state, verified, depth, new_features)
+
+    def let_go(self) -> None:
+        """Once requests sent during the first draft have had time to reach the daemon's socket
+        (loopback, a fraction of the wait), the first draft ends."""
+        time.sleep(0.3)
+        self._gate.set()
 
 
 def test_room_is_never_made_by_evicting_a_session_of_the_same_batch():
-    with running_server(FirstDraftSlowCacheBackend(), max_kv_bytes=20_000, evict_idle_s=0) as (server, ctx):
+    backend = FirstDraftHeldCacheBackend()
+    with running_server(backend, max_kv_bytes=20_000, evict_idle_s=0) as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
         assert peer.hello().type is MsgType.WELCOME
         for sid in (1, 2):  # 10 kB each (5 prompt tokens + depth 5): the daemon's 20 kB are taken
             peer.open(sid, [1, 2, 3, 4, 5])
         peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 5, "depth": 2}))
-        time.sleep(0.5)
+        assert backend.drafting.wait(10.0)
         # while that is drafted, session 1's next request and session 2's, which grows by 5
         # positions (5 kB more), come in: one batch. The only session that could make room is 1,
         # which is in the batch: 2 is refused, and 1 is drafted on its own, intact, state
         peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 2, "accepted": 0, "new": [], "pos": 5, "depth": 2}))
         peer.send(Message(MsgType.DRAFT, {"session": 2, "seq": 1, "accepted": 0, "new": [6, 7, 8, 9, 10],
                                           "pos": 10, "depth": 5}))
+        backend.let_go()
         replies = [(r.header["session"], r.header["seq"], _code(r)) for r in (peer.recv(), peer.recv(), peer.recv())]
         assert sorted(replies) == [(1, 1, "DRAFTED"), (1, 2, "DRAFTED"), (2, 1, "BUSY")]
         assert server.stats.sessions_evicted == 0 and "INTERNAL" not in server.stats.errors
@@ -365,7 +391,7 @@ def test_a_target_asks_for_no_drafts_beyond_the_drafters_context():
         client.close()
 
 
-class OrderBackend(FirstDraftSlowCacheBackend):
+class OrderBackend(FirstDraftHeldCacheBackend):
     """Records which prompt each draft was for, in the order drafted."""
 
     kv_bytes_per_token = 0
@@ -387,12 +413,14 @@ def test_one_hosts_backlog_delays_another_by_one_batch_at_most():
         for sid in range(1, 21):
             hostile.open(sid, [sid, 1, 2])
         client = _client(server, ctx)
-        for sid in range(1, 21):  # the first is drafted slowly; the other 19 queue behind it
+        for sid in range(1, 21):  # the first is held while drafted; the other 19 queue behind it
             hostile.send(Message(MsgType.DRAFT, {"session": sid, "seq": 1, "accepted": 0, "new": [], "pos": 3,
                                                  "depth": 2}))
-        time.sleep(0.5)
+        assert backend.drafting.wait(10.0)
         s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 30.0)
-        assert isinstance(_reply(client, s.session, s.send([99, 1, 2], 2), 30.0), DraftReply)
+        seq = s.send([99, 1, 2], 2)
+        backend.let_go()
+        assert isinstance(_reply(client, s.session, seq, 30.0), DraftReply)
         assert _until(lambda: len(backend.order) == 21)
         # batches of 2: the first held the slow draft; the legitimate target's request went into
         # the next one, ahead of the 18 or so that had queued before it
