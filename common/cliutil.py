@@ -1,10 +1,13 @@
-"""Shared pieces of the two command lines: options that also read the environment."""
+"""Shared pieces of the two command lines: options that also read the environment, and read their
+defaults from a configuration dataclass."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
@@ -17,11 +20,55 @@ def env_options(prefix: str):
         long = max((d.split("/")[0] for d in decls if d.startswith("--")), key=len)  # --x/--no-x: X
         kwargs.setdefault("envvar", f"{prefix}_{long[2:].upper().replace('-', '_')}")
         kwargs.setdefault("show_envvar", True)
-        if "default" in kwargs and not kwargs.get("is_flag"):
-            kwargs.setdefault("show_default", True)
+        kwargs.setdefault("show_default", True)
         return click.option(*decls, **kwargs)
 
     return option
+
+
+@dataclass(frozen=True)
+class Unit:
+    """An option's unit where its configuration field has another: field value = to_field(option value)."""
+
+    to_field: Callable[[Any], Any]
+    to_option: Callable[[Any], Any]
+
+
+MS = Unit(lambda ms: ms / 1000, lambda s: s * 1000)  # the option in milliseconds, the field in seconds
+MIB = Unit(lambda mib: mib << 20, lambda n: n >> 20)  # the option in MiB, the field in bytes
+
+
+class ConfigOptions:
+    """The options of a command that set the fields of a configuration dataclass: each option is
+    named after its field unless ``renamed`` maps its parameter name to the field's (and, where the
+    units differ, a Unit). ``default(option)`` is the field's default in the option's unit, for
+    ``default=``; ``values(params)`` takes those options out of a command's parameters, as fields."""
+
+    def __init__(self, cls: type, renamed: dict[str, str | tuple[str, Unit]] | None = None):
+        self.cls = cls
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+        self.renamed = {opt: (to, None) if isinstance(to, str) else to for opt, to in (renamed or {}).items()}
+
+    def field(self, option: str) -> tuple[str, Unit | None] | None:
+        """The field an option (by parameter name) sets and its unit; None for an option of no field."""
+        if option in self.renamed:
+            return self.renamed[option]
+        return (option, None) if option in self.fields else None
+
+    def default(self, option: str):
+        name, unit = self.field(option)
+        f = self.fields[name]
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        return value if unit is None else unit.to_option(value)
+
+    def values(self, params: dict) -> dict:
+        """Field values from (and removed from) ``params``, a command's parsed options."""
+        out = {}
+        for option in [o for o in params if self.field(o) is not None]:
+            name, unit = self.field(option)
+            value = params.pop(option)
+            out[name] = value if unit is None or value is None else unit.to_field(value)
+        return out
 
 
 def logging_options(option, default_level: str = "info"):

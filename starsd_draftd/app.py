@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -13,7 +13,9 @@ from starsd_draftd.server import DraftServer, ServerConfig
 
 @dataclass
 class ServeConfig:
-    server: ServerConfig
+    """Every `serve` option's default, stated here once (the command line reads them from here)."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)  # the serving loop's own options
     model: str = "demo-draft"
     backend: str = "model"
     eagle_head: str | None = None
@@ -21,7 +23,7 @@ class ServeConfig:
     device: str = "cpu"
     dtype: str = "auto"
     q_topk: int = 32
-    tree_topk: int = 1  # most children a draft tree's node gets (1: chains only)
+    tree_topk: int = 8  # most children a draft tree's node gets (1: chains only)
     threads: int = 1
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from common.draft_vocab import DEFAULT_SIZE, DRAFT_VOCAB_HELP, MIN_IDS
-from common.cliutil import LazyGroup, env_options, fail_cleanly, logging_options, status_command
+from common.cliutil import MIB, MS, ConfigOptions, LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
@@ -18,8 +18,15 @@ from starsd_draftd import app
 from starsd_draftd.server import ServerConfig
 
 option = env_options("STARSD_DRAFTD")
-_s = ServerConfig()
-_MIB = 1 << 20
+# serve's options: each sets a field of ServeConfig or of its ServerConfig, whose default it shows
+SERVE_OPTIONS = ConfigOptions(app.ServeConfig, {"compile_": "compile"})
+SERVER_OPTIONS = ConfigOptions(ServerConfig, {
+    "depth": "max_depth", "batch_window_ms": ("batch_window_s", MS), "max_queue_mib": ("max_queue_bytes", MIB),
+    "max_peer_queue_mib": ("max_peer_queue_bytes", MIB), "max_kv_mib": ("max_kv_bytes", MIB),
+    "max_peer_kv_mib": ("max_peer_kv_bytes", MIB), "max_session_kv_mib": ("max_session_kv_bytes", MIB),
+    "session_ttl": "session_ttl_s", "peer_ttl": "peer_ttl_s", "evict_idle": "evict_idle_s",
+    "drain_timeout": "drain_s"})
+_serve, _server = SERVE_OPTIONS.default, SERVER_OPTIONS.default
 
 TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
            "demo": "starsd_draftd.demo.cli:demo", "train-eagle": "starsd_draftd.demo.cli:train_eagle",
@@ -35,124 +42,108 @@ def main() -> None:
 
 
 @main.command()
-@option("--backend", type=click.Choice(["model", "eagle", "eagle3"]), default="model",
+@option("--backend", type=click.Choice(["model", "eagle", "eagle3"]), default=_serve("backend"),
         help="model: a standalone draft LM (--model). eagle: an EAGLE-1 head drafting from the target's "
              "final hidden states (--eagle-head, --base-model). eagle3: an EAGLE-3 head (published layout) "
              "drafting from three of the target's hidden states fused; the targets send them, as the "
              "handshake tells them.")
-@option("--model", default="demo-draft", help="Draft checkpoint directory, or 'demo-draft' for the built-in draft.")
-@option("--eagle-head", help="EAGLE head directory (config.json + model.safetensors or pytorch_model.bin), "
-                             "or 'demo-eagle' / 'demo-eagle3' (the demo target's heads).")
-@option("--base-model", help="The target's checkpoint directory: the EAGLE head reads its embedding (EAGLE-1: "
-                             "and LM head; EAGLE-3: and config, for its layer count) from it (nothing else is "
-                             "loaded).")
-@option("--bind", default=_s.bind, help="ZeroMQ endpoint the ROUTER socket binds.")
-@option("--depth", type=click.IntRange(1, 64), default=_s.max_depth,
+@option("--model", default=_serve("model"), help="Draft checkpoint directory, or 'demo-draft' for the built-in draft.")
+@option("--eagle-head", default=_serve("eagle_head"),
+        help="EAGLE head directory (config.json + model.safetensors or pytorch_model.bin), "
+             "or 'demo-eagle' / 'demo-eagle3' (the demo target's heads).")
+@option("--base-model", default=_serve("base_model"),
+        help="The target's checkpoint directory: the EAGLE head reads its embedding (EAGLE-1: "
+             "and LM head; EAGLE-3: and config, for its layer count) from it (nothing else is loaded).")
+@option("--bind", default=_server("bind"), help="ZeroMQ endpoint the ROUTER socket binds.")
+@option("--depth", type=click.IntRange(1, 64), default=_server("depth"),
         help="Most draft tokens served per request (targets ask for up to this many).")
-@option("--device", default="cpu", help="cpu, cuda or cuda:N.")
-@option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help=DTYPE_HELP)
-@option("--batch-max", type=click.IntRange(1), default=_s.batch_max,
+@option("--device", default=_serve("device"), help="cpu, cuda or cuda:N.")
+@option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_serve("dtype"), help=DTYPE_HELP)
+@option("--batch-max", type=click.IntRange(1), default=_server("batch_max"),
         help="Draft up to this many waiting sessions together, one batched forward per step (1: one at a time).")
-@option("--batch-window-ms", type=click.FloatRange(0), default=_s.batch_window_s * 1000,
+@option("--batch-window-ms", type=click.FloatRange(0), default=_server("batch_window_ms"),
         help="With requests waiting and room in the batch, wait up to this long for sessions whose targets "
              "usually answer within it (learned per session); 0 never waits (strictly work-conserving). "
              "Millisecond granularity.")
-@option("--lookahead/--no-lookahead", default=_s.lookahead,
+@option("--lookahead/--no-lookahead", default=_server("lookahead"),
         help="With no request waiting, draft each served session's next round ahead for the outcomes the draft "
              "can guess (its drafts all kept, then its next token; kept up to one of the first positions, then "
              "its second choice there), one batched forward at a time, so a request that comes waits one forward; "
              "a request that brings one of those sequences is answered at once. Sessions it rarely answers are "
              "drafted ahead every 8th round only; seeded sampled sessions are not. Lossless like every "
              "draft (--backend model; an EAGLE head drafts on request).")
-@option("--q-topk", type=click.IntRange(1), default=32,
+@option("--q-topk", type=click.IntRange(1), default=_serve("q_topk"),
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
-@option("--tree-topk", type=click.IntRange(1), default=8,
+@option("--tree-topk", type=click.IntRange(1), default=_serve("tree_topk"),
         help="Branching of draft trees: a target that asks for more draft tokens than its depth (its "
              "--draft-tokens) gets a tree whose nodes have up to K children (greedy: EAGLE-2 dynamic trees, a "
              "frontier of about draft-tokens / depth nodes per level; sampling: the chain with up to K-1 "
              "alternatives per position). Targets that ask for chains get chains. 1: chains only.")
-@option("--max-tree-tokens", type=click.IntRange(1, 256), default=_s.max_tree_tokens,
+@option("--max-tree-tokens", type=click.IntRange(1, 256), default=_server("max_tree_tokens"),
         help="The most draft tokens a target may ask one tree to hold (its --draft-tokens); a larger ask is "
              "refused as a bad request. With requests still queued behind a batch, its trees are drafted at half "
              "the size asked.")
-@option("--max-sessions", type=click.IntRange(1), default=_s.max_sessions, help="Sessions held at once, all peers.")
-@option("--max-sessions-per-peer", type=click.IntRange(1), default=_s.max_sessions_per_peer,
+@option("--max-sessions", type=click.IntRange(1), default=_server("max_sessions"),
+        help="Sessions held at once, all peers.")
+@option("--max-sessions-per-peer", type=click.IntRange(1), default=_server("max_sessions_per_peer"),
         help="Sessions one target may hold at once.")
-@option("--max-peers", type=click.IntRange(1), default=_s.max_peers,
+@option("--max-peers", type=click.IntRange(1), default=_server("max_peers"),
         help="Target connections held at once (each completed HELLO); a full table gives way to its least "
              "recently seen connection idle for --evict-idle, else BUSY.")
-@option("--max-peers-per-address", type=click.IntRange(1), default=_s.max_peers_per_address,
+@option("--max-peers-per-address", type=click.IntRange(1), default=_server("max_peers_per_address"),
         help="Without CURVE: connections one remote address may hold.")
-@option("--max-sessions-per-address", type=click.IntRange(1), default=_s.max_sessions_per_address,
+@option("--max-sessions-per-address", type=click.IntRange(1), default=_server("max_sessions_per_address"),
         help="Without CURVE: sessions one remote address may hold, over all its connections.")
-@option("--max-queue", type=click.IntRange(1), default=_s.max_queue, help="Draft requests waiting at once.")
-@option("--max-queue-mib", type=click.IntRange(1), default=_s.max_queue_bytes >> 20,
+@option("--max-queue", type=click.IntRange(1), default=_server("max_queue"), help="Draft requests waiting at once.")
+@option("--max-queue-mib", type=click.IntRange(1), default=_server("max_queue_mib"),
         help="Memory queued draft requests may hold, all targets (MiB, estimated from their sizes); BUSY beyond.")
-@option("--max-peer-queue", type=click.IntRange(1), default=_s.max_peer_queue,
+@option("--max-peer-queue", type=click.IntRange(1), default=_server("max_peer_queue"),
         help="Draft requests one target may have waiting at once; BUSY beyond.")
-@option("--max-peer-queue-mib", type=click.IntRange(1), default=_s.max_peer_queue_bytes >> 20,
+@option("--max-peer-queue-mib", type=click.IntRange(1), default=_server("max_peer_queue_mib"),
         help="Memory one target's queued requests may hold (MiB); BUSY beyond, TOO_LARGE for one request "
              "larger than this.")
-@option("--max-kv-mib", type=click.IntRange(1), default=_s.max_kv_bytes >> 20,
+@option("--max-kv-mib", type=click.IntRange(1), default=_server("max_kv_mib"),
         help="Draft cache memory all sessions may hold (MiB, estimated per position from the draft model's "
              "config); beyond, idle sessions make room, else BUSY.")
-@option("--max-peer-kv-mib", type=click.IntRange(1), default=_s.max_peer_kv_bytes >> 20,
+@option("--max-peer-kv-mib", type=click.IntRange(1), default=_server("max_peer_kv_mib"),
         help="Draft cache memory one target's sessions may hold (MiB); BUSY beyond.")
-@option("--max-session-kv-mib", type=click.IntRange(1), default=_s.max_session_kv_bytes >> 20,
+@option("--max-session-kv-mib", type=click.IntRange(1), default=_server("max_session_kv_mib"),
         help="Draft cache memory one session may hold (MiB); TOO_LARGE beyond (that generation goes on "
              "without drafts).")
-@option("--session-ttl", type=click.FloatRange(1), default=_s.session_ttl_s,
+@option("--session-ttl", type=click.FloatRange(1), default=_server("session_ttl"),
         help="Seconds after which a silent session is dropped and its cache freed.")
-@option("--peer-ttl", type=click.FloatRange(1), default=_s.peer_ttl_s,
+@option("--peer-ttl", type=click.FloatRange(1), default=_server("peer_ttl"),
         help="Seconds after which a silent target connection is forgotten (with CURVE, its key's sessions too).")
-@option("--evict-idle", type=click.FloatRange(0), default=_s.evict_idle_s,
+@option("--evict-idle", type=click.FloatRange(0), default=_server("evict_idle"),
         help="When the sessions, the connections or the cache memory are at their limit, the least recently "
              "used session (or connection) idle this long makes room.")
-@option("--drain-timeout", type=click.FloatRange(0), default=_s.drain_s,
+@option("--drain-timeout", type=click.FloatRange(0), default=_server("drain_timeout"),
         help="On SIGTERM, seconds to keep answering queued requests before exiting.")
-@option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_server("curve_secret"),
         help="This daemon's CURVE secret key file (from `starsd-draftd keygen`); enables encryption.")
-@option("--curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@option("--curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path), default=_server("curve_allow"),
         help="Directory of target public keys (*.key) allowed to connect; re-read on SIGHUP.")
-@option("--insecure", is_flag=True, help="Allow binding a non-loopback address without encryption.")
-@option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+@option("--insecure", is_flag=True, default=_server("insecure"),
+        help="Allow binding a non-loopback address without encryption.")
+@option("--metrics-port", type=click.IntRange(1, 65535), default=_server("metrics_port"),
         help="Expose Prometheus metrics on this port (/metrics).")
-@option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads (0: torch's default).")
-@option("--lookup/--no-lookup", default=True,
+@option("--threads", type=click.IntRange(0), default=_serve("threads"), help="Torch CPU threads (0: torch's default).")
+@option("--lookup/--no-lookup", default=_serve("lookup"),
         help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
              "occurred before (what followed them then), else from the model. Lossless like every draft.")
-@option("--compile/--no-compile", "compile_", default=False, help=COMPILE_HELP)
-@option("--lean/--no-lean", default=True, help="--backend model: " + LEAN_HELP)
-@option("--draft-vocab", default="auto", show_default=True, metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)
+@option("--compile/--no-compile", "compile_", default=_serve("compile_"), help=COMPILE_HELP)
+@option("--lean/--no-lean", default=_serve("lean"), help="--backend model: " + LEAN_HELP)
+@option("--draft-vocab", default=_serve("draft_vocab"), metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)
 @logging_options(option)
 @fail_cleanly(ModelLoadError, ValueError)
-def serve(backend, model, eagle_head, base_model, device, dtype, q_topk, tree_topk, threads, lookup, compile_,
-          lean, draft_vocab, log_level, log_format, **limits) -> None:
+def serve(log_level, log_format, **params) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
     SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
     to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
-    server = _server_config(**limits)
-    app.run(app.ServeConfig(server=server, model=model, backend=backend, eagle_head=eagle_head, base_model=base_model,
-                            device=device, dtype=dtype, q_topk=q_topk, tree_topk=tree_topk, threads=threads,
-                            lookup=lookup, compile=compile_, lean=lean, draft_vocab=draft_vocab))
-
-
-def _server_config(bind, depth, batch_max, batch_window_ms, lookahead, max_tree_tokens, max_sessions, max_sessions_per_peer, max_peers,
-                   max_peers_per_address, max_sessions_per_address, max_queue, max_queue_mib, max_peer_queue,
-                   max_peer_queue_mib, max_kv_mib, max_peer_kv_mib, max_session_kv_mib, session_ttl, peer_ttl,
-                   evict_idle, drain_timeout, curve_secret, curve_allow, insecure, metrics_port) -> ServerConfig:
-    """The serving loop's configuration from the command line's units (ms, MiB)."""
-    return ServerConfig(
-        bind=bind, max_depth=depth, batch_max=batch_max, batch_window_s=batch_window_ms / 1000, lookahead=lookahead,
-        max_tree_tokens=max_tree_tokens, max_sessions=max_sessions, max_sessions_per_peer=max_sessions_per_peer, max_peers=max_peers,
-        max_peers_per_address=max_peers_per_address, max_sessions_per_address=max_sessions_per_address,
-        max_queue=max_queue, max_queue_bytes=max_queue_mib * _MIB, max_peer_queue=max_peer_queue,
-        max_peer_queue_bytes=max_peer_queue_mib * _MIB, max_kv_bytes=max_kv_mib * _MIB,
-        max_peer_kv_bytes=max_peer_kv_mib * _MIB, max_session_kv_bytes=max_session_kv_mib * _MIB,
-        session_ttl_s=session_ttl, peer_ttl_s=peer_ttl, evict_idle_s=evict_idle, drain_s=drain_timeout,
-        curve_secret=curve_secret, curve_allow=curve_allow, insecure=insecure, metrics_port=metrics_port)
+    server = ServerConfig(**SERVER_OPTIONS.values(params))
+    app.run(app.ServeConfig(server=server, **SERVE_OPTIONS.values(params)))
 
 
 @main.command()
@@ -170,7 +161,7 @@ def keygen(directory, name) -> None:
 
 @main.command()
 @click.argument("texts", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@option("--model", default="demo-draft", show_default=True,
+@option("--model", default=_serve("model"),
         help="Draft checkpoint directory (its tokenizer counts the tokens; its output layer's width is checked). "
              "Its environment variable is serve's, so a draft host's environment file names it once.")
 @click.option("--size", type=click.IntRange(MIN_IDS), default=DEFAULT_SIZE, show_default=True,
@@ -246,7 +237,7 @@ def _profile_line(s: dict) -> list[str]:
             f"draft forwards {ms['draft_forward']:.2f}, rest {ms['rest']:.2f}"]
 
 
-status_command(main, option, _s.bind, "draft daemon", _describe)
+status_command(main, option, _server("bind"), "draft daemon", _describe)
 
 
 if __name__ == "__main__":

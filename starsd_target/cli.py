@@ -9,19 +9,26 @@ from pathlib import Path
 import click
 import zmq
 
-from common.cliutil import env_options, fail_cleanly, logging_options, status_command
+from common.cliutil import MS, ConfigOptions, Unit, env_options, fail_cleanly, logging_options, status_command
 from common.heap import freeze_startup_objects
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
 from common.verify import SamplingParams
 from starsd_target.client import HandshakeRefused
-from starsd_target.daemon import ServiceFailed, TargetConfig, TargetDaemon, check_listen
+from starsd_target.config import TargetConfig
+from starsd_target.daemon import ServiceFailed, TargetDaemon, check_listen
 from starsd_target.profile import describe as describe_profile
 from starsd_target.scheduler import ADMIT_WINDOWS_AT_MOST
 
 option = env_options("STARSD_TARGET")
-_d = TargetConfig()
+AUTO = Unit(lambda n: n, lambda n: "auto" if n is None else n)  # the option says auto where the field has None
+# the options that set TargetConfig's fields, each showing its field's default
+CONFIG_OPTIONS = ConfigOptions(TargetConfig, {
+    "draft_timeout": "draft_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
+    "compile_": "compile", "stall_timeout": "stall_timeout_s", "admit_window_ms": ("admit_window_s", MS),
+    "draft_max_active": ("draft_max_active", AUTO)})
+_d = CONFIG_OPTIONS.default
 
 
 class _AutoOrCount(click.ParamType):
@@ -45,49 +52,49 @@ class _AutoOrCount(click.ParamType):
 
 def model_options(f):
     decorators = [
-        option("--model", default=_d.model, help="Target checkpoint directory, or 'demo' for the built-in target."),
-        option("--draft", default=_d.draft, help="Endpoint of the draft daemon."),
-        option("--device", default=_d.device, help="cpu, cuda or cuda:N."),
-        option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_d.dtype, help=DTYPE_HELP),
-        option("--depth", type=click.IntRange(1, 64), default=_d.depth,
+        option("--model", default=_d("model"), help="Target checkpoint directory, or 'demo' for the built-in target."),
+        option("--draft", default=_d("draft"), help="Endpoint of the draft daemon."),
+        option("--device", default=_d("device"), help="cpu, cuda or cuda:N."),
+        option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_d("dtype"), help=DTYPE_HELP),
+        option("--depth", type=click.IntRange(1, 64), default=_d("depth"),
                help="Most draft tokens asked for per round (capped by the draft daemon's maximum)."),
-        option("--adaptive-depth/--no-adaptive-depth", default=_d.adaptive_depth,
+        option("--adaptive-depth/--no-adaptive-depth", default=_d("adaptive_depth"),
                help="Per generation, draft as many tokens (1..--depth) as pay, from its measured costs: greedy "
                     "chains are stopped by the draft daemon once the chance that all their drafts are kept falls "
                     "below the measured rate times one draft's cost (the model and EAGLE backends); "
                     "otherwise the target asks for the length that maximises expected tokens per "
                     "second from its measured acceptance. Off: --depth every round. Seeded sampled generations "
                     "keep --depth, so that a seed gives the same tokens at any speed."),
-        option("--adaptive-speculation/--no-adaptive-speculation", default=_d.adaptive_speculation,
+        option("--adaptive-speculation/--no-adaptive-speculation", default=_d("adaptive_speculation"),
                help="Experimental, off by default. With --adaptive-depth: the target's adaptive generations run "
                     "their rounds without drafts, all together, where such rounds were measured to produce more "
                     "tokens per second than rounds with drafts; probes of 3 rounds the other way re-measure, after "
                     "8 to 128 rounds. Counted as plain_rounds, apart from fallback rounds. On the demo pair it has "
                     "not yet shown a gain (docs/bench.md)."),
-        option("--draft-tokens", type=click.IntRange(1, 256), default=_d.draft_tokens,
+        option("--draft-tokens", type=click.IntRange(1, 256), default=_d("draft_tokens"),
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "
                     "forward with a tree attention mask (Llama and Qwen2 targets); a daemon that drafts chains "
                     "only (--tree-topk 1) answers with a chain."),
-        option("--draft-timeout", type=click.FloatRange(0.001), default=_d.draft_timeout_s,
+        option("--draft-timeout", type=click.FloatRange(0.001), default=_d("draft_timeout"),
                help="Most seconds to wait for drafts before verifying a round with the target alone "
                     "(the wait adapts to the measured round trip, up to this)."),
-        option("--connect-timeout", type=click.FloatRange(0), default=_d.connect_timeout_s,
+        option("--connect-timeout", type=click.FloatRange(0), default=_d("connect_timeout"),
                help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
-        option("--threads", type=click.IntRange(0), default=_d.threads,
+        option("--threads", type=click.IntRange(0), default=_d("threads"),
                help="Torch CPU threads (0: torch's default)."),
-        option("--name", default=_d.name, help="Name this target reports to the draft daemon."),
-        option("--heartbeat", type=click.FloatRange(0.05), default=_d.heartbeat_s,
+        option("--name", default=_d("name"), help="Name this target reports to the draft daemon."),
+        option("--heartbeat", type=click.FloatRange(0.05), default=_d("heartbeat"),
                help="Seconds between liveness pings to the draft daemon while idle."),
         option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-               help="This target's CURVE secret key file; enables encryption."),
+               default=_d("curve_secret"), help="This target's CURVE secret key file; enables encryption."),
         option("--curve-server-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-               help="The draft daemon's CURVE public key file."),
-        option("--prefill-chunk", type=click.IntRange(1), default=_d.prefill_chunk,
+               default=_d("curve_server_key"), help="The draft daemon's CURVE public key file."),
+        option("--prefill-chunk", type=click.IntRange(1), default=_d("prefill_chunk"),
                help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
                     "generations' rounds, so it delays them by one chunk at most."),
-        option("--compile/--no-compile", "compile_", default=_d.compile, help=COMPILE_HELP),
-        option("--lean/--no-lean", default=_d.lean, help=LEAN_HELP),
+        option("--compile/--no-compile", "compile_", default=_d("compile_"), help=COMPILE_HELP),
+        option("--lean/--no-lean", default=_d("lean"), help=LEAN_HELP),
         logging_options(option),
     ]
     for dec in reversed(decorators):
@@ -95,14 +102,19 @@ def model_options(f):
     return f
 
 
-def _config(kw: dict, draft: str | None, listen: str = _d.listen) -> TargetConfig:
-    return TargetConfig(model=kw["model"], draft=draft, device=kw["device"], dtype=kw["dtype"], depth=kw["depth"],
-                        draft_timeout_s=kw["draft_timeout"], connect_timeout_s=kw["connect_timeout"],
-                        threads=kw["threads"], name=kw["name"], listen=listen, heartbeat_s=kw["heartbeat"],
-                        curve_secret=kw["curve_secret"], curve_server_key=kw["curve_server_key"],
-                        prefill_chunk=kw["prefill_chunk"], compile=kw["compile_"], lean=kw["lean"],
-                        adaptive_depth=kw["adaptive_depth"], adaptive_speculation=kw["adaptive_speculation"],
-                        draft_tokens=kw["draft_tokens"])
+def _config(params: dict) -> TargetConfig:
+    """The configuration from a command's parsed options (removed from ``params``): --no-draft
+    means no draft daemon."""
+    if params.pop("no_draft"):
+        params["draft"] = None
+    return TargetConfig(**CONFIG_OPTIONS.values(params))
+
+
+def _host_port(ctx, param, value: str | None) -> str | None:
+    host, _, port = (value or "").rpartition(":")
+    if value is not None and (not host or not port.isdigit()):
+        raise click.BadParameter(f"expected HOST:PORT, got {value!r}")
+    return value
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -125,10 +137,11 @@ def main() -> None:
 @option("--no-draft", is_flag=True, help="Generate with the target alone (the baseline).")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError)
-def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft, as_json, **kw) -> None:
+def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft, as_json, log_level, log_format,
+             **params) -> None:
     """Generate one completion and print it."""
-    setup_logging(kw["log_level"], kw["log_format"])
-    daemon = TargetDaemon(_config(kw, None if no_draft else kw["draft"]))
+    setup_logging(log_level, log_format)
+    daemon = TargetDaemon(_config({**params, "no_draft": no_draft}))
     daemon.warm_up()
     if not no_draft:
         daemon.connect()
@@ -156,21 +169,24 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 
 @main.command()
 @model_options
-@option("--listen", default=_d.listen,
+@option("--listen", default=_d("listen"),
         help="ZeroMQ endpoint that takes generation jobs: loopback or ipc, unless CURVE is configured "
              "(--listen-curve-secret, --listen-curve-allow) or --insecure-listen is given.")
 @option("--listen-curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=_d("listen_curve_secret"),
         help="The job socket's CURVE secret key file (from `starsd-draftd keygen`); needs --listen-curve-allow.")
 @option("--listen-curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path),
+        default=_d("listen_curve_allow"),
         help="Directory of client public keys (*.key) the job socket admits; re-read on SIGHUP.")
-@option("--insecure-listen", is_flag=True, help="Allow a non-loopback --listen without encryption.")
-@option("--max-active", type=click.IntRange(1), default=_d.max_active,
+@option("--insecure-listen", is_flag=True, default=_d("insecure_listen"),
+        help="Allow a non-loopback --listen without encryption.")
+@option("--max-active", type=click.IntRange(1), default=_d("max_active"),
         help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
-@option("--max-batch", type=click.IntRange(1), default=_d.max_batch,
+@option("--max-batch", type=click.IntRange(1), default=_d("max_batch"),
         help="Of the active generations, the most verified together in one forward when their rounds are "
              "ready at once (capped by --max-active; 1: one per forward). Outputs are those of one at a time. "
              "Llama and Qwen2 models, eager forwards (off with --compile).")
-@option("--draft-max-active", type=_AutoOrCount(), default="auto", show_default=True,
+@option("--draft-max-active", type=_AutoOrCount(), default=_d("draft_max_active"),
         help="Rounds draft only while at most this many generations are active; with more, their rounds run "
              "on the target alone, batched (up to --max-batch per forward), and drafting resumes as they finish. On a CPU, "
              "verifying the drafts of a whole batch costs more than they add (on the demo pair, one core each, "
@@ -178,21 +194,22 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              "generation drafts), no limit on other devices; 0: no limit. Counted as plain_rounds (STATS: "
              "crowded_rounds). Seeded sampled generations always draft; with batching off (--max-batch 1, --compile) "
              "every round drafts.")
-@option("--admit-window-ms", type=click.FloatRange(0, 1000), default=_d.admit_window_s * 1000, show_default=True,
+@option("--admit-window-ms", type=click.FloatRange(0, 1000), default=_d("admit_window_ms"),
         help="When idle, how long the target waits behind a new request for the next one of a burst, so that "
              "requests sent together prefill in one forward and verify together from their first round "
              f"(each next request must come within this many ms of the last; {ADMIT_WINDOWS_AT_MOST} windows in all "
              "at most). A lone "
              "request's first token comes this much later. 0: start each request at once.")
-@option("--max-queue", type=click.IntRange(1), default=_d.max_queue,
+@option("--max-queue", type=click.IntRange(1), default=_d("max_queue"),
         help="Jobs waiting beyond those; more are refused as busy.")
-@option("--http", "http_addr", default=None, metavar="HOST:PORT",
+@option("--http", default=_d("http"), metavar="HOST:PORT", callback=_host_port,
         help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health) on this address.")
-@option("--served-model-name", default=None, help="Model name in the HTTP API (default: the model directory's name).")
-@option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+@option("--served-model-name", default=_d("served_model_name"),
+        help="Model name in the HTTP API (default: the model directory's name).")
+@option("--metrics-port", type=click.IntRange(1, 65535), default=_d("metrics_port"),
         help="Expose Prometheus metrics on this port (/metrics).")
-@option("--stall-timeout", type=click.FloatRange(1), default=_d.stall_timeout_s,
+@option("--stall-timeout", type=click.FloatRange(1), default=_d("stall_timeout"),
         help="Seconds without a scheduler pass (one forward, or one prefill chunk, taking longer) after which "
              "/health fails, the jobs held fail and the daemon exits with status 1 to be restarted. Keep it "
              "below systemd's WatchdogSec.")
@@ -200,19 +217,13 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         help="Serve with the target alone: no draft daemon link (--draft is ignored), every job generates without "
              "drafts. A baseline, or a target kept serving while its draft daemon is away for good.")
 @fail_cleanly(ModelLoadError, HandshakeRefused, ValueError, ServiceFailed)
-def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_active, max_batch, max_queue, http_addr,
-          served_model_name, metrics_port, stall_timeout, no_draft, draft_max_active, admit_window_ms, **kw) -> None:
+def serve(log_level, log_format, **params) -> None:
     """Keep the target model loaded and take generation jobs on an endpoint.
 
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
     Should the scheduler fail or stall, it exits with status 1, for systemd to restart it."""
-    setup_logging(kw["log_level"], kw["log_format"])
-    cfg = _config(kw, None if no_draft else kw["draft"], listen)
-    cfg.max_active, cfg.max_batch, cfg.max_queue, cfg.metrics_port = max_active, max_batch, max_queue, metrics_port
-    cfg.listen_curve_secret, cfg.listen_curve_allow = listen_curve_secret, listen_curve_allow
-    cfg.insecure_listen, cfg.stall_timeout_s = insecure_listen, stall_timeout
-    cfg.draft_max_active = draft_max_active
-    cfg.admit_window_s = admit_window_ms / 1000
+    setup_logging(log_level, log_format)
+    cfg = _config(params)
     check_listen(cfg)  # before the model loads
     ctx = zmq.Context()
     daemon = TargetDaemon(cfg, ctx=ctx)
@@ -220,12 +231,12 @@ def serve(listen, listen_curve_secret, listen_curve_allow, insecure_listen, max_
     daemon.connect()
     daemon.warm_up()  # the feature path, if the draft daemon's head wants features
     daemon.scheduler()
-    if http_addr is None:
+    if cfg.http is None:
         daemon.install_signal_handlers()
         freeze_startup_objects("target daemon")
         daemon.serve_forever()
     else:
-        _serve_http(daemon, http_addr, served_model_name or daemon.loaded.path.name)
+        _serve_http(daemon, cfg.http, cfg.served_model_name or daemon.loaded.path.name)
     if daemon.failure is not None:
         raise daemon.failure  # no ctx.term(): a stalled scheduler thread still holds its socket
     ctx.term()  # returns once the last replies have left, within the sockets' linger
@@ -241,8 +252,6 @@ def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
     from starsd_target.http_api import create_app
 
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise click.BadParameter(f"expected HOST:PORT, got {addr!r}", param_hint="--http")
     from common.sdnotify import notify
 
     class Server(uvicorn.Server):
@@ -278,7 +287,7 @@ def _describe(connect: str, s: dict) -> list[str]:
     return lines
 
 
-status_command(main, option, _d.listen, "target daemon", _describe)
+status_command(main, option, _d("listen"), "target daemon", _describe)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
@@ -27,11 +25,11 @@ from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import AllowList, optional_client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
-from starsd_target.engine import DEFAULT_PREFILL_CHUNK, GenerationResult, TargetEngine
+from starsd_target.config import TargetConfig
+from starsd_target.engine import GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile
-from starsd_target.scheduler import (DEFAULT_ADMIT_WINDOW_S, Job, Overloaded, Scheduler, SchedulerFailed,
-                                     ShuttingDown)
+from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed, ShuttingDown
 
 log = logging.getLogger("starsd.target")
 
@@ -44,41 +42,6 @@ CPU_DRAFT_MAX_ACTIVE = 1
 # the job socket's loop wakes at once for a request, a reply or a stop, and at least this often
 # for its other duties: the scheduler's health, systemd's watchdog, a key reload
 CONTROL_POLL_MS = 100
-
-
-@dataclass
-class TargetConfig:
-    model: str = "demo"
-    draft: str | None = "tcp://127.0.0.1:5555"  # None: generate with the target alone
-    device: str = "cpu"
-    dtype: str = "auto"
-    depth: int = 5
-    draft_timeout_s: float = 2.0
-    connect_timeout_s: float = 10.0
-    threads: int = 1
-    name: str = ""
-    listen: str = "tcp://127.0.0.1:5600"
-    heartbeat_s: float = 5.0
-    stall_timeout_s: float = 30.0  # a scheduler pass this late: the daemon exits to be restarted
-    max_active: int = 4  # generations interleaved on the model at once
-    max_batch: int = 4  # of those, the most verified together in one forward (1: one at a time)
-    max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
-    metrics_port: int | None = None
-    curve_secret: Path | None = None  # this target's .key_secret file
-    curve_server_key: Path | None = None  # the draft daemon's public .key file
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill forward, between other rounds
-    listen_curve_secret: Path | None = None  # the job socket's .key_secret file
-    listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
-    insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
-    compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
-    lean: bool = True  # eager forwards through common.lean where the model allows
-    adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
-    adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
-    draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
-    # rounds draft only while at most this many generations are active (0: always; None: auto,
-    # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)
-    draft_max_active: int | None = None
-    admit_window_s: float = DEFAULT_ADMIT_WINDOW_S  # from idle, a burst's jobs this close together start together
 
 
 class ServiceFailed(RuntimeError):

@@ -24,6 +24,7 @@ from common.tree import TreeError, check_parents, mask_refusal, tree_attention
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_host,
                            verify_greedy_tensor, verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
 from starsd_target import warmup
+from starsd_target.config import TargetConfig
 from starsd_target.detokenizer import IncrementalText
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
@@ -35,11 +36,6 @@ log = logging.getLogger("starsd.target.engine")
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1 << 16  # for models that declare no context length (those that do are bounded by it)
-# Prompt tokens per prefill forward: what one long prompt delays each round of the others by.
-# Measured on 2 CPU cores with the 135M demo target beside an 8,000-token prompt: at 512 a chunk
-# took 2-6 s and an 8-token request 24 s (0.7 s alone); at 128, 1.6 s and 4.8 s, for a whole
-# prefill 14% longer. On a GPU any of these is milliseconds.
-DEFAULT_PREFILL_CHUNK = 256
 PREALLOCATE_TOKENS = 512  # generated positions a generation's KV cache holds before it first grows
 # Architectures whose batched verification is tested (custom 4-D masks with per-row positions);
 # others verify one generation per forward.
@@ -125,7 +121,8 @@ def feature_wire_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, depth: int = 5, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    def __init__(self, loaded: LoadedModel, depth: int = TargetConfig.depth,
+                 prefill_chunk: int = TargetConfig.prefill_chunk,
                  runner: ModelRunner | None = None, max_batch: int = 1, rows: int | None = None,
                  draft_tokens: int | None = None):
         """``runner``: how the model runs (compiled or eager); eager by default. ``max_batch``:

@@ -26,6 +26,7 @@ from typing import Callable
 
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
+from starsd_target.config import TargetConfig
 from starsd_target.depth import AdaptiveDepth, PlainOrDrafts
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
@@ -50,11 +51,6 @@ class Cancelled(RuntimeError):
     """The job was cancelled (its client went away) and dropped before its end."""
 
 
-# From idle, how long the loop waits behind a job for the next one of a burst (seconds). Four
-# requests sent at once from four client threads on the target's host (the bench's clients): a
-# 0.5 ms window took all four together in 3 runs of 4, 2 ms in 6 of 6. A lone request's first
-# token comes this much later.
-DEFAULT_ADMIT_WINDOW_S = 0.002
 ADMIT_WINDOWS_AT_MOST = 4  # a burst's gathering ends this many windows after it began, whatever comes
 
 
@@ -112,9 +108,11 @@ class _Active:
 
 class Scheduler:
     def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
-                 max_active: int = 4, max_queue: int = 64, heartbeat_s: float = 5.0, stall_s: float = 30.0,
-                 adaptive_depth: bool = True, adaptive_speculation: bool = False, draft_max_active: int = 0,
-                 admit_window_s: float = DEFAULT_ADMIT_WINDOW_S):
+                 max_active: int = TargetConfig.max_active, max_queue: int = TargetConfig.max_queue,
+                 heartbeat_s: float = TargetConfig.heartbeat_s, stall_s: float = TargetConfig.stall_timeout_s,
+                 adaptive_depth: bool = TargetConfig.adaptive_depth,
+                 adaptive_speculation: bool = TargetConfig.adaptive_speculation, draft_max_active: int = 0,
+                 admit_window_s: float = TargetConfig.admit_window_s):
         if admit_window_s < 0:
             raise ValueError(f"admit_window_s must be >= 0, got {admit_window_s}")
         self.engine = engine

@@ -98,7 +98,7 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
 
         inner = build_backend(ServeConfig(server=server_config(), model=model, backend=backend, eagle_head=eagle_head,
                                           base_model=model, device=device, dtype=dtype, q_topk=q_topk,
-                                          threads=threads, lookup=lookup))
+                                          threads=threads, lookup=lookup, tree_topk=1))  # chains, as traced so far
         name = "starsd-draftd-traced"
     run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
 

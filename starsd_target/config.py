@@ -1,0 +1,54 @@
+"""The target daemon's configuration: every `serve` default, stated here once.
+
+The command line reads its defaults from TargetConfig; the engine and the scheduler take theirs
+from it too, which is why it stands alone, importing nothing of the target's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TargetConfig:
+    model: str = "demo"
+    draft: str | None = "tcp://127.0.0.1:5555"  # None: generate with the target alone
+    device: str = "cpu"
+    dtype: str = "auto"
+    depth: int = 5
+    draft_timeout_s: float = 2.0
+    connect_timeout_s: float = 10.0
+    threads: int = 1
+    name: str = ""
+    listen: str = "tcp://127.0.0.1:5600"
+    heartbeat_s: float = 5.0
+    stall_timeout_s: float = 30.0  # a scheduler pass this late: the daemon exits to be restarted
+    max_active: int = 4  # generations interleaved on the model at once
+    max_batch: int = 4  # of those, the most verified together in one forward (1: one at a time)
+    max_queue: int = 64  # jobs waiting beyond those; more are refused as busy
+    metrics_port: int | None = None
+    curve_secret: Path | None = None  # this target's .key_secret file
+    curve_server_key: Path | None = None  # the draft daemon's public .key file
+    # Prompt tokens per prefill forward, between other generations' rounds: what one long prompt
+    # delays each round of the others by. Measured on 2 CPU cores with the 135M demo target beside
+    # an 8,000-token prompt: at 512 a chunk took 2-6 s and an 8-token request 24 s (0.7 s alone);
+    # at 128, 1.6 s and 4.8 s, for a whole prefill 14% longer. On a GPU any of these is milliseconds.
+    prefill_chunk: int = 256
+    listen_curve_secret: Path | None = None  # the job socket's .key_secret file
+    listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
+    insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
+    compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
+    lean: bool = True  # eager forwards through common.lean where the model allows
+    adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
+    adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
+    draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
+    # rounds draft only while at most this many generations are active (0: always; None: auto,
+    # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)
+    draft_max_active: int | None = None
+    # From idle, how long the scheduler waits behind a job for the next one of a burst, so that a
+    # burst's jobs start together (seconds). Four requests sent at once from four client threads on
+    # the target's host (the bench's clients): a 0.5 ms window took all four together in 3 runs of 4,
+    # 2 ms in 6 of 6. A lone request's first token comes this much later.
+    admit_window_s: float = 0.002
+    http: str | None = None  # HOST:PORT: also serve the OpenAI-compatible HTTP API there
+    served_model_name: str | None = None  # the model's name in the HTTP API (None: its directory's name)
