@@ -4,7 +4,9 @@ adds latency, resets every connection, or stalls all forwarding for a while.
 It runs its own asyncio event loop in a background thread; the public methods are called from
 the test thread. Each direction of each connection is one reader task that stamps chunks with
 a delivery time and one writer task that delivers them in order, so latency and stalls never
-reorder bytes. Faults are recorded in ``events`` as (kind, start, end) in ``time.monotonic()``.
+reorder bytes. Faults are recorded in ``events`` as (kind, start, end) in ``time.monotonic()``,
+and what the proxy did with each chunk in ``deliveries``: when it was read, when it was due, and
+when it went out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ class FaultEvent:
     kind: str  # "reset" or "stall"
     start: float  # time.monotonic()
     end: float  # when forwarding was normal again
+
+
+@dataclass
+class Delivery:
+    """One chunk forwarded: ``way`` "up" (client to upstream) or "down"; times in ``time.monotonic()``."""
+
+    way: str
+    size: int
+    read_at: float  # when the proxy read it
+    due: float  # read_at plus the latency: not to go out before
+    sent_at: float  # when it went out: not before it was due, nor before a stall ended
 
 
 class _Link:
@@ -50,6 +63,7 @@ class FaultProxy:
         self.upstream = (upstream_host, upstream_port)
         self.latency_s = latency_s  # added to each direction
         self.events: list[FaultEvent] = []
+        self.deliveries: list[Delivery] = []  # appended by the proxy's thread, in the order sent
         self.connections = 0  # accepted so far
         self._stalled_until = 0.0
         self._links: set[_Link] = set()
@@ -146,27 +160,29 @@ class FaultProxy:
         link = _Link()
         link.writers = [c_writer, u_writer]
         self._links.add(link)
-        for src, dst in ((c_reader, u_writer), (u_reader, c_writer)):
+        for way, src, dst in (("up", c_reader, u_writer), ("down", u_reader, c_writer)):
             queue: asyncio.Queue = asyncio.Queue()
             link.tasks.append(asyncio.ensure_future(self._read(src, queue)))
-            link.tasks.append(asyncio.ensure_future(self._write(dst, queue, link)))
+            link.tasks.append(asyncio.ensure_future(self._write(dst, queue, link, way)))
 
     async def _read(self, src: asyncio.StreamReader, queue: asyncio.Queue) -> None:
         try:
             while data := await src.read(65536):
-                queue.put_nowait((time.monotonic() + self.latency_s, data))
+                now = time.monotonic()
+                queue.put_nowait((now, now + self.latency_s, data))
         except (ConnectionError, OSError):
             pass
-        queue.put_nowait((0.0, b""))  # end of stream
+        queue.put_nowait((0.0, 0.0, b""))  # end of stream
 
-    async def _write(self, dst: asyncio.StreamWriter, queue: asyncio.Queue, link: _Link) -> None:
+    async def _write(self, dst: asyncio.StreamWriter, queue: asyncio.Queue, link: _Link, way: str) -> None:
         try:
             while True:
-                due, data = await queue.get()
+                read_at, due, data = await queue.get()
                 while (wait := max(due, self._stalled_until) - time.monotonic()) > 0:
                     await asyncio.sleep(wait)  # re-checked: a stall may begin while waiting
                 if not data:
                     break
+                self.deliveries.append(Delivery(way, len(data), read_at, due, time.monotonic()))
                 dst.write(data)
                 await dst.drain()
         except (ConnectionError, OSError):
