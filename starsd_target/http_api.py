@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from common.token_bytes import token_bytes
 from common.verify import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
@@ -63,6 +64,20 @@ def integer(**bounds):
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
+def only(value: bool | int):
+    """A field's type that takes ``value`` alone, of its JSON type. A Literal is matched by
+    Python's equality, under which 0 is false and true is 1: the type is checked first (a float
+    with no fraction counting as an integer, as for ``integer``)."""
+
+    def same_type(given):
+        given = _integral(given) if type(value) is int else given
+        if type(given) is not type(value):
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": json.dumps(value)})
+        return given
+
+    return Annotated[Literal[value], BeforeValidator(same_type)]
+
+
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -94,7 +109,7 @@ class _Sampling(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: integer(ge=0, le=MAX_HTTP_SEED) | None = None
     stream: bool = False
-    n: Literal[1] = Field(default=1, description="one choice per request")
+    n: only(1) = Field(default=1, description="one choice per request")
     starsd: SpeculationOptions | None = None
 
     def speculation(self) -> tuple[bool, int | None]:
@@ -125,7 +140,7 @@ class CompletionRequest(_Sampling):
              | Annotated[list[integer(ge=0)], Field(min_length=1)])
     logprobs: integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
         default=None, description="the log-probabilities of each token and of this many most likely alternatives")
-    echo: Literal[False] = Field(default=False, description="not supported: false or absent")
+    echo: only(False) = Field(default=False, description="not supported: false or absent")
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -252,6 +267,25 @@ def _request_param(engine_param: str | None) -> str | None:
     return "starsd.max_draft_tokens" if engine_param == "max_draft_tokens" else engine_param
 
 
+def _body_path(error: dict, body: Any) -> list[str]:
+    """Where a validation error lies in the request body, as field names and list indices. Pydantic's
+    ``loc`` also names the member of a union it tried (``constrained-str``...), which is no part of
+    the body; a field that is missing is named although the body has no such key."""
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    path, value = [], body
+    for i, part in enumerate(loc):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif not (error.get("type") == "missing" and i == len(loc) - 1):
+            continue
+        path.append(str(part))
+    return path
+
+
 def _finite(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -278,13 +312,13 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = _body_path(first, exc.body)
         # param: the top-level field, as OpenAI's; inside the starsd object, its key too
         param = loc[0] if loc else None
         if param == "starsd" and len(loc) > 1:
             param = f"starsd.{loc[1]}"
-        return _error(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}" if loc else "invalid request body",
-                      "invalid_request_error", param)
+        where = ".".join(loc) if loc else "invalid request body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

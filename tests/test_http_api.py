@@ -150,6 +150,20 @@ def test_malformed_json_and_unknown_model(server):
     assert r.status_code == 404 and "tiny" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"echo": 0}, "echo"),
+    ({"n": True}, "n"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+])
+def test_a_value_of_another_json_type_is_refused(server, fields, param):
+    """Through uvicorn's own JSON parsing: a value the published schema does not allow is refused,
+    not coerced (the full table is in test_openapi.py, in process)."""
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", "prompt": "x", **fields})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] == param
+
+
 def _scrape(url: str) -> dict[str, float]:
     """Sample name (with labels) -> value, from the Prometheus text format."""
     out = {}
