@@ -1,8 +1,10 @@
-"""Test doubles: a draft backend with no model, and a running in-process draft server."""
+"""Test doubles: a draft backend with no model, and a running in-process draft server; and the
+chi-square check that sampled outputs follow the target."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -165,3 +167,34 @@ def exact_joint(model, prompt: list[int], params: SamplingParams, length: int) -
 
     walk((), 1.0)
     return out
+
+
+CHI2_Z = 3.0902  # alpha = 1e-3: the standard normal quantile the critical value is built from
+DIVERGENCE = 0.05  # the chi-square divergence, sum over outcomes of (q - p)^2 / p, the tests are sized to reject
+
+
+def chi2_critical(df: int) -> float:
+    """The chi-square(df) quantile at alpha = 1e-3 (Wilson-Hilferty approximation)."""
+    return df * (1 - 2 / (9 * df) + CHI2_Z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def samples_for(exact: dict, divergence: float = DIVERGENCE) -> int:
+    """Samples for a chi-square test against ``exact`` that rejects a distribution ``divergence``
+    away: the statistic of n samples from q averages about df + n * divergence, which reaches the
+    critical value at this n (so such a q is rejected about half the time, and one twice as far
+    about nine times in ten). More samples only find smaller deviations, at a cost per sample."""
+    df = len(exact) - 1
+    return math.ceil((chi2_critical(df) - df) / divergence)
+
+
+def assert_follows(counts: dict, exact: dict, samples: int) -> None:
+    """The sampled ``counts`` (outcome -> count, ``samples`` in all) follow ``exact`` (outcome ->
+    probability): chi-square at alpha = 1e-3. Prints the margin: the divergence whose statistic
+    reaches the critical value on average with this many samples."""
+    assert set(counts) <= set(exact), sorted(set(counts) - set(exact))
+    chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())
+    df = len(exact) - 1
+    critical = chi2_critical(df)
+    print(f"chi-square {chi2:.1f} < {critical:.1f} (df {df}, {samples} samples): rejects a divergence "
+          f"sum (q - p)^2 / p above about {(critical - df) / samples:.3f}")
+    assert chi2 < critical, (chi2, critical, counts, exact)

@@ -3,7 +3,6 @@ three target processes at once (greedy identity, drafts served every round), spe
 sampling through it following the target's distribution, and the refusals of heads and targets
 that do not fit, on load and at the handshake."""
 
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from common.control import ControlClient
 from common.models import ModelLoadError, load_causal_lm
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
-from fakes import exact_joint, run_concurrently, running_server, speculate
+from fakes import assert_follows, exact_joint, run_concurrently, running_server, samples_for, speculate
 from starsd_draftd.backends.eagle3 import Eagle3Backend, load_eagle3_head
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_target.client import DraftClient, HandshakeRefused, Welcome
@@ -88,7 +87,7 @@ def test_sampling_through_an_eagle3_head_follows_the_target(deep_target, head3, 
     prompt = engine.encode("x = ")
     length = 3
     exact = exact_joint(loaded_deep.model, prompt, params, length)
-    samples = 800
+    samples = samples_for(exact)
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     with running_server(backend) as (server, ctx):
@@ -107,12 +106,7 @@ def test_sampling_through_an_eagle3_head_follows_the_target(deep_target, head3, 
             accepted += r.stats.accepted
         client.close()
     assert 10 <= accepted < drafted, (accepted, drafted)  # both verification branches ran
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())
-    df = len(exact) - 1
-    z = 3.0902  # alpha = 1e-3, Wilson-Hilferty approximation of the chi-square quantile
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    assert chi2 < critical, (chi2, critical, counts, exact)
+    assert_follows(counts, exact, samples)
 
 
 def test_q_of_tokens_outside_the_draft_vocabulary_is_zero(deep_target, tmp_path):

@@ -2,7 +2,6 @@
 processes at once (greedy identity), and speculative sampling through it following the target's
 distribution exactly. Also: the target package never imports draft-side code."""
 
-import math
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from common.models import load_causal_lm
 from common.protocol import Message, MsgType
 from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
-from fakes import exact_joint, running_server, speculate
+from fakes import assert_follows, exact_joint, running_server, samples_for, speculate
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
@@ -87,7 +86,7 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
     prompt = engine.encode("x = ")
     length = 3  # rounds of depth 2: accepted drafts, rejections and the bonus token all occur
     exact = exact_joint(loaded_target.model, prompt, params, length)
-    samples = 1200
+    samples = samples_for(exact)
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     with running_server(backend) as (server, ctx):
@@ -110,12 +109,7 @@ def test_sampling_through_the_daemon_follows_the_target(kind, tiny_target, eagle
     if kind == "model":  # drafted ahead by default, and the exactness holds with it
         assert ahead["started"] > 0 and ahead["hits"] + ahead["late_hits"] > 0, ahead
     assert 10 <= accepted < drafted, (accepted, drafted)  # both branches ran (the run is seeded)
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - samples * v) ** 2 / (samples * v) for k, v in exact.items())
-    df = len(exact) - 1
-    z = 3.0902  # alpha = 1e-3, Wilson-Hilferty approximation of the chi-square quantile
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    assert chi2 < critical, (chi2, critical, counts, exact)
+    assert_follows(counts, exact, samples)
 
 
 def test_target_package_imports_no_draft_code():
