@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
 from common.control import ControlClient
 from common.protocol import Message, MsgType
 from fakes import run_concurrently
+from starsd_draftd.cli import main as draftd_cli
+from starsd_target.cli import main as target_cli
 from tiny_models import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -112,11 +115,9 @@ def test_stats_say_where_the_rounds_went(star4):
     with ControlClient(draft_ep) as cc:
         rp = cc.stats()["request_profile"]
     assert rp["requests"] > 0 and rp["seconds"]["draft_forward"] > 0
-    out = subprocess.run([sys.executable, "-m", "starsd_target", "status", "--connect", ep], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = CliRunner().invoke(target_cli, ["status", "--connect", ep])  # the command, in this process
+    assert out.exit_code == 0, out.output
     assert "ms per round" in out.stdout and "verify forward" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "starsd_draftd", "status", "--connect", draft_ep],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = CliRunner().invoke(draftd_cli, ["status", "--connect", draft_ep])
+    assert out.exit_code == 0, out.output
     assert "ms per request" in out.stdout

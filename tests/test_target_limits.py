@@ -624,10 +624,11 @@ def test_a_curve_job_socket_admits_an_allowed_key_and_refuses_another(tiny_targe
             cc.stats(1.5)
         assert d.served == 1
         # what an operator runs: `status` with the client's key and the socket's public key
-        status = subprocess.run([sys.executable, "-m", "starsd_target", "status", "--connect", ep, "--json",
-                                 "--curve-secret", str(good_secret), "--curve-server-key", str(server_pub)],
-                                capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and json.loads(status.stdout)["served"] == 1, status.stderr
+        from starsd_target.cli import main as target_cli
+
+        status = CliRunner().invoke(target_cli, ["status", "--connect", ep, "--json", "--curve-secret",
+                                                 str(good_secret), "--curve-server-key", str(server_pub)])
+        assert status.exit_code == 0 and json.loads(status.stdout)["served"] == 1, status.output
         # SIGHUP re-reads the allow-list: the other key is admitted once it is listed
         (allow / "bad.key").write_bytes((keys / "bad.key").read_bytes())
         saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
