@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_TARGETS ?= 2
 
-.PHONY: install demo test bench bench-peers clean ensure-systemd-analyze ensure-tcmalloc install-systemd
+.PHONY: install demo test test-fast bench bench-peers clean ensure-systemd-analyze ensure-tcmalloc install-systemd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,10 @@ ensure-tcmalloc:
 
 test: install ensure-systemd-analyze
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The same without the end-to-end tests that start several daemon processes (marked slow).
+test-fast: install ensure-systemd-analyze
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # tests/test_systemd_units.py checks the units with systemd-analyze (Debian package: systemd).
 # Installed only when missing, and only as root with apt-get; installing it does not make systemd

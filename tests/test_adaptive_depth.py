@@ -217,6 +217,7 @@ def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exa
     assert r.stats.drafted > 0 and r.stats.accepted == 0  # the first rounds and the probes asked
 
 
+@pytest.mark.slow
 def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_plain_rounds(star, tiny_target,
                                                                                             tiny_draft, loaded_target):
     """The daemons as a user runs them, with ``--adaptive-speculation`` (opt-in): an unrelated draft whose tokens are mostly rejected, beside tiny

@@ -132,6 +132,7 @@ def test_a_seeded_sampled_generation_drafts_while_crowded_and_keeps_its_tokens(l
     assert sampled.token_ids == alone.token_ids
 
 
+@pytest.mark.slow
 def test_the_target_daemon_takes_draft_max_active(star, tiny_target, tiny_draft, loaded_target):
     """As a user runs it: ``--draft-max-active 1`` and two jobs at once on one target daemon.
     Outputs are the target's own; rounds while both were active ran without drafts (plain
