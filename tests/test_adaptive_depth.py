@@ -1,8 +1,6 @@
 """Adaptive draft length: each generation asks for the number of drafts that its measured
 acceptance and costs make worth the most tokens per second, up to the target's --depth."""
 
-import time
-
 import pytest
 
 from common.verify import SamplingParams
@@ -16,32 +14,57 @@ from starsd_target.profile import split_round
 
 class OracleBackend(DraftBackend):
     """Drafts the target's own greedy continuation (always right), or a token next to it (always
-    wrong), taking ``per_token_s`` per drafted token so that drafting has a cost to weigh."""
+    wrong)."""
 
     name = "oracle"
 
-    def __init__(self, vocab: int, fingerprint: str, full: list[int], right: bool, per_token_s: float = 0.001):
+    def __init__(self, vocab: int, fingerprint: str, full: list[int], right: bool):
         self.vocab_size, self.fingerprint = vocab, fingerprint
-        self.full, self.right, self.per_token_s = full, right, per_token_s
+        self.full, self.right = full, right
 
     def new_state(self, params):
         return None
 
     def draft(self, state, verified, depth, new_features=None):
-        time.sleep(self.per_token_s * depth)
         n = len(verified)
         truth = [self.full[i] if i < len(self.full) else 0 for i in range(n, n + depth)]
         return Draft(truth if self.right else [(t + 1) % self.vocab_size for t in truth])
 
 
-def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_token_s: float = 0.001,
+MODEL_FIXED_S = 0.010  # the cost model's rest of a round: verification forward, wire, scheduler
+
+
+def _cost_model(per_token_s: float) -> type[AdaptiveDepth]:
+    """The scheduler's draft-length controller, reading its rounds' times from a cost model
+    instead of the machine's clock: a round that asked for d drafts lasts MODEL_FIXED_S +
+    ``per_token_s`` * d, the drafts' part of it drafting; a round without drafts, MODEL_FIXED_S.
+    What it decides then follows from the acceptance it sees and the model alone, whatever the
+    machine's load (the split of measured times is tested in test_profile)."""
+
+    class Modelled(AdaptiveDepth):
+        def observe(self, asked, proposed, kept, times):
+            if times.reported:  # a round without the daemon's report teaches nothing, modelled or not
+                times = _times(wall=MODEL_FIXED_S + per_token_s * asked, drafting=per_token_s * asked)
+            super().observe(asked, proposed, kept, times)
+
+        def observe_plain(self, times):
+            super().observe_plain(_plain_times(MODEL_FIXED_S))
+
+    return Modelled
+
+
+def _oracle_generation(loaded_target, monkeypatch, depth: int, tokens: int, right: bool, per_token_s: float,
                        plain: bool = True):
     """The target's greedy tokens for a code prompt, and the same generation through a draft
-    daemon serving an oracle drafter, adaptive speculation on where ``plain``."""
+    daemon serving an oracle drafter whose drafts cost ``per_token_s`` each in the cost model,
+    adaptive speculation on where ``plain``."""
+    import starsd_target.scheduler
+
+    monkeypatch.setattr(starsd_target.scheduler, "AdaptiveDepth", _cost_model(per_token_s))
     engine = TargetEngine(loaded_target, depth=depth)
     prompt = engine.encode("def parse(line):\n    ")
     ref = engine.generate(prompt, tokens, SamplingParams()).token_ids
-    backend = OracleBackend(loaded_target.vocab_size, loaded_target.fingerprint, prompt + ref, right, per_token_s)
+    backend = OracleBackend(loaded_target.vocab_size, loaded_target.fingerprint, prompt + ref, right)
     with running_server(backend, max_depth=depth) as (server, ctx):
         client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
         client.handshake(10)
@@ -51,13 +74,11 @@ def _oracle_generation(loaded_target, depth: int, tokens: int, right: bool, per_
 
 
 @pytest.mark.parametrize("right", [True, False], ids=["always-right", "always-wrong"])
-def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_is_wrong(right, loaded_target):
-    # 96 tokens: the controller weighs measured costs, so one round slowed by the machine may
-    # choose a shorter draft; over 14 rounds that one round does not decide the mean. The
-    # always-right drafter costs 0.2 ms a token: at 1 ms a draft cost a fifth of the tiny target's
-    # round, where the sixth draft's gain over the fifth is about as small, and the length chosen
-    # swung between 5 and 6 with the machine's load (a mean of exactly 5.0 in one run of three)
-    ref, r = _oracle_generation(loaded_target, 6, 96, right, per_token_s=0.0002 if right else 0.001, plain=False)
+def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_is_wrong(right, loaded_target,
+                                                                                         monkeypatch):
+    # a draft costs a fiftieth of the rest of a round in the cost model: all kept, the cap pays;
+    # none kept, one draft a round is the cheapest probe
+    ref, r = _oracle_generation(loaded_target, monkeypatch, 6, 96, right, per_token_s=0.0002, plain=False)
     assert r.token_ids == ref and r.stats.fallback_rounds == 0
     requests = r.stats.rounds
     mean_asked = r.stats.asked_tokens / requests
@@ -207,11 +228,11 @@ def test_a_choice_holds_until_the_other_side_leads_by_the_margin():
     assert not policy.plain_for("g", one)
 
 
-def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exact(loaded_target):
-    """End to end through a draft daemon: drafts that are always wrong and cost 15 ms a token.
-    Most rounds run without drafts (counted as plain_rounds, not as fallback rounds); probe rounds
-    still ask; the tokens are the target's own."""
-    ref, r = _oracle_generation(loaded_target, 4, 64, right=False, per_token_s=0.015)
+def test_costly_wrong_drafts_leave_rounds_to_the_target_alone_and_the_output_exact(loaded_target, monkeypatch):
+    """End to end through a draft daemon: drafts that are always wrong and cost 15 ms a token in
+    the cost model. Most rounds run without drafts (counted as plain_rounds, not as fallback
+    rounds); probe rounds still ask; the tokens are the target's own."""
+    ref, r = _oracle_generation(loaded_target, monkeypatch, 4, 64, right=False, per_token_s=0.015)
     assert r.token_ids == ref and r.stats.fallback_rounds == 0
     assert r.stats.plain_rounds > r.stats.rounds // 2, r.stats
     assert r.stats.drafted > 0 and r.stats.accepted == 0  # the first rounds and the probes asked
