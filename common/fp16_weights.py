@@ -9,8 +9,11 @@ AVX2 server, a SmolLM2-135M forward over one new token fell from about 80 ms (fl
 and over five from about 170 ms to 62 ms. That second figure is what speculative decoding needs:
 verifying k drafts costs about what one plain decoding step does.
 
-Embeddings, norms and attention stay in float32. The model is the checkpoint with its linear
-weights rounded to float16, in both the target-alone and the speculative path.
+Norms and attention run in float32. The model is the checkpoint with its linear weights rounded
+to float16, in both the target-alone and the speculative path. ``pack_model`` builds it from the
+checkpoint's own dtype one layer at a time, and keeps a bfloat16 or float16 checkpoint's embedding
+table as it is (its rows are widened to float32 when looked up, the same values a float32 copy
+holds): a 1.5B model then holds its weights' size plus the runtime, not a float32 copy beside them.
 """
 
 from __future__ import annotations
@@ -122,9 +125,47 @@ def linears_beyond_fp16(module: torch.nn.Module) -> tuple[int, int]:
     return over, total
 
 
-def pack_linears(module: torch.nn.Module) -> int:
+class CompactEmbedding(torch.nn.Embedding):
+    """An embedding table kept in the checkpoint's 16-bit dtype whose looked-up rows are float32:
+    exactly the rows a float32 copy of the table gives, at half its memory."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input).float()
+
+
+def pack_model(model: torch.nn.Module) -> int:
+    """The fp16-weights model from one loaded in its checkpoint's dtype, in place: every linear
+    packed (one at a time, so only one layer's float32 copy exists at once, and the pages of a
+    weight read from its mapped file are given back once packed), each 16-bit embedding table kept
+    in its dtype behind ``CompactEmbedding`` (copied out of the file, so the mapping can go), and
+    every other floating tensor (norms, rotary tables) made float32. Returns how many linears were
+    packed."""
+    from common.memory import give_back_freed_memory, release_file_pages, weight_file_ranges
+
+    ranges = weight_file_ranges()
+    packed = pack_linears(model, done=lambda weight: release_file_pages(weight, ranges))
+    for m in list(model.modules()):
+        if type(m) is torch.nn.Embedding and m.weight.dtype in (torch.bfloat16, torch.float16):
+            m.__class__ = CompactEmbedding  # the same module and table
+            m.weight.data = m.weight.data.clone()  # owned memory, not a view of the mapped file
+    for m in model.modules():
+        if isinstance(m, CompactEmbedding):
+            continue
+        for name, p in m.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                m._buffers[name] = b.float()
+    give_back_freed_memory()
+    return packed
+
+
+def pack_linears(module: torch.nn.Module, done=None) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by an ``Fp16Linear``, in place; returns how
-    many. The module must be a float32 module on the CPU."""
+    many. The module must be on the CPU; each weight is widened to float32 for packing, one at a
+    time, and dropped with the layer it replaces. ``done(weight)``: called with each weight once
+    its layer is replaced."""
     if not fp16_weights_available():
         raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels (x86 CPUs); this build has "
                            f"{torch.backends.quantized.supported_engines}: use --dtype float32")
@@ -135,5 +176,7 @@ def pack_linears(module: torch.nn.Module) -> int:
                 if child.weight.device.type != "cpu":
                     raise RuntimeError("fp16-weights is a CPU format; the model is on " + str(child.weight.device))
                 setattr(parent, name, Fp16Linear.from_linear(child))
+                if done is not None:
+                    done(child.weight)  # packed: what the float16 copy replaces may go
                 packed += 1
     return packed

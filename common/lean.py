@@ -393,14 +393,14 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
     docstring), in place; False (nothing changed) where the layers are not fp16-weights or the
     fused GEMM's output differs in any bit from the separate ones on the model's shapes."""
     from common.fp16_weights import Fp16Linear, Fp16Part
+    from common.memory import give_back_freed_memory
 
     layers = model.model.layers
     groups = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         groups.append([(attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))])
-    parts = [getattr(owner, n) for g in groups for owner, names in g for n in names]
-    if not all(type(p) is Fp16Linear for p in parts):
+    if not all(type(getattr(owner, n)) is Fp16Linear for g in groups for owner, names in g for n in names):
         return False
     gen = torch.Generator().manual_seed(0)
     checked = {}  # the first layer's fused GEMMs, checked, then used
@@ -425,4 +425,6 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
             for n, lin in zip(names, linears):
                 setattr(owner, n, Fp16Part(whole, start, start + lin.out_features))
                 start += lin.out_features
+        del linears, whole
+        give_back_freed_memory()  # the layer's separate weights, before the next layer's fused copy
     return True

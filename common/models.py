@@ -7,11 +7,14 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from common.memory import checkpoint_bytes, describe, memory_report
 
 log = logging.getLogger("starsd.models")
 
@@ -35,6 +38,7 @@ class LoadedModel:
     feature_size: int  # width of the final hidden state the output layer reads
     fingerprint: str
     eos_token_ids: frozenset[int]
+    weights_bytes: int = 0  # the checkpoint's weight files: what resident memory is measured against
 
     @property
     def num_layers(self) -> int:
@@ -222,8 +226,12 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32
     torch_dtype = resolve_dtype(choice.name, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     log.info("loading model %s on %s as %s (%s)", path, dev, choice.name, choice.reason)
+    # fp16-weights is built from the checkpoint's own dtype, one layer at a time (pack_model):
+    # loading a bfloat16 checkpoint as float32 first would double its weights' memory at the peak
+    load_dtype = "auto" if choice.name == FP16_WEIGHTS else torch_dtype
+    t0 = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
     model.to(dev).eval()
@@ -241,6 +249,8 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32
                  draft_vocab.path or "given ids")
     if choice.name == FP16_WEIGHTS:
         choice = _pack_fp16_weights(model, choice, path, asked=dtype != "auto")
+    weights = checkpoint_bytes(path)
+    log.info("loaded %s in %.1f s: %s", path.name, time.perf_counter() - t0, describe(memory_report(weights)))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -253,13 +263,15 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32
         feature_size=feature_size,
         fingerprint=fingerprint,
         eos_token_ids=_eos_ids(model, tokenizer),
+        weights_bytes=weights,
     )
 
 
 def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, asked: bool) -> DtypeChoice:
-    """Pack ``model``'s linears for fp16-weights, after counting the weights float16 cannot hold:
-    with any, ``auto`` keeps float32 (the model is loaded in it) and an explicit choice is refused."""
-    from common.fp16_weights import FP16_MAX, linears_beyond_fp16, pack_linears
+    """Pack ``model`` (loaded in its checkpoint's dtype) for fp16-weights, after counting the
+    weights float16 cannot hold: with any, ``auto`` serves float32 instead and an explicit choice
+    is refused."""
+    from common.fp16_weights import FP16_MAX, linears_beyond_fp16, pack_model
 
     over, total = linears_beyond_fp16(model)
     if over:
@@ -268,9 +280,10 @@ def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, 
         if asked:
             raise ModelLoadError(f"--dtype fp16-weights: {why}; use float32 or bfloat16")
         log.warning("dtype auto: %s; serving float32 instead", why)
+        model.float()
         return DtypeChoice("float32", f"auto: {why}")
     log.info("%d linear layers packed with float16 weights for fbgemm (all %d weights within float16's range)",
-             pack_linears(model), total)
+             pack_model(model), total)
     return choice
 
 

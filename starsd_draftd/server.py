@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as P
 from common.features import check_feature_layers
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
+from common.memory import memory_report
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.security import AllowList
@@ -782,6 +783,7 @@ class DraftServer(LookaheadServing):
         snap["backend"] = self.backend.counters()
         snap["queue_bytes"] = self.queue_bytes
         snap["limits"] = self.budgets()
+        snap["memory"] = memory_report(self.backend.weights_bytes)
         return snap
 
     def budgets(self) -> dict:

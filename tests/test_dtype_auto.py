@@ -69,15 +69,42 @@ def test_weights_beyond_float16_make_auto_serve_float32_and_an_explicit_choice_f
 
 
 @needs_fbgemm
-def test_a_bfloat16_checkpoint_within_range_loads_as_fp16_weights(tiny_target, tmp_path):
+def test_a_bfloat16_checkpoint_is_packed_from_its_own_dtype_and_keeps_its_values(tiny_target, tmp_path):
+    """fp16-weights built from a bfloat16 checkpoint one layer at a time: the embedding table stays
+    bfloat16 (no float32 copy), everything else computes in float32, and the logits are the
+    checkpoint's (read as float32) with its linear weights rounded to float16."""
+    from common.fp16_weights import CompactEmbedding
+
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     loaded = load_causal_lm(str(tmp_path / "bf16"), dtype="auto")
     assert loaded.dtype_name == FP16_WEIGHTS
-    ids = torch.tensor([[1, 5, 9, 30]])
+    embed = loaded.model.get_input_embeddings()
+    assert isinstance(embed, CompactEmbedding) and embed.weight.dtype == torch.bfloat16
+    others = [(n, p.dtype) for n, p in loaded.model.named_parameters() if "embed_tokens" not in n]
+    assert others and all(d == torch.float32 for _, d in others), others
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.half().float())
+    ids = torch.tensor([[1, 5, 9, 30, 2, 77]])
     with torch.inference_mode():
-        logits = loaded.model(input_ids=ids).logits
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+        got, want = loaded.model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_memory_report_reads_this_process_and_the_checkpoint(tiny_target):
+    from common.memory import checkpoint_bytes, describe, memory_report
+
+    weights = checkpoint_bytes(tiny_target)
+    assert weights == sum(f.stat().st_size for f in tiny_target.glob("*.safetensors")) > 0
+    report = memory_report(weights)
+    assert 0 < report["rss_bytes"] <= report["peak_rss_bytes"]
+    assert report["rss_over_weights"] == round(report["rss_bytes"] / weights, 3)
+    assert "x the checkpoint's" in describe(report)
+    assert memory_report(0)["rss_over_weights"] is None and "checkpoint" not in describe(memory_report(0))
 
 
 def _fp16_rounded_greedy(model_dir, prompt_ids, n):
@@ -118,3 +145,38 @@ def test_daemons_with_their_default_dtype_serve_fp16_weights_exactly_and_specula
     assert res["token_ids"] == ref
     assert res["stats"]["fallback_rounds"] == 0
     assert res["stats"]["accepted"] > 0 and res["stats"]["rounds"] < len(ref)
+
+
+def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touched(tmp_path):
+    import mmap
+
+    from common.memory import release_file_pages, weight_file_ranges
+
+    data = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, as a loaded checkpoint's
+    view = torch.frombuffer(mapped, dtype=torch.float32)
+    assert torch.equal(view, data)  # every page touched: resident
+    ranges = weight_file_ranges()
+    assert any(lo <= view.data_ptr() < hi for lo, hi in ranges)
+    assert release_file_pages(view, ranges) == view.numel() * 4  # page-aligned: all of it
+    assert torch.equal(view, data)  # paged in again from the file
+    assert release_file_pages(data, ranges) == 0  # not a mapped weight file: left alone
+    assert torch.equal(data, torch.arange(1 << 20, dtype=torch.float32))
+    del view
+    mapped.close()
+
+
+@needs_fbgemm
+def test_fp16_weights_keeps_no_view_of_the_checkpoint_file(tiny_target, tmp_path):
+    """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file; after
+    packing none is left, so the mapping (and its resident pages) goes."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = load_causal_lm(str(tmp_path / "bf16"), dtype=FP16_WEIGHTS)
+    mine = str(tmp_path / "bf16")
+    maps = open("/proc/self/maps").read()
+    assert mine not in maps, [line for line in maps.splitlines() if mine in line]
+    assert loaded.weights_bytes == (tmp_path / "bf16" / "model.safetensors").stat().st_size

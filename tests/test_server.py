@@ -204,6 +204,9 @@ def test_fifo_across_targets_and_stats():
         stats.send(Message(MsgType.STATS))
         s = stats.recv().header["stats"]
         assert s["requests"] == 3 and s["drafted_tokens"] == 6 and s["live_sessions"] == 3 and s["busy_s"] > 0
+        mem = s["memory"]  # resident memory, whose ratio to the weights is unknown for a fake drafter
+        assert 0 < mem["rss_bytes"] <= mem["peak_rss_bytes"] and mem["weights_bytes"] == 0
+        assert mem["rss_over_weights"] is None
 
 
 def test_refuses_public_bind_without_insecure():

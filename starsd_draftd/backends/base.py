@@ -400,6 +400,7 @@ class DraftBackend(abc.ABC):
     max_len: int | None = None  # longest sequence (verified + drafts) the drafter can attend over
     kv_bytes_per_token: int = 0  # cache memory a session holds per position (0: none worth bounding)
     tree_topk: int = 1  # most children a draft tree's node gets (1: chains only)
+    weights_bytes: int = 0  # the checkpoint's weight files, which STATS sets resident memory against (0: unknown)
 
     def drafts_tree(self, depth: int, tree_tokens: int) -> bool:
         """Whether a request for ``depth`` tokens and up to ``tree_tokens`` nodes gets a tree."""

@@ -50,6 +50,7 @@ class ModelBackend(DraftBackend):
             raise ValueError("q_topk must be >= 1")
         if tree_topk < 1:
             raise ValueError("tree_topk must be >= 1")
+        self.weights_bytes = loaded.weights_bytes
         self.lookup = lookup
         self.lookup_hits = 0  # draft tokens taken from the context
         self.model_picks = 0  # greedy draft tokens the model chose
