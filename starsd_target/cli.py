@@ -7,24 +7,22 @@ import sys
 from pathlib import Path
 
 import click
-import zmq
 
 from common.cliutil import MS, ConfigOptions, Unit, env_options, fail_cleanly, logging_options, status_command
-from common.heap import freeze_startup_objects
 from common.logs import setup_logging
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
 from common.verify import SamplingParams
+from starsd_target import app
 from starsd_target.client import HandshakeRefused
-from starsd_target.config import TargetConfig
-from starsd_target.daemon import ServiceFailed, TargetDaemon, check_listen
+from starsd_target.jobs import ServiceFailed
 from starsd_target.profile import describe as describe_profile
 from starsd_target.scheduler import ADMIT_WINDOWS_AT_MOST
 
 option = env_options("STARSD_TARGET")
 AUTO = Unit(lambda n: n, lambda n: "auto" if n is None else n)  # the option says auto where the field has None
 # the options that set TargetConfig's fields, each showing its field's default
-CONFIG_OPTIONS = ConfigOptions(TargetConfig, {
+CONFIG_OPTIONS = ConfigOptions(app.TargetConfig, {
     "draft_timeout": "draft_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
     "compile_": "compile", "stall_timeout": "stall_timeout_s", "admit_window_ms": ("admit_window_s", MS),
     "draft_max_active": ("draft_max_active", AUTO)})
@@ -102,12 +100,12 @@ def model_options(f):
     return f
 
 
-def _config(params: dict) -> TargetConfig:
+def _config(params: dict) -> app.TargetConfig:
     """The configuration from a command's parsed options (removed from ``params``): --no-draft
     means no draft daemon."""
     if params.pop("no_draft"):
         params["draft"] = None
-    return TargetConfig(**CONFIG_OPTIONS.values(params))
+    return app.TargetConfig(**CONFIG_OPTIONS.values(params))
 
 
 def _host_port(ctx, param, value: str | None) -> str | None:
@@ -141,13 +139,9 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
              **params) -> None:
     """Generate one completion and print it."""
     setup_logging(log_level, log_format)
-    daemon = TargetDaemon(_config({**params, "no_draft": no_draft}))
-    daemon.warm_up()
-    if not no_draft:
-        daemon.connect()
-        daemon.warm_up()
-    params = SamplingParams(temperature, top_k, top_p, seed)
-    result = daemon.generate(prompt, max_tokens, params, list(stop), no_draft)
+    daemon = app.build_daemon(_config({**params, "no_draft": no_draft}))
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    result = daemon.generate(prompt, max_tokens, sampling, list(stop), no_draft)
     if as_json:
         stats = result.stats
         click.echo(json.dumps({
@@ -223,59 +217,7 @@ def serve(log_level, log_format, **params) -> None:
     SIGTERM: queued jobs are refused (SHUTTING_DOWN), jobs in progress finish, then it exits.
     Should the scheduler fail or stall, it exits with status 1, for systemd to restart it."""
     setup_logging(log_level, log_format)
-    cfg = _config(params)
-    check_listen(cfg)  # before the model loads
-    ctx = zmq.Context()
-    daemon = TargetDaemon(cfg, ctx=ctx)
-    daemon.warm_up()
-    daemon.connect()
-    daemon.warm_up()  # the feature path, if the draft daemon's head wants features
-    daemon.scheduler()
-    if cfg.http is None:
-        daemon.install_signal_handlers()
-        freeze_startup_objects("target daemon")
-        daemon.serve_forever()
-    else:
-        _serve_http(daemon, cfg.http, cfg.served_model_name or daemon.loaded.path.name)
-    if daemon.failure is not None:
-        raise daemon.failure  # no ctx.term(): a stalled scheduler thread still holds its socket
-    ctx.term()  # returns once the last replies have left, within the sockets' linger
-
-
-def _serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
-    """uvicorn in this thread (it owns SIGTERM/SIGINT and drains HTTP requests); the job socket
-    and the scheduler in their own threads, stopped once uvicorn has finished."""
-    import threading
-
-    import uvicorn
-
-    from starsd_target.http_api import create_app
-
-    host, _, port = addr.rpartition(":")
-    from common.sdnotify import notify
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:  # listening now: tell systemd
-                notify("READY=1", f"STATUS=serving HTTP on {addr}")
-
-        async def on_tick(self, counter: int) -> bool:
-            # the job socket's thread ends serving when the scheduler fails: HTTP ends with it
-            return await super().on_tick(counter) or daemon.failure is not None
-
-    config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
-                            timeout_graceful_shutdown=30)
-    freeze_startup_objects("target daemon")  # before any job can come
-    control = threading.Thread(target=daemon.serve_forever, kwargs={"notify_ready": False}, name="starsd-control",
-                               daemon=True)
-    control.start()
-    # uvicorn takes SIGTERM/SIGINT while it runs, drains HTTP, then re-raises the signal: our
-    # handler then stops the job socket and the scheduler instead of the default kill.
-    daemon.install_signal_handlers()
-    Server(config).run()
-    daemon.stop()
-    control.join(90)
+    app.run(_config(params))
 
 
 def _describe(connect: str, s: dict) -> list[str]:

@@ -1,35 +1,26 @@
-"""The target daemon: a loaded target model, its link to the draft daemon, and a job socket.
-
-The job socket (GENERATE, STATS) serves the demo, the bench, `starsd-target status` and scripts
-that speak the wire protocol. It takes jobs from anyone who can reach it, so it binds loopback or
-ipc only, unless CURVE admits just the listed client keys (or --insecure-listen says plaintext
-on purpose), as the draft daemon refuses a routable bind without CURVE."""
+"""The target daemon: a loaded target model, its link to the draft daemon, its scheduler, and
+the jobs its front ends (the job socket in jobs.py, the HTTP API in http_api.py) bring."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import threading
-import time
 
 import zmq
 
-from common import protocol as P
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.runner import ModelRunner
-from common.protocol import ErrorCode, Message, MsgType, ProtocolError
-from common.sockets import WakingQueue, bind_server, check_server_endpoint
+from common.security import optional_client_keys
+from common.sockets import check_server_endpoint
 from common.verify import SamplingParams
-from common.metrics import serve_metrics
-from common.sdnotify import Watchdog, notify
-from common.security import AllowList, optional_client_keys
 from starsd_target.client import DraftClient, HandshakeTimeout
 from starsd_target.config import TargetConfig
 from starsd_target.engine import GenerationResult, TargetEngine
+from starsd_target.jobs import JobSocket, ServiceFailed
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile
-from starsd_target.scheduler import Job, Overloaded, Scheduler, SchedulerFailed, ShuttingDown
+from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
 
 log = logging.getLogger("starsd.target")
 
@@ -39,13 +30,6 @@ log = logging.getLogger("starsd.target")
 # 0.80x-1.03x with two and 0.60x-0.77x with four (docs/bench.md). Two generations at once ran
 # 1.18x faster without drafts than with them (median of 8 alternated bursts, faster in all 8).
 CPU_DRAFT_MAX_ACTIVE = 1
-# the job socket's loop wakes at once for a request, a reply or a stop, and at least this often
-# for its other duties: the scheduler's health, systemd's watchdog, a key reload
-CONTROL_POLL_MS = 100
-
-
-class ServiceFailed(RuntimeError):
-    """The scheduler died or stalled: the daemon stops serving and exits non-zero to be restarted."""
 
 
 def check_listen(config: TargetConfig) -> None:
@@ -67,14 +51,9 @@ class TargetDaemon:
                                    max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
                                    draft_tokens=config.draft_tokens)
         self.client: DraftClient | None = None
-        self._stop = threading.Event()
-        self._reload_keys = threading.Event()  # SIGHUP: re-read --listen-curve-allow
-        self.allow: AllowList | None = None
-        self.failure: ServiceFailed | None = None  # set when serving ended because the scheduler failed
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
-        self.served = 0
-        self._replies: WakingQueue | None = None  # the job socket's replies, while it serves
+        self.jobs = JobSocket(self)
 
     # ------------------------------------------------------------ draft link
     def _link(self) -> DraftClient:
@@ -180,139 +159,39 @@ class TargetDaemon:
         """The scheduler runs and makes passes: what /health and the systemd watchdog report."""
         return self._scheduler is not None and self._scheduler.healthy()
 
+    def close_link(self) -> None:
+        """Close the draft link, unless the scheduler's thread still runs: it owns the link while
+        it runs (ZeroMQ sockets are not thread-safe)."""
+        sched = self._scheduler
+        if self.client is not None and not (sched is not None and sched.thread is not None and sched.thread.is_alive()):
+            self.client.close()
+
+    # ------------------------------------------------------------ serving: the job socket (jobs.py)
+    def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
+        """Serve the job socket until stopped (see JobSocket.serve)."""
+        self.jobs.serve(ready, notify_ready)
+
     def stop(self) -> None:
-        self._stop.set()
-        replies = self._replies
-        if replies is not None:
-            replies.wake()  # the job socket's loop sees the stop now, not at its next timeout
+        self.jobs.stop()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-        signal.signal(signal.SIGHUP, lambda *_: self._reload_keys.set())
+            signal.signal(sig, lambda *_: self.jobs.stop())
+        signal.signal(signal.SIGHUP, lambda *_: self.jobs.reload_keys())
 
-    def serve_forever(self, ready: threading.Event | None = None, notify_ready: bool = True) -> None:
-        """Take GENERATE jobs on a local ROUTER socket until stopped; generations run concurrently
-        in the scheduler. On stop, jobs in progress finish and queued ones get SHUTTING_DOWN."""
-        replies = self._replies = WakingQueue()  # filled by job callbacks, sent by this thread
-        sched = self.scheduler()
-        sched.start()
-        if self.config.metrics_port is not None:
-            serve_metrics(self.metrics.registry, self.config.metrics_port)
-        sock, self.allow = bind_server(self.ctx, self.config.listen, self.config.listen_curve_secret,
-                                       self.config.listen_curve_allow)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("target daemon taking jobs on %s (%s)", self.endpoint, "CURVE" if self.allow else "plaintext")
-        if ready is not None:
-            ready.set()
-        if notify_ready:
-            notify("READY=1", f"STATUS=taking jobs on {self.endpoint}")
-        watchdog = Watchdog()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(replies.fd, zmq.POLLIN)  # a reply is sent the moment it is put
-        pending = 0
-        try:
-            while not self._stop.is_set():
-                if not sched.healthy():
-                    self._fail(sched)
-                    break
-                if watchdog.due():
-                    watchdog.tick()
-                if self._reload_keys.is_set() and self.allow is not None:
-                    self._reload_keys.clear()
-                    self.allow.reload()
-                events = dict(poller.poll(CONTROL_POLL_MS))
-                if events.get(sock):
-                    frames = sock.recv_multipart(copy=False)
-                    pending += self._on_control(frames, replies)
-                replies.clear()  # before taking the replies: one put after this wakes the next poll
-                pending -= self._send_replies(sock, replies)
-            notify("STOPPING=1", "STATUS=finishing jobs in progress")
-            sched.stop(0.0 if self.failure else 60.0)  # queued jobs fail with SHUTTING_DOWN, running ones finish
-            while sock.poll(0, zmq.POLLIN):  # requests that arrived meanwhile are refused
-                pending += self._on_control(sock.recv_multipart(copy=False), replies)
-            deadline = time.monotonic() + 5.0
-            while pending > 0 and time.monotonic() < deadline:
-                pending -= self._send_replies(sock, replies, wait_s=0.05)
-            log.info("target daemon stopped")
-        finally:
-            # give the last replies (results, refusals) a moment to leave
-            sock.close(linger=1000 if self._stop.is_set() or self.failure else 0)
-            replies.close()
-            if self.allow is not None:
-                self.allow.stop()
-            if self.client is not None and not (sched.thread is not None and sched.thread.is_alive()):
-                self.client.close()  # the scheduler thread owns the link while it runs (ZeroMQ sockets are not thread-safe)
+    @property
+    def endpoint(self) -> str | None:
+        return self.jobs.endpoint
 
-    def _fail(self, sched: Scheduler) -> None:
-        """The scheduler died or stalled: stop serving, for the process to exit non-zero (and
-        systemd to restart it) rather than look alive and serve nothing."""
-        why = f"failed: {sched.failure!r}" if sched.failure is not None else "stalled"
-        self.failure = ServiceFailed(f"the target's scheduler {why}; exiting to be restarted")
-        log.critical("%s", self.failure)
-        sched.abandon(SchedulerFailed(f"the target's scheduler {why}; the daemon is restarting"))
-        notify(f"STATUS=scheduler {why}")
+    @property
+    def served(self) -> int:
+        """Results the job socket has sent."""
+        return self.jobs.served
 
-    @staticmethod
-    def _send_replies(sock: zmq.Socket, replies: WakingQueue, wait_s: float = 0.0) -> int:
-        sent = 0
-        while True:
-            try:
-                identity, msg = replies.get(timeout=wait_s) if wait_s and not sent else replies.get_nowait()
-            except queue.Empty:
-                return sent
-            try:
-                sock.send_multipart([identity, *P.encode(msg)], zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:
-                log.warning("could not return a reply to its client: %s", exc)
-            sent += 1
-
-    def _on_control(self, frames: list, replies: WakingQueue) -> int:
-        """Handle one control message; returns 1 (a reply will be queued) in every case."""
-        identity = frames[0].bytes
-        try:
-            msg = P.decode(frames[1:])
-            if msg.type is MsgType.STATS:
-                replies.put((identity, Message(MsgType.STATS_REPLY, {"stats": self.status()})))
-                return 1
-            if msg.type is not MsgType.GENERATE:
-                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a target request")
-            h = msg.header
-            rid = h["id"]
-            prompt = h.get("prompt_ids") if "prompt_ids" in h else h.get("prompt")
-            if prompt is None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "GENERATE needs prompt or prompt_ids", rid)
-            try:
-                params = SamplingParams(float(h.get("temperature", 0.0)), int(h.get("top_k", 0)),
-                                        float(h.get("top_p", 1.0)), h.get("seed"))
-                job = self.job(prompt, h["max_tokens"], params, h.get("stop", ()), h.get("no_draft", False),
-                               max_draft=h.get("max_draft_tokens"))
-                future = self.submit(job)
-            except ValueError as exc:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), rid) from None
-            except Overloaded as exc:
-                raise ProtocolError(ErrorCode.BUSY, str(exc), rid) from None
-            except ShuttingDown as exc:
-                raise ProtocolError(ErrorCode.SHUTTING_DOWN, str(exc), rid) from None
-            future.add_done_callback(lambda f: replies.put((identity, self._result_message(rid, f))))
-        except ProtocolError as exc:
-            replies.put((identity, P.error_from(exc)))
-        except Exception as exc:  # a request this code did not foresee costs that request only
-            log.exception("a job request failed")
-            replies.put((identity, P.error(ErrorCode.INTERNAL, f"internal error: {exc}")))
-        return 1
-
-    def _result_message(self, rid: int, future) -> Message:
-        exc = future.exception()
-        if isinstance(exc, ShuttingDown):
-            return P.error(ErrorCode.SHUTTING_DOWN, str(exc), rid)
-        if exc is not None:
-            return P.error(ErrorCode.GENERATION_FAILED, f"generation failed: {exc}", rid)
-        result = future.result()
-        self.served += 1
-        return Message(MsgType.RESULT, {"id": rid, "text": result.text, "token_ids": result.token_ids,
-                                        "stats": {**result.stats.to_dict(), "finish_reason": result.finish_reason}})
+    @property
+    def failure(self) -> ServiceFailed | None:
+        """Set when serving ended because the scheduler failed or stalled."""
+        return self.jobs.failure
 
     def status(self) -> dict:
         sched = self._scheduler.load() if self._scheduler is not None else {}

@@ -32,7 +32,8 @@ from common.sockets import free_tcp_endpoint, free_tcp_port
 from common.verify import SamplingParams
 from fakes import CountingBackend, running_server
 from starsd_target.client import DraftClient
-from starsd_target.daemon import TargetConfig, TargetDaemon
+from starsd_target.config import TargetConfig
+from starsd_target.daemon import TargetDaemon
 from starsd_target.engine import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequest, TargetEngine
 from starsd_target.http_api import create_app
 from starsd_target.scheduler import Cancelled, Job, Scheduler, SchedulerFailed
@@ -278,9 +279,9 @@ def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_targ
     """The job socket's loop sends a job's reply when the job ends and sees a stop when it comes,
     not at its poll's timeout: with that timeout made 10 minutes, a GENERATE is still answered
     (exactly) and a stop still ends serving, each well within a minute."""
-    import starsd_target.daemon as daemon_module
+    import starsd_target.jobs as jobs_module
 
-    monkeypatch.setattr(daemon_module, "CONTROL_POLL_MS", 600_000)
+    monkeypatch.setattr(jobs_module, "CONTROL_POLL_MS", 600_000)
     ctx = zmq.Context()
     d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=free_tcp_endpoint(), depth=4),
                      loaded=loaded_target, ctx=ctx)
