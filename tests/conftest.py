@@ -49,20 +49,37 @@ class Star(ProcessSet):
     """Draft and target daemons as real processes on free loopback ports, built on the process set
     the demo and the bench use."""
 
-    def draftd(self, model, *extra: str, name: str = "draftd", endpoint: str | None = None, depth: int = 4) -> str:
-        """Start a draft daemon serving ``model``; its endpoint, once it answers."""
+    def __init__(self, logdir, ctx=None):
+        super().__init__(logdir, ctx)
+        self.starting: list[tuple[str, str]] = []  # (name, endpoint) of draft daemons not yet waited for
+
+    def draftd(self, model, *extra: str, name: str = "draftd", endpoint: str | None = None, depth: int = 4,
+               ready: bool = True) -> str:
+        """Start a draft daemon serving ``model``; its endpoint, once it answers. With ``ready``
+        false, at once: the next ``targets`` starts its targets while it loads, and waits for it
+        before them (give those targets a --connect-timeout that covers its loading)."""
+        return self.serve_drafts(["--model", str(model), "--depth", str(depth), *extra], name, endpoint, ready)
+
+    def serve_drafts(self, args: list[str], name: str = "draftd", endpoint: str | None = None,
+                     ready: bool = True) -> str:
+        """``starsd_draftd serve`` with ``args`` (a backend and its options) as ``name``, as ``draftd`` starts it."""
         endpoint = endpoint or free_tcp_endpoint()
-        self.start(name, "starsd_draftd", "serve", "--model", str(model), "--bind", endpoint, "--depth", str(depth),
-                   *extra)
-        self.wait_ready(name, endpoint)
+        self.start(name, "starsd_draftd", "serve", *args, "--bind", endpoint)
+        if ready:
+            self.wait_ready(name, endpoint)
+        else:
+            self.starting.append((name, endpoint))
         return endpoint
 
     def targets(self, model, draft_ep: str, n: int, *extra: str, depth: int = 4, prefix: str = "t") -> list[str]:
-        """Start ``n`` target daemons (named t0, t1, ...) linked to ``draft_ep``; their job endpoints."""
+        """Start ``n`` target daemons (named t0, t1, ...) linked to ``draft_ep``; their job endpoints,
+        once they answer (and any draft daemon started without waiting, before them)."""
         eps = [free_tcp_endpoint() for _ in range(n)]
         for i, ep in enumerate(eps):
             self.start(f"{prefix}{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep,
                        "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}", *extra)
+        while self.starting:
+            self.wait_ready(*self.starting.pop(0))
         for i, ep in enumerate(eps):
             self.wait_ready(f"{prefix}{i}", ep)
         return eps

@@ -249,16 +249,14 @@ def test_a_target_daemon_with_adaptive_speculation_keeps_its_output_and_counts_p
 
     from common.control import ControlClient
     from common.protocol import Message, MsgType
-    from common.sockets import free_tcp_endpoint, free_tcp_port
+    from common.sockets import free_tcp_port
     from fakes import run_concurrently
     from tiny_models import reference_greedy
 
-    draft_ep = star.draftd(tiny_draft)
-    target_ep, metrics = free_tcp_endpoint(), free_tcp_port()
-    star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
-               target_ep, "--depth", "4", "--adaptive-speculation", "--metrics-port", str(metrics),
-               "--draft-max-active", "0")  # both generations may draft: adaptive speculation decides
-    star.wait_ready("t0", target_ep)
+    draft_ep, metrics = star.draftd(tiny_draft, ready=False), free_tcp_port()
+    (target_ep,) = star.targets(tiny_target, draft_ep, 1, "--adaptive-speculation", "--metrics-port", str(metrics),
+                                "--draft-max-active", "0",  # both generations may draft: adaptive speculation decides
+                                "--connect-timeout", "120")
     engine = TargetEngine(loaded_target)
     prompts = [engine.encode("def parse(line):\n    "), engine.encode("class Point:\n")]
     results = run_concurrently([target_ep, target_ep], [{"id": i + 1, "prompt_ids": p, "max_tokens": 64}

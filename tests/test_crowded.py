@@ -146,15 +146,13 @@ def test_the_target_daemon_takes_draft_max_active(star, tiny_target, tiny_draft,
 
     from common.control import ControlClient
     from common.protocol import Message, MsgType
-    from common.sockets import free_tcp_endpoint, free_tcp_port
+    from common.sockets import free_tcp_port
     from fakes import run_concurrently
     from tiny_models import reference_greedy
 
-    draft_ep = star.draftd(tiny_draft)
-    target_ep, metrics = free_tcp_endpoint(), free_tcp_port()
-    star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",
-               target_ep, "--depth", "4", "--draft-max-active", "1", "--metrics-port", str(metrics))
-    star.wait_ready("t0", target_ep)
+    draft_ep, metrics = star.draftd(tiny_draft, ready=False), free_tcp_port()
+    (target_ep,) = star.targets(tiny_target, draft_ep, 1, "--draft-max-active", "1", "--metrics-port", str(metrics),
+                                "--connect-timeout", "120")
     engine = TargetEngine(loaded_target)
     prompts = [engine.encode(p) for p in PROMPTS[:2]]
     results = []

@@ -223,7 +223,7 @@ def test_greedy_through_the_daemons_with_a_cut_head(tiny_target, tmp_path, star)
     keep += [i for i in range(BYTE_OFFSET, BYTE_VOCAB_SIZE) if i not in keep][: max(0, 64 - len(keep))]
     assert (set(refs[0]) | set(refs[1])) - set(keep), "some of the target's tokens must lie outside the head"
     _vocab_file(draft / VOCAB_FILE, sorted(keep), load_causal_lm(str(draft)))
-    draft_ep = star.draftd(draft, "--no-lookahead")  # --draft-vocab auto: the file in its directory
+    draft_ep = star.draftd(draft, "--no-lookahead", ready=False)  # --draft-vocab auto: the file in its directory
     eps = star.targets(tiny_target, draft_ep, 2, "--connect-timeout", "120", "--draft-timeout", "30")
     results = run_concurrently(eps, [{"id": i + 1, "prompt": p, "max_tokens": 40} for i, p in enumerate(prompts)])
     for ref, res in zip(refs, results):

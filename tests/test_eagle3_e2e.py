@@ -13,7 +13,6 @@ from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
 from fakes import assert_follows, exact_joint, run_concurrently, running_server, samples_for, speculate
 from starsd_draftd.backends.eagle3 import Eagle3Backend, load_eagle3_head
-from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_target.client import DraftClient, HandshakeRefused, Welcome
 from starsd_target.engine import TargetEngine
 from tiny_models import make_eagle3_head, make_tiny_checkpoint, reference_greedy
@@ -46,37 +45,32 @@ def head3(deep_target, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_eagle3_daemon_serves_three_targets_exactly(deep_target, head3, loaded_deep, tmp_path):
-    d = Daemons(tmp_path)
-    try:
-        draft_ep = free_tcp_endpoint()
-        d.start("draftd", "starsd_draftd", "serve", "--backend", "eagle3", "--eagle-head", str(head3),
-                "--base-model", str(deep_target), "--bind", draft_ep, "--depth", "4", "--dtype", "float32")
-        eps = [free_tcp_endpoint() for _ in PROMPTS]
-        for i, ep in enumerate(eps):
-            # the second target verifies trees, the others chains
-            extra = ["--draft-tokens", "10"] if i == 1 else []
-            d.start(f"t{i}", "starsd_target", "serve", "--model", str(deep_target), "--draft", draft_ep,
-                    "--listen", ep, "--depth", "4", "--draft-timeout", "30", "--connect-timeout", "120",
-                    "--dtype", "float32", *extra)
-        d.wait_ready("draftd", draft_ep)
-        for i, ep in enumerate(eps):
-            d.wait_ready(f"t{i}", ep)
-        engine = TargetEngine(loaded_deep)
-        results = run_concurrently(eps, [{"id": i, "prompt": p, "max_tokens": 40} for i, p in enumerate(PROMPTS)])
-        for i, res in enumerate(results):
-            assert res is not None, f"target {i} gave no result"
-            assert res["token_ids"] == reference_greedy(deep_target, engine.encode(PROMPTS[i]), 40)
-            st = res["stats"]
-            assert st["fallback_rounds"] == 0 and st["invalid_drafts"] == 0, st
-            assert st["drafted"] >= st["rounds"] - 1, st  # drafts every round (the last may need none)
-        assert results[1]["stats"]["tree_rounds"] > 0
-        assert sum(r["stats"]["accepted"] for r in results) > 0
-        with ControlClient(draft_ep) as cc:
-            stats = cc.stats()
-        assert stats["peers"] == 3, stats
-    finally:
-        d.close()
+def test_eagle3_daemon_serves_three_targets_exactly(deep_target, head3, loaded_deep, star):
+    draft_ep = star.serve_drafts(["--backend", "eagle3", "--eagle-head", str(head3), "--base-model", str(deep_target),
+                                  "--depth", "4", "--dtype", "float32"], ready=False)
+    eps = [free_tcp_endpoint() for _ in PROMPTS]
+    for i, ep in enumerate(eps):
+        # the second target verifies trees, the others chains
+        extra = ["--draft-tokens", "10"] if i == 1 else []
+        star.start(f"t{i}", "starsd_target", "serve", "--model", str(deep_target), "--draft", draft_ep,
+                   "--listen", ep, "--depth", "4", "--draft-timeout", "30", "--connect-timeout", "120",
+                   "--dtype", "float32", *extra)
+    star.wait_ready("draftd", draft_ep)
+    for i, ep in enumerate(eps):
+        star.wait_ready(f"t{i}", ep)
+    engine = TargetEngine(loaded_deep)
+    results = run_concurrently(eps, [{"id": i, "prompt": p, "max_tokens": 40} for i, p in enumerate(PROMPTS)])
+    for i, res in enumerate(results):
+        assert res is not None, f"target {i} gave no result"
+        assert res["token_ids"] == reference_greedy(deep_target, engine.encode(PROMPTS[i]), 40)
+        st = res["stats"]
+        assert st["fallback_rounds"] == 0 and st["invalid_drafts"] == 0, st
+        assert st["drafted"] >= st["rounds"] - 1, st  # drafts every round (the last may need none)
+    assert results[1]["stats"]["tree_rounds"] > 0
+    assert sum(r["stats"]["accepted"] for r in results) > 0
+    with ControlClient(draft_ep) as cc:
+        stats = cc.stats()
+    assert stats["peers"] == 3, stats
 
 
 def test_sampling_through_an_eagle3_head_follows_the_target(deep_target, head3, loaded_deep):

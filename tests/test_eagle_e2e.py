@@ -4,17 +4,13 @@ distribution exactly. Also: the target package never imports draft-side code."""
 
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from common.control import ControlClient
 from common.models import load_causal_lm
-from common.protocol import Message, MsgType
-from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
-from fakes import assert_follows, exact_joint, running_server, samples_for, speculate
-from starsd_draftd.bench.procs import ProcessSet as Daemons
+from fakes import assert_follows, exact_joint, run_concurrently, running_server, samples_for, speculate
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.demo.eagle_train import train_eagle_head
@@ -35,40 +31,18 @@ def eagle_head(tiny_target, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_eagle_daemon_serves_three_targets_exactly(tiny_target, eagle_head, loaded_target, tmp_path):
-    d = Daemons(tmp_path)
-    try:
-        draft_ep = free_tcp_endpoint()
-        d.start("draftd", "starsd_draftd", "serve", "--backend", "eagle", "--eagle-head", str(eagle_head),
-                "--base-model", str(tiny_target), "--bind", draft_ep, "--depth", "4")
-        eps = [free_tcp_endpoint() for _ in PROMPTS]
-        for i, ep in enumerate(eps):
-            d.start(f"t{i}", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep,
-                    "--listen", ep, "--depth", "4", "--draft-timeout", "30", "--connect-timeout", "120")
-        d.wait_ready("draftd", draft_ep)
-        for i, ep in enumerate(eps):
-            d.wait_ready(f"t{i}", ep)
-        engine = TargetEngine(loaded_target)
-        results = [None] * len(eps)
-
-        def one(i):
-            with ControlClient(eps[i]) as cc:
-                results[i] = cc.call(Message(MsgType.GENERATE, {"id": i, "prompt": PROMPTS[i], "max_tokens": 48}),
-                                     300).header
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(eps))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        for i, res in enumerate(results):
-            assert res["token_ids"] == reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 48)
-            assert res["stats"]["fallback_rounds"] == 0 and res["stats"]["drafted"] > 0
-        assert sum(r["stats"]["accepted"] for r in results) > 0
-        with ControlClient(draft_ep) as cc:
-            assert cc.stats()["peers"] == 3
-    finally:
-        d.close()
+def test_eagle_daemon_serves_three_targets_exactly(tiny_target, eagle_head, loaded_target, star):
+    draft_ep = star.serve_drafts(["--backend", "eagle", "--eagle-head", str(eagle_head), "--base-model",
+                                  str(tiny_target), "--depth", "4"], ready=False)
+    eps = star.targets(tiny_target, draft_ep, len(PROMPTS), "--draft-timeout", "30", "--connect-timeout", "120")
+    engine = TargetEngine(loaded_target)
+    results = run_concurrently(eps, [{"id": i, "prompt": p, "max_tokens": 48} for i, p in enumerate(PROMPTS)])
+    for i, res in enumerate(results):
+        assert res["token_ids"] == reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 48)
+        assert res["stats"]["fallback_rounds"] == 0 and res["stats"]["drafted"] > 0
+    assert sum(r["stats"]["accepted"] for r in results) > 0
+    with ControlClient(draft_ep) as cc:
+        assert cc.stats()["peers"] == 3
 
 
 @pytest.mark.parametrize("kind", ["eagle", "model"])

@@ -61,7 +61,7 @@ def wait_connected(ep, timeout_s=30):
 def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, star):
     d = star
     try:
-        draft_ep = d.draftd(near_draft)
+        draft_ep = d.draftd(near_draft, ready=False)
         eps = start_targets(d, tiny_target, draft_ep, 4)
         refs = [reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 300) for i in range(4)]
         results, errors = [None] * 4, []
@@ -98,7 +98,7 @@ def test_kill_9_mid_generation_then_restart(tiny_target, near_draft, engine, sta
 def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, star):
     d = star
     try:
-        draft_ep = d.draftd(near_draft, "--drain-timeout", "2")
+        draft_ep = d.draftd(near_draft, "--drain-timeout", "2", ready=False)
         eps = start_targets(d, tiny_target, draft_ep, 2)
         results, errors = [None] * 2, []
         threads = generate_all(eps, 400, results, errors)

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from common import protocol as P
 from common.control import ControlClient
 from common.protocol import ErrorCode, MsgType
-from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
+from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
 from fakes import CountingBackend, nested as nested_list, running_server, speculate
-from starsd_draftd.bench.procs import ProcessSet as Daemons
+from starsd_draftd.bench.procs import ProcessSet
 from starsd_draftd.server import message_limits
 from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
@@ -56,7 +56,7 @@ FUZZ = dict(deadline=None, database=None, derandomize=True, print_blob=True,
 class Live:
     endpoint: str
     pid: int
-    daemons: Daemons
+    daemons: ProcessSet
     engine: TargetEngine
     vocab: int
     fingerprint: str
@@ -80,26 +80,21 @@ def open_fds(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def live(tiny_target, near_draft, loaded_target, tmp_path_factory):
-    d = Daemons(tmp_path_factory.mktemp("fuzzlogs"))
-    ep = free_tcp_endpoint()
-    try:
-        proc = d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", ep,
-                       "--depth", str(MAX_DEPTH), "--max-sessions", str(MAX_SESSIONS),
-                       "--max-sessions-per-peer", str(PER_PEER), "--peer-ttl", str(PEER_TTL_S),
-                       "--evict-idle", "3600",  # a full table answers BUSY (eviction is tested in test_server)
-                       "--session-ttl", str(SESSION_TTL_S), "--log-level", "warning")
-        d.wait_ready("draftd", ep)
-        engine = TargetEngine(loaded_target, depth=MAX_DEPTH)
-        prompt = engine.encode("def parse(line):\n    ")
-        lv = Live(ep, proc.pid, d, engine, loaded_target.vocab_size, loaded_target.fingerprint, prompt,
-                  reference_greedy(tiny_target, prompt, 24))
-        target_still_served(lv)  # proves the set-up, and warms the daemon up before the baseline
-        lv.baseline_rss_kb, lv.baseline_fds = rss_kb(proc.pid), open_fds(proc.pid)
-        yield lv
-        print(f"\ndraft daemon RSS growth per phase (kB): {lv.growth}")
-    finally:
-        d.close()
+def live(tiny_target, near_draft, loaded_target, module_star):
+    d = module_star
+    ep = d.draftd(near_draft, "--max-sessions", str(MAX_SESSIONS), "--max-sessions-per-peer", str(PER_PEER),
+                  "--peer-ttl", str(PEER_TTL_S),
+                  "--evict-idle", "3600",  # a full table answers BUSY (eviction is tested in test_server)
+                  "--session-ttl", str(SESSION_TTL_S), "--log-level", "warning", depth=MAX_DEPTH)
+    proc = d.procs["draftd"]
+    engine = TargetEngine(loaded_target, depth=MAX_DEPTH)
+    prompt = engine.encode("def parse(line):\n    ")
+    lv = Live(ep, proc.pid, d, engine, loaded_target.vocab_size, loaded_target.fingerprint, prompt,
+              reference_greedy(tiny_target, prompt, 24))
+    target_still_served(lv)  # proves the set-up, and warms the daemon up before the baseline
+    lv.baseline_rss_kb, lv.baseline_fds = rss_kb(proc.pid), open_fds(proc.pid)
+    yield lv
+    print(f"\ndraft daemon RSS growth per phase (kB): {lv.growth}")
 
 
 def stats(lv: Live) -> dict:

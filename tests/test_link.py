@@ -17,7 +17,6 @@ from common.models import load_causal_lm
 from common.protocol import Message, MsgType
 from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
-from starsd_draftd.bench.procs import ProcessSet as Daemons
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.server import DraftServer, ServerConfig
 from starsd_target.client import Backoff, DraftClient, DraftReply, HandshakeRefused, LinkState
@@ -236,14 +235,11 @@ def test_silence_sends_a_ping_and_an_answer_keeps_the_request_waiting(loaded_tar
 
 # ---------------------------------------------------------------- many generations, a healthy daemon
 @pytest.mark.slow
-def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, engine, tmp_path):
+def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, engine, star):
     """More jobs than max_active, so generations start while others have replies in flight."""
-    d = Daemons(tmp_path)
-    ep = free_tcp_endpoint()
+    ep = star.draftd(near_draft)
     ctx = zmq.Context()
     try:
-        d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", ep, "--depth", "4")
-        d.wait_ready("draftd", ep)
         client = DraftClient(ep, engine.loaded.vocab_size, engine.loaded.fingerprint, ctx=ctx)
         client.handshake(60)
         sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=4)
@@ -254,7 +250,6 @@ def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, e
         sched.stop()
         client.close()
     finally:
-        d.close()
         ctx.destroy(linger=0)
     for ids, r in zip(prompts, results):
         assert r.token_ids == reference_greedy(tiny_target, ids, 48)
@@ -267,17 +262,15 @@ def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, e
 # ---------------------------------------------------------------- a hung daemon
 @pytest.mark.slow
 def test_a_stopped_draft_daemon_costs_rounds_an_adaptive_deadline_and_speculation_resumes(
-        tiny_target, near_draft, engine, tmp_path):
-    d = Daemons(tmp_path)
-    ep = free_tcp_endpoint()
+        tiny_target, near_draft, engine, star):
     ctx = zmq.Context()
     rounds: list[tuple[str, LinkState, int | None]] = []  # (phase, link state after the round, drafts kept)
     miss_deadlines: list[float] = []
     phase = ["before"]
     proc = None
     try:
-        proc = d.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", ep, "--depth", "4")
-        d.wait_ready("draftd", ep)
+        ep = star.draftd(near_draft)
+        proc = star.procs["draftd"]
         client = DraftClient(ep, engine.loaded.vocab_size, engine.loaded.fingerprint, ctx=ctx,
                              backoff=Backoff(0.02, 0.1))
         client.handshake(60)
@@ -309,7 +302,6 @@ def test_a_stopped_draft_daemon_costs_rounds_an_adaptive_deadline_and_speculatio
     finally:
         if proc is not None and phase[0] == "stopped":
             os.kill(proc.pid, signal.SIGCONT)
-        d.close()
         ctx.destroy(linger=0)
     ref = reference_greedy(tiny_target, prompt, 400)
     assert all(r.token_ids == ref for r in results)

@@ -43,11 +43,7 @@ def test_four_targets_verify_trees_exactly(backend, arch_pair, star):
         drafter = ["--backend", "eagle", "--eagle-head", str(head), "--base-model", str(target)]
     else:
         drafter = ["--backend", "model", "--model", str(draft)]
-    from common.sockets import free_tcp_endpoint
-
-    draft_ep = free_tcp_endpoint()
-    star.start("draftd", "starsd_draftd", "serve", *drafter, "--bind", draft_ep, "--depth", "4", "--tree-topk", "3")
-    star.wait_ready("draftd", draft_ep)
+    draft_ep = star.serve_drafts([*drafter, "--depth", "4", "--tree-topk", "3"], ready=False)
     eps = star.targets(target, draft_ep, len(PROMPTS), "--draft-tokens", "16", "--draft-timeout", "30",
                        "--connect-timeout", "120")
     engine = TargetEngine(load_causal_lm(str(target)))
