@@ -13,7 +13,7 @@ import pytest
 
 from common.control import ControlClient
 from common.sockets import free_tcp_endpoint
-from starsd_draftd.bench.procs import ProcessSet as Daemons
+from starsd_draftd.bench.procs import ProcessSet
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ class NotifyListener:
         self.sock.close()
 
 
-def wait_ready(d: Daemons, name: str, endpoint: str, listener: NotifyListener, timeout_s: float = 180) -> None:
+def wait_ready(d: ProcessSet, name: str, endpoint: str, listener: NotifyListener, timeout_s: float = 180) -> None:
     """READY=1 must come, and by then the endpoint must already answer. A daemon that serves but
     does not say READY=1 within a few seconds fails at once instead of after the whole timeout."""
     proc = d.procs[name]
@@ -91,16 +91,16 @@ def free_port() -> int:
     return int(free_tcp_endpoint().rsplit(":", 1)[1])
 
 
-def test_daemons_notify_ready_watchdog_stopping(tiny_target, tiny_draft, tmp_path):
-    d = Daemons(tmp_path)
+def test_daemons_notify_ready_watchdog_stopping(tiny_target, tiny_draft, star):
+    d = star
     draft_l, target_l = NotifyListener(), NotifyListener()
     draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
     try:
         d.start("draftd", "starsd_draftd", "serve", "--model", str(tiny_draft), "--bind", draft_ep,
                 env=draft_l.env)
-        wait_ready(d, "draftd", draft_ep, draft_l)
         d.start("target", "starsd_target", "serve", "--model", str(tiny_target), "--listen", target_ep,
-                "--draft", draft_ep, "--connect-timeout", "0", env=target_l.env)
+                "--draft", draft_ep, "--connect-timeout", "0", env=target_l.env)  # loads beside the draft daemon
+        wait_ready(d, "draftd", draft_ep, draft_l)
         wait_ready(d, "target", target_ep, target_l)
 
         for name, what in (("draftd", "draft daemon"), ("target", "target daemon")):
@@ -123,23 +123,23 @@ def test_daemons_notify_ready_watchdog_stopping(tiny_target, tiny_draft, tmp_pat
             assert listener.states.count("READY=1") == 1, listener.states
             assert "STOPPING=1" not in listener.states[:listener.states.index("READY=1")]
     finally:
-        d.close()
+        d.close()  # the daemons stop before their listeners go
         draft_l.close()
         target_l.close()
 
 
-def test_target_with_http_api_notifies_once(tiny_target, tiny_draft, tmp_path):
+def test_target_with_http_api_notifies_once(tiny_target, tiny_draft, star):
     """With --http, uvicorn owns SIGTERM: READY=1 still comes once (when HTTP serves too),
     STOPPING=1 after SIGTERM, then a clean exit."""
-    d = Daemons(tmp_path)
+    d = star
     draft_l, target_l = NotifyListener(), NotifyListener()
     draft_ep, target_ep, http_port = free_tcp_endpoint(), free_tcp_endpoint(), free_port()
     try:
         d.start("draftd", "starsd_draftd", "serve", "--model", str(tiny_draft), "--bind", draft_ep,
                 env=draft_l.env)
-        wait_ready(d, "draftd", draft_ep, draft_l)
         d.start("target", "starsd_target", "serve", "--model", str(tiny_target), "--listen", target_ep,
                 "--draft", draft_ep, "--connect-timeout", "0", "--http", f"127.0.0.1:{http_port}", env=target_l.env)
+        wait_ready(d, "draftd", draft_ep, draft_l)
         proc, describe = d.procs["target"], (lambda: d.log("target")[-3000:])
         target_l.wait_for("READY=1", proc, 180, describe)
         deadline = time.monotonic() + 5
@@ -162,6 +162,6 @@ def test_target_with_http_api_notifies_once(tiny_target, tiny_draft, tmp_path):
         assert proc.wait(60) == 0, describe()
         assert target_l.states.count("READY=1") == 1, target_l.states
     finally:
-        d.close()
+        d.close()  # the daemons stop before their listeners go
         draft_l.close()
         target_l.close()
