@@ -602,3 +602,54 @@ def test_interleaved_takes_n_after_warmup_in_alternating_blocks():
     out = wire.interleaved({"a": loop("a"), "b": loop("b")}, n=7, warmup=2, blocks=3)
     assert out["a"] == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0] and out["b"] == out["a"]  # warm-up rounds dropped
     assert "".join(order) == "aabb" + "aaabbb" + "aabb" + "aabb"  # blocks of 3, 2, 2, alternating
+
+
+@pytest.mark.slow
+def test_quick_bench_rows_fields(quick_report):
+    from starsd_draftd.bench.rows import ROW_COUNTS, row_formats
+
+    _, r = quick_report
+    v = r["rows"]
+    assert v["rows"] == list(ROW_COUNTS) and v["model"].endswith("target")  # the bench's own target
+    assert [f["dtype"] for f in v["formats"]] == list(row_formats())
+    for f in v["formats"]:
+        assert len(f["ms"]) == len(ROW_COUNTS) and all(_num(x) and x > 0 for x in f["ms"]), f
+        assert f["relative"][0] == 1.0 and all(_num(x) for x in f["relative"])
+        assert f["forward"] in ("lean", "eager", "compiled")
+        assert f["memory"]["rss_bytes"] > 0 and f["memory"]["weights_bytes"] > 0
+    assert "One forward against its rows" in format_report(r)
+
+
+def test_rows_model_resolves_target_shapes_and_directories(tmp_path, tiny_target, monkeypatch):
+    from starsd_draftd.bench import rows
+
+    assert rows.resolve_rows_model("target", tiny_target, tmp_path) == tiny_target
+    assert rows.resolve_rows_model(str(tiny_target), None, tmp_path) == tiny_target
+    built = []
+    monkeypatch.setattr(rows, "shape_checkpoint", lambda name, root: built.append((name, root)) or root / name)
+    assert rows.resolve_rows_model("qwen2.5-1.5b", None, tmp_path) == tmp_path / "qwen2.5-1.5b"
+    assert built == [("qwen2.5-1.5b", tmp_path)]
+    with pytest.raises(ValueError, match="neither 'target', a shape"):
+        rows.resolve_rows_model(str(tmp_path / "nothing"), None, tmp_path)
+    with pytest.raises(ValueError, match="needs the bench's models"):
+        rows.resolve_rows_model("target", None, tmp_path)
+
+
+def test_a_shape_checkpoint_has_the_real_configuration(tmp_path, monkeypatch):
+    """Built from the real configuration (a smaller copy here: the layer count and widths are
+    what the table names), saved once in bfloat16, reused after."""
+    import json as json_mod
+
+    from starsd_draftd.bench import rows
+
+    monkeypatch.setitem(rows.SHAPES, "small", dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                                   num_attention_heads=4, num_key_value_heads=2))
+    out = rows.shape_checkpoint("small", tmp_path)
+    cfg = json_mod.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 151936
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert rows.shape_checkpoint("small", tmp_path) == out and (out / "config.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="unknown shape"):
+        rows.shape_checkpoint("llama-70b", tmp_path)
+    assert rows.SHAPES["qwen2.5-1.5b"]["hidden_size"] == 1536 and rows.SHAPES["qwen2.5-1.5b"]["num_hidden_layers"] == 28

@@ -55,6 +55,10 @@ _b = BenchConfig()
              f"alone (more runs: less of a shared machine's noise) [default: {_b.repeats}; quick: 1].")
 @option("--batch-max", type=click.IntRange(2, 64), default=_b.batch_max,
         help="Batched section: batch_max compared with one session at a time.")
+@option("--rows-model", default=_b.rows_model,
+        help="rows section: 'target' (the bench's target), a real configuration with random weights built once "
+             "in the cache ('qwen2.5-1.5b', 'qwen2.5-0.5b'; a forward costs what the real model's does), or a "
+             "checkpoint directory.")
 @option("--seed", type=int, default=_b.seed, help="Seed of the emulated acceptance chains.")
 @option("--no-plot", is_flag=True, help="Skip the PNG (and the matplotlib requirement).")
 @option("--no-progress", is_flag=True, help="No progress bar on stderr.")
@@ -62,7 +66,8 @@ _b = BenchConfig()
 @logging_options(option, default_level="warning")  # the progress bar is the bench's running report
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
 def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
-          single_ms, acceptance, guess_rate, models, max_tokens, jobs, repeats, batch_max, seed, no_plot, no_progress,
+          single_ms, acceptance, guess_rate, models, max_tokens, jobs, repeats, batch_max, rows_model, seed, no_plot,
+          no_progress,
           as_json, log_level, log_format) -> None:
     """Measure the star on this machine: wire cost, accelerator emulation beside the analytic model,
     real models beside the target alone and co-located speculative decoding, batched drafting."""
@@ -71,7 +76,8 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
              "jobs_per_target": jobs, "repeats": repeats}
     kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
               draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
-              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, seed=seed, plot=not no_plot,
+              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, rows_model=rows_model, seed=seed,
+              plot=not no_plot,
               progress=not no_progress,
               sections=tuple(s.strip() for s in sections.split(",") if s.strip()))
     cfg = BenchConfig.quick_config(**kw) if quick else BenchConfig(**kw)

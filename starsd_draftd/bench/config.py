@@ -15,7 +15,7 @@ from starsd_draftd.bench import plan as plan_mod
 
 
 SCHEMA = "starsd-bench/1"
-SECTIONS = ("wire", "emulation", "real", "batched", "verify", "lookahead", "trees")
+SECTIONS = ("wire", "emulation", "real", "batched", "verify", "lookahead", "trees", "rows")
 GAP_EDGES_MS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 TORCH_SAVE_LABEL = ("reference only: the same payload as a torch.save/torch.load (pickle) blob, as the paper's "
                     "research code sends it; StarSD never unpickles network input")
@@ -65,6 +65,9 @@ class BenchConfig:
     batch_max: int = 8
     batch_ks: tuple[int, ...] = (1, 2, 4, 8, 16)
     batch_window_ms: float = 2.0  # the windowed batched daemon's --batch-window-ms
+    # one forward against its rows (starsd_draftd.bench.rows)
+    rows_model: str = "target"  # "target": the bench's target; a shape name (qwen2.5-1.5b); a checkpoint directory
+    rows_reps: int = 5
     # run
     progress: bool = True
     plot: bool = True
@@ -78,7 +81,7 @@ class BenchConfig:
         base = dict(quick=True, n_max=3, min_rounds=30, min_window_s=0.4, max_window_s=1.0, warmup_s=0.15,
                     calib_rounds=10, capacity_s=0.4, wire_rounds=200, wire_paced_rounds=15, wire_gap_ms=5.0,
                     models="tiny", real_n_max=2, jobs_per_target=1, max_tokens=24, batch_ks=(1, 8), prestart=True,
-                    repeats=1)
+                    repeats=1, rows_reps=1)
         base.update(overrides)
         return cls(**base)
 

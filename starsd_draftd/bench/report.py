@@ -195,6 +195,10 @@ def format_report(report: dict) -> str:
         from starsd_draftd.bench.trees import format_trees
 
         lines += format_trees(report["trees"])
+    if "rows" in report:
+        from starsd_draftd.bench.rows import format_rows
+
+        lines += format_rows(report["rows"])
     if "verify" in report:
         from starsd_draftd.bench.verify_batch import format_verify
 

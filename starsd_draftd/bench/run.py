@@ -20,6 +20,8 @@ Sections (each with real daemons as separate processes, real sockets on loopback
   forward versus one per forward, with drafts and alone (``starsd_draftd.bench.verify_batch``).
 * ``lookahead``: lookahead off/on x adaptive depth off/on with 1 and 2 streams on one target,
   beside the target alone (``starsd_draftd.bench.lookahead``).
+* ``rows``: one forward's cost against the rows it carries (1 to 32), in each weight format, in
+  process on one core (``starsd_draftd.bench.rows``); ``--rows-model`` measures a real size.
 
 Output: ``bench.json``, ``bench.png`` and ``bench.md`` in the results folder.
 """
@@ -49,6 +51,7 @@ from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_
 from starsd_draftd.bench.report import _derive, format_report, plot_report
 from starsd_draftd.bench.star import emulation_section, lookahead_n_max, start_emulation
 from starsd_draftd.bench.lookahead import lookahead_section, lookahead_streams, start_lookahead
+from starsd_draftd.bench.rows import resolve_rows_model, row_formats, rows_section
 from starsd_draftd.bench.trees import start_trees, tree_backends, trees_section
 from starsd_draftd.bench.verify_batch import start_verify, verify_section, verify_streams
 from starsd_draftd.bench.wire import WIRE_CASES, start_wire, wire_section
@@ -74,7 +77,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
                "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,
-               "trees": len(tree_backends(cfg))}
+               "trees": len(tree_backends(cfg)), "rows": len(row_formats())}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -107,7 +110,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     try:
         models = None
-        if {"real", "batched", "verify", "lookahead", "trees"} & set(cfg.sections):
+        needs_pair = cfg.rows_model == "target" and "rows" in cfg.sections
+        if needs_pair or {"real", "batched", "verify", "lookahead", "trees"} & set(cfg.sections):
             if cfg.models == "tiny":
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
@@ -149,6 +153,12 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["lookahead"] = timed("lookahead", lambda: lookahead_section(cfg, pool, step, models))
         if "trees" in cfg.sections:
             report["trees"] = timed("trees", lambda: trees_section(cfg, pool, step, models))
+        if "rows" in cfg.sections:  # last: in process, with every daemon stopped
+            pool.stop_all()
+            from common.models import cache_root
+
+            rows_dir = resolve_rows_model(cfg.rows_model, models[0] if models else None, cache_root() / "bench")
+            report["rows"] = timed("rows", lambda: rows_section(rows_dir, row_formats(), step, reps=cfg.rows_reps))
     finally:
         bar.close()
         pool.stop_all()
