@@ -104,3 +104,9 @@ def give_back_freed_memory() -> None:
         return
     trim.argtypes = (ctypes.c_size_t,)
     trim(0)
+
+
+def status_line(stats: dict) -> list[str]:
+    """The memory line of a daemon's ``status`` (none from a daemon that reports none)."""
+    report = stats.get("memory")
+    return [f"  memory: {describe(report)}"] if report else []

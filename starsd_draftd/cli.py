@@ -11,6 +11,7 @@ import click
 from common.draft_vocab import DEFAULT_SIZE, DRAFT_VOCAB_HELP, MIN_IDS
 from common.cliutil import MIB, MS, ConfigOptions, LazyGroup, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
+from common.memory import status_line as memory_status_line
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
 from common.security import keygen as keygen_pair
@@ -195,7 +196,7 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
             f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
-        _lookahead_line(s) + _trees_line(s) + _vocab_line(s)
+        _lookahead_line(s) + _trees_line(s) + _vocab_line(s) + memory_status_line(s)
 
 
 def _vocab_line(s: dict) -> list[str]:

@@ -10,6 +10,7 @@ import click
 
 from common.cliutil import MS, ConfigOptions, Unit, env_options, fail_cleanly, logging_options, status_command
 from common.logs import setup_logging
+from common.memory import status_line as memory_status_line
 from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
 from common.runner import COMPILE_HELP, LEAN_HELP
 from common.verify import SamplingParams
@@ -221,12 +222,12 @@ def serve(log_level, log_format, **params) -> None:
 
 
 def _describe(connect: str, s: dict) -> list[str]:
-    lines = [f"target daemon at {connect}: model {s['model']}",
+    lines = [f"target daemon at {connect}: model {s['model']}" + (f" ({s['dtype']})" if "dtype" in s else ""),
              f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
              f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}"]
     if "round_profile" in s:  # an older daemon has none
         lines.append(f"  {describe_profile(s['round_profile'])}")
-    return lines
+    return lines + memory_status_line(s)
 
 
 status_command(main, option, _d("listen"), "target daemon", _describe)

@@ -9,6 +9,7 @@ import threading
 
 import zmq
 
+from common.memory import memory_report
 from common.models import LoadedModel, load_causal_lm, set_torch_threads
 from common.runner import ModelRunner
 from common.security import optional_client_keys
@@ -198,8 +199,8 @@ class TargetDaemon:
         link = self.client.counters() if self.client is not None else {}
         runner = self.engine.runner
         profile = self._scheduler.profile.to_dict() if self._scheduler is not None else RoundProfile().to_dict()
-        return {"served": self.served, "model": str(self.loaded.path),
-                "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3), "forward": runner.forward_kind,
+        return {"served": self.served, "model": str(self.loaded.path), "dtype": self.loaded.dtype_name,
+                "memory": memory_report(self.loaded.weights_bytes), "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3), "forward": runner.forward_kind,
                 "max_batch": self.engine.max_batch, "batching_off": self.engine.batch_off,
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,
                 "round_profile": profile}

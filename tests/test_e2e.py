@@ -118,6 +118,10 @@ def test_stats_say_where_the_rounds_went(star4):
     out = CliRunner().invoke(target_cli, ["status", "--connect", ep])  # the command, in this process
     assert out.exit_code == 0, out.output
     assert "ms per round" in out.stdout and "verify forward" in out.stdout
+    assert "(float32)" in out.stdout and "memory: resident" in out.stdout and "x the checkpoint's" in out.stdout
     out = CliRunner().invoke(draftd_cli, ["status", "--connect", draft_ep])
     assert out.exit_code == 0, out.output
-    assert "ms per request" in out.stdout
+    assert "ms per request" in out.stdout and "memory: resident" in out.stdout and "x the checkpoint's" in out.stdout
+    with ControlClient(ep) as cc:
+        mem = cc.stats()["memory"]  # the target's resident memory against its checkpoint's weight files
+    assert mem["weights_bytes"] > 0 and 0 < mem["rss_bytes"] <= mem["peak_rss_bytes"]
