@@ -402,14 +402,12 @@ def test_engine_chatter_on_stderr_cannot_split_or_fake_a_result(tmp_path):
 
 
 def test_an_engine_that_dies_mid_run_is_reported_at_once_though_a_child_holds_its_pipes(tmp_path):
-    import time
-
     server = _fake_server(tmp_path, timeout_s=120, FAKE_VLLM_DIE=1)
     pid = server.proc.pid
-    t0 = time.monotonic()
+    # the exit is what the server reports, not the 120 s timeout it would otherwise reach waiting on
+    # the pipes the child holds (that raises TimeoutError)
     with pytest.raises(RuntimeError, match="exited with status 3"):
         server.run()
-    assert time.monotonic() - t0 < 10  # not the 120 s timeout
     server.close()
     assert _group_gone(pid)  # the orphaned child went with its group
 
