@@ -38,6 +38,19 @@ def loaded_target(tiny_target):
 
 
 @pytest.fixture(scope="session")
+def eagle_head(tiny_target, tmp_path_factory) -> Path:
+    """An EAGLE-1 head for the tiny target, briefly trained (a few seconds). A random-init head keeps
+    the outputs exact as well, but its drafts are almost never kept (2 to 17 of some 1050 in a
+    sampled test), and the tests that use this one need both verification branches to run."""
+    from starsd_draftd.demo.eagle_train import train_eagle_head
+
+    out = tmp_path_factory.mktemp("eagle")
+    train_eagle_head(tiny_target, out, steps=40, time_budget_s=None, progress=False, batch_size=4, seq_len=64,
+                     corpus_bytes=200_000, num_threads=1, eval_windows=2, eval_prompts=1, eval_tokens=8)
+    return out
+
+
+@pytest.fixture(scope="session")
 def near_draft(tiny_target, tmp_path_factory) -> Path:
     """A draft close to the tiny target (its weights plus a little noise): most drafts are kept."""
     from tiny_models import make_near_copy

@@ -13,21 +13,11 @@ from common.verify import SamplingParams
 from fakes import assert_follows, exact_joint, run_concurrently, running_server, samples_for, speculate
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.model import ModelBackend
-from starsd_draftd.demo.eagle_train import train_eagle_head
 from starsd_target.client import DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import make_near_copy, reference_greedy
 
 PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n"]
-
-
-@pytest.fixture(scope="module")
-def eagle_head(tiny_target, tmp_path_factory):
-    """A head briefly trained for the tiny target (a few seconds): enough to accept some drafts."""
-    out = tmp_path_factory.mktemp("eagle")
-    train_eagle_head(tiny_target, out, steps=40, time_budget_s=None, progress=False, batch_size=4, seq_len=64,
-                     corpus_bytes=200_000, num_threads=1, eval_windows=2, eval_prompts=1, eval_tokens=8)
-    return out
 
 
 @pytest.mark.slow

@@ -63,15 +63,13 @@ def test_four_targets_verify_trees_exactly(backend, arch_pair, star):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "model"])
-def test_sampled_trees_through_the_daemon_follow_the_target(kind, tiny_target, loaded_target, tmp_path):
+def test_sampled_trees_through_the_daemon_follow_the_target(kind, tiny_target, loaded_target, tmp_path, request):
     """Trees of a chain and a second, distinct sibling per position (drawn without replacement)
     verified by recursive rejection sampling: the first three tokens follow the target's own
     joint distribution."""
-    if kind == "eagle":
-        head = tmp_path / "eagle"
-        train_eagle_head(tiny_target, head, steps=30, time_budget_s=None, progress=False, batch_size=4, seq_len=64,
-                         corpus_bytes=100_000, num_threads=1, eval_windows=1, eval_prompts=1, eval_tokens=4)
-        backend = EagleBackend.from_dirs(head, tiny_target, dtype="float32", tree_topk=2)
+    if kind == "eagle":  # the head test_eagle_e2e drafts with (trained once a session)
+        backend = EagleBackend.from_dirs(request.getfixturevalue("eagle_head"), tiny_target, dtype="float32",
+                                         tree_topk=2)
     else:
         near = make_near_copy(tiny_target, tmp_path / "near", noise=0.05)
         backend = ModelBackend(load_causal_lm(str(near)), tree_topk=2)
