@@ -64,12 +64,6 @@ def model_options(f):
                     "otherwise the target asks for the length that maximises expected tokens per "
                     "second from its measured acceptance. Off: --depth every round. Seeded sampled generations "
                     "keep --depth, so that a seed gives the same tokens at any speed."),
-        option("--adaptive-speculation/--no-adaptive-speculation", default=_d("adaptive_speculation"),
-               help="Experimental, off by default. With --adaptive-depth: the target's adaptive generations run "
-                    "their rounds without drafts, all together, where such rounds were measured to produce more "
-                    "tokens per second than rounds with drafts; probes of 3 rounds the other way re-measure, after "
-                    "8 to 128 rounds. Counted as plain_rounds, apart from fallback rounds. On the demo pair it has "
-                    "not yet shown a gain (docs/bench.md)."),
         option("--draft-tokens", type=click.IntRange(1, 256), default=_d("draft_tokens"),
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "

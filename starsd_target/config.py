@@ -40,7 +40,6 @@ class TargetConfig:
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     lean: bool = True  # eager forwards through common.lean where the model allows
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
-    adaptive_speculation: bool = False  # ...and may be 0 where the target alone is measured faster (opt-in)
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
     # rounds draft only while at most this many generations are active (0: always; None: auto,
     # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)

@@ -31,24 +31,6 @@ costs ``c + v`` seconds (``v``: the verification forward's cost per token verifi
 weighted regression over the rounds' lengths), so it pays while ``s / (c + v)`` exceeds the
 rate the rounds reach, ``R``: ``min_survival = R * (c + v)``.
 
-**No drafts at all** (``PlainOrDrafts``, the target daemon's ``--adaptive-speculation``,
-experimental and off by default: docs/bench.md shows no gain yet on the demo pair): a round that
-asks for none keeps one token, starts at once (no wire, no draft daemon) and shares one forward
-with the other generations' rounds. The choice is the target's, for all its adaptive generations
-together: one generation drafting while another does not slows the other's rounds (a 5-token
-verification beside its 1-token step), and plain rounds are only as cheap as they can be when
-all are plain. Each generation measures the tokens per second of its rounds of each kind
-(weighted tokens over weighted seconds, each round's wall time from the end of the one before;
-a generation's first drafted round and the first after plain ones are not counted, as they pay
-the draft daemon's catch-up); where the sum of their rates without drafts beats the sum with by
-``SWITCH_MARGIN``, they all run without (and the reverse). The model above is not used for this:
-it predicts a round's length well enough to choose ``d``, but not the rate a plain round reaches
-beside the others. Each side is measured only while chosen, so the other is probed: after
-``PROBE_FIRST`` rounds per generation, every generation runs ``PROBE_ROUNDS`` rounds the other
-way, all at once so that plain rounds share their forward as they would; each probe that
-confirms the choice doubles the wait, up to ``PROBE_MAX``. A generation that has not yet been
-measured drafting drafts.
-
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
 round: the target's random draws follow its rounds, so a length chosen from measured times would
@@ -63,10 +45,6 @@ PRIOR_ACCEPTANCE = 0.6  # what a fresh generation assumes, worth PRIOR_ROUNDS ro
 PRIOR_ROUNDS = 2.0
 DISCOUNT = 0.9  # weight of the previous estimate per round
 SMOOTHING = 0.3  # weight of a new cost sample
-SWITCH_MARGIN = 0.05  # drafts or none: the other side must lead by this much to change the choice
-PROBE_FIRST = 8  # rounds per generation before a probe round goes the other way,
-PROBE_MAX = 128  # doubling after each probe that confirmed the choice, up to this
-PROBE_ROUNDS = 3  # rounds per generation a probe goes the other way
 RATE_SMOOTHING = 0.1  # weight of a new round in the measured rates (rounds vary in tokens kept)
 PRIOR_MIN_SURVIVAL = 0.2  # until its rounds are measured (the demo pair's rule settles near 0.2)
 MIN_SURVIVAL_RANGE = (0.02, 0.9)  # the rule's threshold is kept within these
@@ -90,11 +68,10 @@ class AdaptiveDepth:
         self.trials = PRIOR_ROUNDS  # and discounted trials (acceptances plus rejections)
         self.per_token_s: float | None = None  # c
         self.fixed_s: float | None = None  # F
-        # for adaptive speculation, its rounds with drafts and without as weighted (tokens,
-        # seconds, rounds so far), None before the first: a mean of the rounds until there are
+        # the rate its rounds with drafts reach (min_survival's R), as weighted (tokens, seconds,
+        # rounds so far), None before the first: a mean of the rounds until there are
         # 1 / RATE_SMOOTHING of them (one odd first round does not linger), then exponential
         self.drafted: tuple[float, float, int] | None = None
-        self.alone: tuple[float, float, int] | None = None
         # its next round with drafts pays a catch-up at the draft daemon, not counted: the first
         # one carries the prompt's prefill there, one after plain rounds the tokens they added
         self.catching_up = True
@@ -124,11 +101,6 @@ class AdaptiveDepth:
         self.fixed_s = _ewma(self.fixed_s, f)
         self._drafted_round(kept + 1, times.wall)
 
-    def observe_plain(self, times: RoundTimes) -> None:
-        """A round this controller chose to run without drafts (``choose`` gave 0), ``times`` its parts."""
-        self.alone = _ewma2(self.alone, 1, times.wall)
-        self.catching_up = True
-
     def observe_fallback(self, times: RoundTimes) -> None:
         """A round that asked for drafts and verified without them (none came in time): one
         token for its wait, on the drafted side's rate."""
@@ -142,10 +114,6 @@ class AdaptiveDepth:
     def drafted_rate(self) -> float | None:
         """Measured tokens per second of its rounds with drafts (None: none yet)."""
         return _rate_of(self.drafted)
-
-    def plain_rate(self) -> float | None:
-        """Measured tokens per second of its rounds without drafts (None: none yet)."""
-        return _rate_of(self.alone)
 
     def verify_slope(self) -> float | None:
         """Seconds the verification forward costs per token verified (None: the rounds measured
@@ -177,57 +145,6 @@ class AdaptiveDepth:
         best = max(range(1, cap + 1), key=lambda d: (expected_tokens(a, d) / (f + c * d), -d))
         self.last = best
         return best
-
-
-class PlainOrDrafts:
-    """Target-wide: whether the adaptive generations' next rounds ask for drafts or run on the
-    target alone (see the module's docstring). ``plain_for(key, members)`` before one of them
-    asks: ``members`` maps every adaptive generation (its key) to its controller."""
-
-    def __init__(self):
-        self.plain = False  # the choice stands at no drafts (probe rounds aside)
-        self.streak = 0  # rounds, all generations together, since the last probe or switch
-        self.probe_after = PROBE_FIRST  # rounds per generation before the next probe
-        self.probing: dict = {}  # generations in a probe: rounds of it left
-        self.switches = 0  # changes of the choice,
-        self.probes = 0  # and probe waves, for STATS and tests
-
-    def plain_for(self, key, members: dict) -> bool:
-        self.probing = {k: n for k, n in self.probing.items() if k in members}  # those that finished
-        if key in self.probing:  # a probe round goes the other way
-            return self._probe_round(key)
-        if members[key].drafted_rate() is None:
-            return False  # this generation has not drafted a round yet: it does now
-        spec = plain = 0.0
-        both = True  # every generation measured both ways (those yet to draft aside)
-        for ctl in members.values():
-            rate, alone = ctl.drafted_rate(), ctl.plain_rate()
-            if rate is None:
-                continue
-            if alone is None:
-                both = False
-                continue
-            spec, plain = spec + rate, plain + alone
-        if both and ((spec > plain * (1.0 + SWITCH_MARGIN)) if self.plain
-                     else (plain > spec * (1.0 + SWITCH_MARGIN))):
-            self.plain, self.streak, self.probe_after = not self.plain, 0, PROBE_FIRST
-            self.switches += 1
-            return self.plain
-        self.streak += 1
-        if self.streak > self.probe_after * len(members):  # measure the other side, all at once
-            self.streak = 0
-            self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-            self.probing = dict.fromkeys(members, PROBE_ROUNDS)
-            self.probes += 1
-            return self._probe_round(key)
-        return self.plain
-
-    def _probe_round(self, key) -> bool:
-        """One of ``key``'s probe rounds: the other way."""
-        self.probing[key] -= 1
-        if self.probing[key] <= 0:
-            del self.probing[key]
-        return not self.plain
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -27,7 +27,7 @@ from typing import Callable
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
 from starsd_target.config import TargetConfig
-from starsd_target.depth import AdaptiveDepth, PlainOrDrafts
+from starsd_target.depth import AdaptiveDepth
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile, RoundTimes, split_round
@@ -111,7 +111,7 @@ class Scheduler:
                  max_active: int = TargetConfig.max_active, max_queue: int = TargetConfig.max_queue,
                  heartbeat_s: float = TargetConfig.heartbeat_s, stall_s: float = TargetConfig.stall_timeout_s,
                  adaptive_depth: bool = TargetConfig.adaptive_depth,
-                 adaptive_speculation: bool = TargetConfig.adaptive_speculation, draft_max_active: int = 0,
+                 draft_max_active: int = 0,
                  admit_window_s: float = TargetConfig.admit_window_s):
         if admit_window_s < 0:
             raise ValueError(f"admit_window_s must be >= 0, got {admit_window_s}")
@@ -121,8 +121,6 @@ class Scheduler:
         self.draft_max_active = draft_max_active
         self.crowded_rounds = 0  # rounds run without drafts because more generations were active
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
-        # ...and may be none, for all adaptive generations together, where the target alone is faster
-        self.speculation = PlainOrDrafts() if adaptive_speculation else None
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -189,10 +187,7 @@ class Scheduler:
                 "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
                 "batched_rounds": self.batched_rounds, "prefill_forwards": self.prefill_forwards,
                 "batched_prefills": self.batched_prefills,
-                "draft_max_active": self.draft_max_active, "crowded_rounds": self.crowded_rounds,
-                "adaptive_speculation": None if self.speculation is None else
-                {"plain": self.speculation.plain, "switches": self.speculation.switches,
-                 "probes": self.speculation.probes}}
+                "draft_max_active": self.draft_max_active, "crowded_rounds": self.crowded_rounds}
 
     def _refusal(self) -> ShuttingDown:
         if self.failure is not None:
@@ -344,17 +339,6 @@ class Scheduler:
             with self._confined(a):
                 self._request(a, now)
 
-    def _plain(self, a: _Active) -> bool:
-        """Whether ``a``'s next round runs without drafts (adaptive speculation: the target alone
-        is expected to be faster, all adaptive generations taken together)."""
-        if self.speculation is None:
-            return False
-        members = {o.key: o.depth for o in self.active  # chains only: trees keep --depth
-                   if o.depth is not None and o.drafts is not None and o.gen.draft_depth() > 0
-                   and not (o.drafts.trees and o.gen.draft_budget())}
-        members[a.key] = a.depth
-        return self.speculation.plain_for(a.key, members)
-
     def _crowded(self, a: _Active) -> bool:
         """Whether ``a``'s next round runs without drafts because more generations are active than
         ``draft_max_active`` lets draft: on a CPU, verifying drafts for every generation of a batch
@@ -386,14 +370,12 @@ class Scheduler:
             if crowded:
                 depth = 0
             elif a.depth is not None and not budget:
-                if self._plain(a):
-                    depth = 0
-                elif a.drafts.stops_drafts and a.drafts.params.greedy:
+                if a.drafts.stops_drafts and a.drafts.params.greedy:
                     survival = a.depth.min_survival()  # the daemon ends the chain, within the cap
                 else:
                     depth = a.depth.choose(depth)
             a.asked, a.budget = depth, budget
-            if depth == 0:  # the target alone is expected to be faster: no request, and no fallback
+            if depth == 0:  # crowded: the target alone, batched, is faster; no request, and no fallback
                 a.wanted, a.plain, a.crowded = False, True, crowded
                 a.ready, a.proposal, a.ready_at = True, None, now
                 return
@@ -406,10 +388,10 @@ class Scheduler:
         a.ready, a.proposal, a.ready_at = True, None, now
 
     def _keep_link(self) -> None:
-        """Generations busy but none asking for drafts (adaptive speculation or a crowded target
-        running them on the target alone): the link still gets its heartbeat, or the draft daemon
+        """Generations busy but none asking for drafts (a crowded target running them on the
+        target alone): the link still gets its heartbeat, or the draft daemon
         would drop this peer as silent and the next drafted round would find no session."""
-        plain = any(a.plain for a in self.active) or (self.speculation is not None and self.speculation.plain)
+        plain = any(a.plain for a in self.active)
         if not plain or any(a.seq is not None for a in self.active):
             return
         client = self.link()
@@ -560,12 +542,8 @@ class Scheduler:
         if a.plain:
             s.plain_rounds += 1
             self.crowded_rounds += a.crowded
-            if a.depth is not None and a.crowded:
-                # measured under another load than the drafted rounds: not the target alone's rate
-                # for adaptive speculation; the first drafted round after it pays a catch-up
+            if a.depth is not None:  # the first drafted round after it pays a catch-up
                 a.depth.catching_up = True
-            elif a.depth is not None:
-                a.depth.observe_plain(times)
         elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too
         if self.on_round is not None:

@@ -98,13 +98,12 @@ class RawPeer:
 
 
 def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.0, draft_params=None,
-              on_round=None, adaptive_speculation: bool = False):
+              on_round=None):
     """One generation through the draft link, driven as the daemons drive it (the scheduler with
-    one job): the same rounds, deadlines and link rules as ``starsd-target generate``. Every
-    round asks for drafts unless ``adaptive_speculation`` (off by default, as in the daemon)."""
+    one job): the same rounds, deadlines and link rules as ``starsd-target generate``."""
     from starsd_target.scheduler import Job, Scheduler
 
-    sched = Scheduler(engine, lambda: client, timeout_s, adaptive_speculation=adaptive_speculation)
+    sched = Scheduler(engine, lambda: client, timeout_s)
     sched.on_round = on_round
     return sched.run_one(Job(list(prompt), max_tokens, params, draft_params=draft_params))
 

@@ -155,7 +155,7 @@ def test_the_summary_and_markdown_state_identity_fallbacks_and_first_starts(bloc
     assert "1 of 5" in md and "2 of 5" in md and "n/a (co-located)" in md and "(reference)" in md
     assert "vLLM's metric 2.00" in md and "1/2 (common prefix 3)" in md
     assert "identical to its target alone: 2/2" in md and "StarSD fallback rounds (drafts wanted, none in time): 1" in md
-    assert "rounds run on the target alone by choice (more generations active than --draft-max-active, or adaptive speculation): 2" in md
+    assert "rounds run on the target alone by choice (more generations active than --draft-max-active): 2" in md
     assert "engine start 40.0 s" in md and "ready 10.0 s" in md and "- a note" in md
 
 

@@ -249,7 +249,7 @@ def format_markdown(report: dict) -> str:
         out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"
                    + ("" if sa["identical"] == sa["of"] else " (NOT all)")
                    + f"; StarSD fallback rounds (drafts wanted, none in time): {s['starsd_fallback_rounds']}; "
-                   f"rounds run on the target alone by choice (more generations active than --draft-max-active, or adaptive speculation): {s.get('starsd_plain_rounds', 0)}.")
+                   f"rounds run on the target alone by choice (more generations active than --draft-max-active): {s.get('starsd_plain_rounds', 0)}.")
     if va is not None:
         out.append(f"vLLM's greedy outputs identical to StarSD's target alone: {va['identical']}/{va['of']} "
                    "(reported, not required: other kernels, other dtypes).")
