@@ -102,8 +102,6 @@ def measure_rows(model_dir: Path, dtype: str, rows: tuple[int, ...] = ROW_COUNTS
     try:
         loaded = load_causal_lm(str(model_dir), dtype=dtype)
         runner = ModelRunner(loaded)
-        memory = memory_report(loaded.weights_bytes)
-        log.info("rows %s: %s", dtype, describe(memory))
         cache = runner.new_cache(context + max(rows))
         vocab = loaded.vocab_size
         ids = torch.randint(0, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
@@ -117,6 +115,8 @@ def measure_rows(model_dir: Path, dtype: str, rows: tuple[int, ...] = ROW_COUNTS
                 crop_cache(cache, context)
                 if rep:  # the first pass warms every shape up
                     times[r].append(elapsed)
+        memory = memory_report(loaded.weights_bytes)  # after the forwards: a mapped checkpoint is paged in lazily
+        log.info("rows %s: %s", dtype, describe(memory))
         ms = [statistics.median(times[r]) * 1e3 for r in rows]
         return {"dtype": loaded.dtype_name, "forward": runner.forward_kind, "rows": list(rows), "ms": ms,
                 "relative": [m / ms[0] for m in ms], "memory": memory}
