@@ -56,9 +56,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp16-weights")
-DTYPE_HELP = ("Model dtype. auto: the fastest format whose outputs are exact: fp16-weights on an x86 CPU "
-              "(when the checkpoint's linear weights fit float16's range, else float32), float32 on other "
-              "CPUs, bfloat16/float16 on CUDA; the log says what it picked and why. fp16-weights (x86 CPUs): "
+DTYPE_HELP = ("Model dtype. auto: on a CPU the fastest exact format, fp16-weights on x86 (float32 where a "
+              "linear weight exceeds float16's range) and float32 elsewhere; on CUDA bfloat16 or float16 (not "
+              "token-exact at near-ties); the log says what it picked and why. fp16-weights (x86 CPUs): "
               "linear weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over "
               "a few tokens costs about one token's (what speculation needs); the model is then the checkpoint "
               "with its linear weights rounded to float16. bfloat16 on a CPU is not token-exact at near-ties.")
@@ -73,8 +73,10 @@ class DtypeChoice:
 
 
 def choose_dtype(name: str, device: torch.device) -> DtypeChoice:
-    """What ``--dtype NAME`` means on ``device``: an explicit choice stands; ``auto`` is the fastest
-    format whose greedy outputs are the target alone's. On an x86 CPU that is fp16-weights: it
+    """What ``--dtype NAME`` means on ``device``: an explicit choice stands; ``auto`` on a CPU is
+    the fastest format whose greedy outputs are the target alone's, and on CUDA the 16-bit format
+    the GPU computes natively (bfloat16's near-ties are the known exception to exactness there).
+    On an x86 CPU that is fp16-weights: it
     computes in float32 (a many-row verification and a one-row step round alike) and moves half the
     weight bytes; bfloat16 is not, as its coarse logits break near-ties differently at different row
     counts. A checkpoint whose linear weights overflow float16 is taken back to float32 at load
@@ -335,9 +337,18 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def cpu_count() -> int:
+    """Cores this process may run on (its CPU affinity where the platform tells, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def set_torch_threads(n: int) -> None:
-    if n > 0:
-        torch.set_num_threads(n)
+    """``n`` torch CPU threads; 0: one per core this process may run on (a daemon pinned to some
+    cores gets as many threads)."""
+    torch.set_num_threads(n if n > 0 else cpu_count())
 
 
 @contextlib.contextmanager

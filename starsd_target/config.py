@@ -18,7 +18,7 @@ class TargetConfig:
     depth: int = 5
     draft_timeout_s: float = 2.0
     connect_timeout_s: float = 10.0
-    threads: int = 1
+    threads: int = 0  # torch CPU threads (0: one per core this process may run on)
     name: str = ""
     listen: str = "tcp://127.0.0.1:5600"
     heartbeat_s: float = 5.0

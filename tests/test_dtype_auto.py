@@ -180,3 +180,17 @@ def test_fp16_weights_keeps_no_view_of_the_checkpoint_file(tiny_target, tmp_path
     maps = open("/proc/self/maps").read()
     assert mine not in maps, [line for line in maps.splitlines() if mine in line]
     assert loaded.weights_bytes == (tmp_path / "bf16" / "model.safetensors").stat().st_size
+
+
+def test_zero_threads_means_one_per_core_this_process_may_run_on(monkeypatch):
+    from common import models
+
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {3, 5, 7}, raising=False)
+    previous = torch.get_num_threads()
+    try:
+        models.set_torch_threads(0)
+        assert torch.get_num_threads() == 3
+        models.set_torch_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
