@@ -127,7 +127,9 @@ def linears_beyond_fp16(module: torch.nn.Module) -> tuple[int, int]:
 
 class CompactEmbedding(torch.nn.Embedding):
     """An embedding table kept in the checkpoint's 16-bit dtype whose looked-up rows are float32:
-    exactly the rows a float32 copy of the table gives, at half its memory."""
+    exactly the rows a float32 copy of the table gives, at half its memory. The model's ``dtype``
+    property (its first parameter's) then reads 16-bit although it computes in float32: StarSD
+    builds masks and caches from the activations' dtype (``LoadedModel.dtype``), never from it."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return super().forward(input).float()

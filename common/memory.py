@@ -3,7 +3,6 @@ reports and what the bench records, so that a user sizing a board sees the real 
 
 from __future__ import annotations
 
-import resource
 import sys
 from pathlib import Path
 
@@ -20,6 +19,8 @@ def resident_bytes() -> tuple[int, int]:
         now, peak = (int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
         return now, peak
     except (OSError, KeyError, ValueError):
+        import resource  # POSIX only: imported where /proc is missing, not at start-up
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
         return peak, peak
@@ -74,8 +75,10 @@ def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
 def release_file_pages(tensor, ranges: list[tuple[int, int]]) -> int:
     """Tell the kernel this process no longer needs the pages of ``tensor`` where it lies in a
     mapped weight file (``weight_file_ranges``): they leave resident memory, and a later read
-    would page them in again from the file, so nothing can be lost. Memory that is not a file
-    mapping is never touched. Returns the bytes released."""
+    pages them in again from the file. That holds for pages never written, as a loaded
+    checkpoint's are (safetensors maps its file private, so a page written in place would be
+    dropped and read back as the file holds it): call it only on weights nothing has modified.
+    Memory that is not a file mapping is never touched. Returns the bytes released."""
     import ctypes
     import mmap
 

@@ -269,23 +269,36 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32
     )
 
 
-def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, asked: bool) -> DtypeChoice:
-    """Pack ``model`` (loaded in its checkpoint's dtype) for fp16-weights, after counting the
-    weights float16 cannot hold: with any, ``auto`` serves float32 instead and an explicit choice
-    is refused."""
-    from common.fp16_weights import FP16_MAX, linears_beyond_fp16, pack_model
+def fp16_range_refusal(module: torch.nn.Module, where: Path, asked: bool, extra: tuple[torch.Tensor, ...] = ()
+                       ) -> str | None:
+    """Why ``module``'s linear weights (and the ``extra`` weights to be packed beside them) cannot
+    be served as fp16-weights (some exceed float16's range), or None when they all fit: an explicit
+    ``--dtype fp16-weights`` is refused with the count (ModelLoadError); under ``auto`` the reason
+    comes back, and the caller serves float32."""
+    from common.fp16_weights import FP16_MAX, linears_beyond_fp16
 
-    over, total = linears_beyond_fp16(model)
-    if over:
-        why = (f"{over} of {total} linear weights in {path} exceed float16's range (|w| > {FP16_MAX:g}) and "
-               "would become infinite")
-        if asked:
-            raise ModelLoadError(f"--dtype fp16-weights: {why}; use float32 or bfloat16")
-        log.warning("dtype auto: %s; serving float32 instead", why)
+    over, total = linears_beyond_fp16(module)
+    for w in extra:
+        over, total = over + int(torch.count_nonzero(w.detach().abs() > FP16_MAX)), total + w.numel()
+    if not over:
+        return None
+    why = f"{over} of {total} linear weights in {where} exceed float16's range (|w| > {FP16_MAX:g}) and would become infinite"
+    if asked:
+        raise ModelLoadError(f"--dtype fp16-weights: {why}; use float32 or bfloat16")
+    log.warning("dtype auto: %s; serving float32 instead", why)
+    return why
+
+
+def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, asked: bool) -> DtypeChoice:
+    """Pack ``model`` (loaded in its checkpoint's dtype) for fp16-weights, unless some weights do
+    not fit float16 (``fp16_range_refusal``): then it serves float32."""
+    from common.fp16_weights import pack_model
+
+    why = fp16_range_refusal(model, path, asked)
+    if why is not None:
         model.float()
         return DtypeChoice("float32", f"auto: {why}")
-    log.info("%d linear layers packed with float16 weights for fbgemm (all %d weights within float16's range)",
-             pack_model(model), total)
+    log.info("%d linear layers packed with float16 weights for fbgemm (all within float16's range)", pack_model(model))
     return choice
 
 

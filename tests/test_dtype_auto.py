@@ -16,6 +16,8 @@ from tiny_models import EOS_ID, PAD_ID
 needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
                                   reason="fbgemm is x86-only; auto picks fp16-weights only on an x86 build of PyTorch")
 CPU = torch.device("cpu")
+needs_proc_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                                     reason="reads this process's mappings from Linux's /proc")
 
 
 def test_auto_on_a_cpu_with_fbgemm_is_fp16_weights_and_without_it_float32(monkeypatch):
@@ -68,31 +70,80 @@ def test_weights_beyond_float16_make_auto_serve_float32_and_an_explicit_choice_f
         load_causal_lm(str(wide), dtype=FP16_WEIGHTS)
 
 
-@needs_fbgemm
-def test_a_bfloat16_checkpoint_is_packed_from_its_own_dtype_and_keeps_its_values(tiny_target, tmp_path):
-    """fp16-weights built from a bfloat16 checkpoint one layer at a time: the embedding table stays
-    bfloat16 (no float32 copy), everything else computes in float32, and the logits are the
-    checkpoint's (read as float32) with its linear weights rounded to float16."""
-    from common.fp16_weights import CompactEmbedding
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    loaded = load_causal_lm(str(tmp_path / "bf16"), dtype="auto")
-    assert loaded.dtype_name == FP16_WEIGHTS
-    embed = loaded.model.get_input_embeddings()
-    assert isinstance(embed, CompactEmbedding) and embed.weight.dtype == torch.bfloat16
-    others = [(n, p.dtype) for n, p in loaded.model.named_parameters() if "embed_tokens" not in n]
-    assert others and all(d == torch.float32 for _, d in others), others
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+def _rounded_reference(model_dir):
+    """What fp16-weights serves, built the plain way: the checkpoint read as float32, its linear
+    weights rounded to float16 (a tied output layer is the embedding table, unrounded, as the
+    lookup keeps it: only the output layer's own copy is rounded)."""
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if ref.config.tie_word_embeddings:
+        head = ref.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untie: round the head's copy only
     with torch.no_grad():
         for m in ref.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.copy_(m.weight.half().float())
+    return ref
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("saved,tied", [(torch.bfloat16, True), (torch.float16, False)], ids=["bf16-tied", "fp16"])
+def test_a_16bit_checkpoint_is_packed_from_its_own_dtype_and_keeps_its_values(tmp_path, saved, tied):
+    """fp16-weights built from a bfloat16 or float16 checkpoint one layer at a time: the
+    embedding table stays 16-bit (no float32 copy), everything else computes in float32, and the
+    logits are bit for bit the checkpoint's (read as float32) with its linear weights rounded to
+    float16; a tied output layer included."""
+    from common.fp16_weights import CompactEmbedding
+    from tiny_models import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "llama", seed=5, hidden=48, layers=2, tied=tied)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(saved).save_pretrained(tmp_path / "ckpt")
+    loaded = load_causal_lm(str(tmp_path / "ckpt"), dtype="auto")
+    assert loaded.dtype_name == FP16_WEIGHTS and loaded.model.config.tie_word_embeddings == tied
+    embed = loaded.model.get_input_embeddings()
+    assert isinstance(embed, CompactEmbedding) and embed.weight.dtype == saved
+    others = [(n, p.dtype) for n, p in loaded.model.named_parameters() if "embed_tokens" not in n]
+    assert others and all(d == torch.float32 for _, d in others), others
+    ref = _rounded_reference(tmp_path / "ckpt")
     ids = torch.tensor([[1, 5, 9, 30, 2, 77]])
     with torch.inference_mode():
         got, want = loaded.model(input_ids=ids).logits, ref(input_ids=ids).logits
-    assert got.dtype == torch.float32
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert got.dtype == torch.float32 and torch.equal(got, want), (got - want).abs().max()
+
+
+@needs_fbgemm
+def test_a_tied_bfloat16_checkpoint_in_fp16_weights_decodes_as_its_rounded_self(tmp_path):
+    """Through the engine the daemons run (the lean forward, fused and scripted where it can),
+    a tied bfloat16 checkpoint served as fp16-weights decodes greedily as the rounded checkpoint's
+    own generate does, and speculation over it (its own weights as the draft) is exact."""
+    from common.verify import SamplingParams
+    from fakes import running_server, speculate
+    from starsd_draftd.backends.model import ModelBackend
+    from starsd_target.client import DraftClient
+    from starsd_target.engine import TargetEngine
+    from tiny_models import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen2", seed=6, hidden=48, layers=2, tied=True)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "b")
+    for f in src.glob("*token*"):
+        (tmp_path / "b" / f.name).write_bytes(f.read_bytes())
+    target = load_causal_lm(str(tmp_path / "b"), dtype="auto")
+    engine = TargetEngine(target, depth=4)
+    assert engine.runner.forward_kind == "lean"
+    prompt = engine.encode("def parse(line):\n    ")
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = _rounded_reference(tmp_path / "b").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                                          do_sample=False, eos_token_id=EOS_ID,
+                                                          pad_token_id=PAD_ID)[0, len(prompt):].tolist()
+    assert len(set(ref)) > 3  # not one token over and over: the check has something to compare
+    assert engine.generate(prompt, 40, SamplingParams()).token_ids == ref
+    backend = ModelBackend(load_causal_lm(str(tmp_path / "b"), dtype="auto"))
+    with running_server(backend) as (server, ctx):
+        client = DraftClient(server.endpoint, target.vocab_size, target.fingerprint, ctx=ctx)
+        client.handshake(10)
+        r = speculate(engine, client, prompt, 40, SamplingParams(), 30)
+        client.close()
+    assert r.token_ids == ref and r.stats.accepted > 0 and r.stats.fallback_rounds == 0
 
 
 def test_memory_report_reads_this_process_and_the_checkpoint(tiny_target):
@@ -147,6 +198,7 @@ def test_daemons_with_their_default_dtype_serve_fp16_weights_exactly_and_specula
     assert res["stats"]["accepted"] > 0 and res["stats"]["rounds"] < len(ref)
 
 
+@needs_proc_maps
 def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touched(tmp_path):
     import mmap
 
@@ -170,6 +222,7 @@ def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touche
 
 
 @needs_fbgemm
+@needs_proc_maps
 def test_fp16_weights_keeps_no_view_of_the_checkpoint_file(tiny_target, tmp_path):
     """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file; after
     packing none is left, so the mapping (and its resident pages) goes."""
@@ -194,3 +247,4 @@ def test_zero_threads_means_one_per_core_this_process_may_run_on(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(previous)
+

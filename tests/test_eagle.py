@@ -448,3 +448,26 @@ def test_fp16_weights_backend_packs_the_head_and_the_output_layer(head_dir, tiny
     backend.draft(st_ref, prompt, 4, feats)
     want, got = backend._logits(st_ref.last_hidden), packed._logits(st_p.last_hidden)
     assert (got - want).abs().max() < 0.01 * want.abs().max()  # float16-rounded weights, float32 sums
+
+
+def test_auto_packs_a_head_that_fits_float16_and_keeps_float32_for_one_that_does_not(tmp_path, loaded_target,
+                                                                                      tiny_target, head_dir):
+    """--dtype auto means for an EAGLE head what it means for a target: fp16-weights on an x86 CPU
+    where every weight fits float16, float32 where one does not; an explicit fp16-weights is
+    refused with the count."""
+    from common.fp16_weights import fp16_weights_available
+
+    if not fp16_weights_available():
+        pytest.skip("fbgemm is x86-only: auto is float32 on this CPU")
+    assert load_eagle_head(head_dir, tiny_target, dtype="auto").lm_head_packed is not None
+    cfg = head_config_for(loaded_target.model.config, HIDDEN, 259)
+    cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(4)
+    head = build_head(cfg, bias=True)
+    with torch.no_grad():
+        head.fc.weight[0, 0] = 1.0e5  # beyond float16's 65504
+    wide = save_eagle_head(head, cfg, tmp_path / "wide", "safetensors")
+    loaded = load_eagle_head(wide, tiny_target, dtype="auto")
+    assert loaded.lm_head_packed is None and loaded.dtype == torch.float32
+    with pytest.raises(ModelLoadError, match=r"1 of \d+ linear weights .* exceed float16's range"):
+        load_eagle_head(wide, tiny_target, dtype="fp16-weights")

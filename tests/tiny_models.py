@@ -14,26 +14,27 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from starsd_draftd.demo.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, make_byte_tokenizer
 
 
-def _config(arch: str, hidden: int, layers: int, init_std: float, context: int = 512):
+def _config(arch: str, hidden: int, layers: int, init_std: float, context: int = 512, tied: bool = False):
     common = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                   initializer_range=init_std)
     if arch == "llama":
         return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                           tie_word_embeddings=False, **common), LlamaForCausalLM
+                           tie_word_embeddings=tied, **common), LlamaForCausalLM
     if arch == "qwen2":
         return Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                           tie_word_embeddings=False, **common), Qwen2ForCausalLM
+                           tie_word_embeddings=tied, **common), Qwen2ForCausalLM
     if arch == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=context, **common), GPT2LMHeadModel
     raise ValueError(arch)
 
 
 def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, hidden: int = 32, layers: int = 2,
-                         init_std: float = 0.3, context: int = 512) -> Path:
-    """``context``: the model's max_position_embeddings, which bounds prompt plus max_tokens."""
-    cfg, cls = _config(arch, hidden, layers, init_std, context)
+                         init_std: float = 0.3, context: int = 512, tied: bool = False) -> Path:
+    """``context``: the model's max_position_embeddings, which bounds prompt plus max_tokens;
+    ``tied``: the output layer is the embedding table (Llama and Qwen2), as in most small models."""
+    cfg, cls = _config(arch, hidden, layers, init_std, context, tied)
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, pack_linears
-from common.models import (ModelLoadError, choose_dtype, kv_bytes_per_token, resolve_device, resolve_dtype,
-                           resolve_model_path, tokenizer_identity)
+from common.models import (ModelLoadError, choose_dtype, fp16_range_refusal, kv_bytes_per_token, resolve_device,
+                           resolve_dtype, resolve_model_path, tokenizer_identity)
 from common.tensors import as_torch
 from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
@@ -256,7 +256,7 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
                              f"expected ({vocab}, {hidden})")
 
     dev = resolve_device(device)
-    dtype = choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
+    asked, dtype = dtype != "auto", choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
     torch_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):  # no memory and no random init: every weight is assigned below
         module = build_head(config, bias=has_bias)
@@ -274,6 +274,8 @@ def load_eagle_head(head_dir: str | Path, base_model_dir: str | Path, device: st
     tied = lm_name == embed_name and own_embed is None
     lm_weight = module.embed_tokens.weight if tied else lm_head.to(device=dev, dtype=torch_dtype)
     packed_head = None
+    if dtype == FP16_WEIGHTS and fp16_range_refusal(module, head_dir, asked, extra=(lm_weight,)) is not None:
+        dtype = "float32"  # the head is float32 already: fp16-weights computes in it
     if dtype == FP16_WEIGHTS:
         pack_linears(module)
         packed_head = Fp16Linear(lm_weight)

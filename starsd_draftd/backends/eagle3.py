@@ -45,8 +45,8 @@ from torch import nn
 
 from common.features import check_feature_layers, default_feature_layers
 from common.fp16_weights import FP16_WEIGHTS, pack_linears
-from common.models import (ModelLoadError, choose_dtype, kv_bytes_per_token, resolve_device, resolve_dtype,
-                           resolve_model_path)
+from common.models import (ModelLoadError, choose_dtype, fp16_range_refusal, kv_bytes_per_token, resolve_device,
+                           resolve_dtype, resolve_model_path)
 from starsd_draftd.backends.eagle import EagleBackend, _head_state_dict, _read_json, _target_tensors
 
 log = logging.getLogger("starsd.eagle3")
@@ -366,7 +366,7 @@ def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: s
     attention_bias = "midlayer.self_attn.q_proj.bias" in state
 
     dev = resolve_device(device)
-    dtype = choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
+    asked, dtype = dtype != "auto", choose_dtype(dtype, dev).name  # auto: what load_causal_lm takes for the target
     torch_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):
         module = Eagle3Module(config, fused, attention_bias)
@@ -387,6 +387,8 @@ def load_eagle3_head(head_dir: str | Path, base_model_dir: str | Path, device: s
                              f"{missing or 'none'}, unexpected {result.unexpected_keys or 'none'}")
     _rebuild_rotary(module, config, dev)
     module.eval().requires_grad_(False)
+    if dtype == FP16_WEIGHTS and fp16_range_refusal(module, head_dir, asked) is not None:
+        dtype = "float32"  # the head is float32 already: fp16-weights computes in it
     if dtype == FP16_WEIGHTS:
         pack_linears(module)
     log.info("EAGLE-3 head %s (hidden %d, draft vocabulary %d of %d, fusing target layers %s of %d, width %d) on "
