@@ -24,7 +24,7 @@ class ServeConfig:
     dtype: str = "auto"
     q_topk: int = 32
     tree_topk: int = 8  # most children a draft tree's node gets (1: chains only)
-    threads: int = 1
+    threads: int = 0  # torch CPU threads (0: one per core this process may run on)
     lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
     lean: bool = True  # --backend model: eager forwards through common.lean where the model allows

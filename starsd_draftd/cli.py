@@ -128,7 +128,7 @@ def main() -> None:
         help="Allow binding a non-loopback address without encryption.")
 @option("--metrics-port", type=click.IntRange(1, 65535), default=_server("metrics_port"),
         help="Expose Prometheus metrics on this port (/metrics).")
-@option("--threads", type=click.IntRange(0), default=_serve("threads"), help="Torch CPU threads (0: one per core this process may run on).")
+@option("--threads", type=click.IntRange(0), default=_serve("threads"), help="Torch CPU threads (0: one per core this process may run on; docs/bench.md, threads and placement).")
 @option("--lookup/--no-lookup", default=_serve("lookup"),
         help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
              "occurred before (what followed them then), else from the model. Lossless like every draft.")

@@ -75,8 +75,8 @@ def model_options(f):
         option("--connect-timeout", type=click.FloatRange(0), default=_d("connect_timeout"),
                help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
         option("--threads", type=click.IntRange(0), default=_d("threads"),
-               help="Torch CPU threads (0: one per core this process may run on: a target alone on a 2-core "
-                    "box ran 1.8x faster on both cores than on one)."),
+               help="Torch CPU threads (0: one per core this process may run on; docs/bench.md, threads and "
+                    "placement)."),
         option("--name", default=_d("name"), help="Name this target reports to the draft daemon."),
         option("--heartbeat", type=click.FloatRange(0.05), default=_d("heartbeat"),
                help="Seconds between liveness pings to the draft daemon while idle."),

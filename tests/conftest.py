@@ -11,8 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # (tests/test_dtype_auto.py runs auto itself, against an fp16-weights reference).
 os.environ.setdefault("STARSD_TARGET_DTYPE", "float32")
 os.environ.setdefault("STARSD_DRAFTD_DTYPE", "float32")
-# a target takes every core by default; the suite's daemons share two, one torch thread each
+# the daemons take every core by default; the suite's share two, one torch thread each
 os.environ.setdefault("STARSD_TARGET_THREADS", "1")
+os.environ.setdefault("STARSD_DRAFTD_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
