@@ -31,6 +31,7 @@ from starsd_target.depth import AdaptiveDepth
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
 from starsd_target.metrics import TargetMetrics
 from starsd_target.profile import RoundProfile, RoundTimes, split_round
+from starsd_target.round_plan import crowded_round, keeps_cap, plan_round
 
 log = logging.getLogger("starsd.target.scheduler")
 
@@ -322,10 +323,10 @@ class Scheduler:
         except Exception as exc:  # a bad job fails alone
             self._settle(job, exc=exc)
             return
-        # A seeded sampled generation keeps its draft length: the target's random draws follow its
-        # rounds, so a length that followed measured times would make the same seed give other
-        # tokens at another speed. Greedy output does not depend on the length at all.
-        adapt = self.adaptive_depth and drafts is not None and (job.params.greedy or job.params.seed is None)
+        # A seeded sampled generation keeps its draft length (round_plan.keeps_cap): the target's
+        # random draws follow its rounds, so a length that followed measured times would make the
+        # same seed give other tokens at another speed. Greedy output does not depend on the length.
+        adapt = self.adaptive_depth and drafts is not None and not keeps_cap(job.params)
         self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
 
     def _request_drafts(self) -> None:
@@ -340,49 +341,32 @@ class Scheduler:
                 self._request(a, now)
 
     def _crowded(self, a: _Active) -> bool:
-        """Whether ``a``'s next round runs without drafts because more generations are active than
-        ``draft_max_active`` lets draft: on a CPU, verifying drafts for every generation of a batch
-        costs more than the tokens they add, where one batched forward without drafts gives each a
-        token. Decided per round from the count alone, so a generation drafts again once others
-        finish. Rounds without drafts gain only by sharing a forward, so only generations whose
-        cache is a pool row count and are held back, and never where the engine verifies one
-        generation per forward (``max_batch`` 1: batching off). A seeded sampled generation always
-        drafts: its random draws follow its rounds, and the same seed must give the same tokens
-        whatever else the target serves."""
-        limit = self.draft_max_active
-        if not (limit > 0 and self.engine.max_batch > 1 and a.gen.batchable):
-            return False
-        if not (a.job.params.greedy or a.job.params.seed is None):
-            return False
-        return sum(o.gen.batchable for o in self.active) > limit
+        """Whether ``a``'s next round runs without drafts because the target is crowded
+        (``round_plan.crowded_round``)."""
+        return crowded_round(self.draft_max_active, self.engine.max_batch, a.gen.batchable, a.job.params,
+                             sum(o.gen.batchable for o in self.active))
 
     def _request(self, a: _Active, now: float) -> None:
-        depth = a.gen.draft_depth()
-        a.wanted = a.drafts is not None and depth > 0
+        """Plan ``a``'s next round (``round_plan.plan_round``) and carry the plan out: a draft
+        request sent, or the round readied to run without drafts."""
+        d = a.drafts
+        trees = d is not None and d.trees
+        plan = plan_round(a.gen.draft_depth(), session=d is not None, crowded=d is not None and self._crowded(a),
+                          trees=trees, budget=a.gen.draft_budget() if trees else 0,
+                          stops_drafts=d is not None and d.stops_drafts,
+                          greedy_drafts=d is not None and d.params.greedy, depth=a.depth)
+        a.wanted = plan.wanted
         a.resolved_at, a.reported, a.plain, a.crowded = None, None, False, False
-        if a.wanted:
-            # a tree where the generation's budget and the daemon allow one (its depth then stays:
-            # adaptive depth models chains), else a chain of the adaptive length; none at all while
-            # the target is crowded
-            crowded = self._crowded(a)
-            budget = a.gen.draft_budget() if a.drafts.trees and not crowded else 0
-            survival = 0.0
-            if crowded:
-                depth = 0
-            elif a.depth is not None and not budget:
-                if a.drafts.stops_drafts and a.drafts.params.greedy:
-                    survival = a.depth.min_survival()  # the daemon ends the chain, within the cap
-                else:
-                    depth = a.depth.choose(depth)
-            a.asked, a.budget = depth, budget
-            if depth == 0:  # crowded: the target alone, batched, is faster; no request, and no fallback
-                a.wanted, a.plain, a.crowded = False, True, crowded
+        if plan.wanted:
+            a.asked, a.budget = plan.depth, plan.budget
+            if plan.plain:  # the target alone, batched, is faster; no request, and no fallback
+                a.wanted, a.plain, a.crowded = False, True, plan.crowded
                 a.ready, a.proposal, a.ready_at = True, None, now
                 return
-            a.seq = a.drafts.send(a.gen.tokens, depth, a.gen.features(), tree_tokens=budget,
-                                  feature_layers=a.gen.feature_layers, min_survival=survival)
+            a.seq = d.send(a.gen.tokens, plan.depth, a.gen.features(), tree_tokens=plan.budget,
+                           feature_layers=a.gen.feature_layers, min_survival=plan.min_survival)
             if a.seq is not None:
-                a.gen.stats.asked_tokens += max(depth, budget)
+                a.gen.stats.asked_tokens += max(plan.depth, plan.budget)
                 a.sent_at = time.perf_counter()
                 return
         a.ready, a.proposal, a.ready_at = True, None, now
