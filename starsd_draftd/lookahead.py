@@ -14,6 +14,7 @@ import time
 
 from common.protocol import ProtocolError
 from starsd_draftd.backends.base import Draft
+from starsd_draftd.records import AdmittedRequest
 from starsd_draftd.sessions import Session
 
 log = logging.getLogger("starsd.draftd")
@@ -37,7 +38,7 @@ class LookaheadServing:
     """Lookahead's part of the draft daemon's loop (a mixin of ``DraftServer``, whose state it uses:
     ``backend``, ``sessions``, ``stats``, ``_ahead``)."""
 
-    def _answered_ahead(self, admitted: list) -> dict[int, tuple[Draft, float]]:
+    def _answered_ahead(self, admitted: list[AdmittedRequest]) -> dict[int, tuple[Draft, float]]:
         """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
         session drafted ahead for exactly the sequence the request brings, done, or nearly done
         (a late hit: finished now, when what is left is at most half the forwards drafting it
@@ -45,7 +46,8 @@ class LookaheadServing:
         request drafted as without lookahead."""
         out: dict[int, tuple[Draft, float]] = {}
         st = self.stats.lookahead
-        for i, (_, _, key, req, _) in enumerate(admitted):
+        for i, item in enumerate(admitted):
+            key, req = item.key, item.request
             session = self.sessions.sessions.get(key)
             task = session.ahead if session is not None else None
             if task is None:

@@ -35,6 +35,7 @@ from common.verify import SamplingParams
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
 from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
+from starsd_draftd.records import AdmittedRequest, PeerBacklog, QueuedRequest
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
@@ -98,7 +99,7 @@ class ServerConfig:
 # they arrived (decoded arrays are views of them). Measured: 2**18 uint32 ids (1.3 MiB) decode to
 # about 11 MB, 8.4 bytes per wire byte.
 HEADER_EXPANSION = 12
-MESSAGE_OVERHEAD = 1024  # the Message, its dicts and the queue's tuple
+MESSAGE_OVERHEAD = 1024  # the Message, its dicts and the queue's record
 
 
 def queue_cost(frames: list) -> int:
@@ -143,12 +144,11 @@ class DraftServer(LookaheadServing):
                   if f.name != "kv_bytes_per_token"}  # the one bound that comes from the model
         self.sessions = SessionTable(TableLimits(**bounds, kv_bytes_per_token=backend.kv_bytes_per_token),
                                      durable=config.curve_secret is not None)
-        # (identity, principal, message, cost, share): share is what fair service is counted by
-        self.q_in: collections.deque[tuple[bytes, bytes, Message, int, bytes | str]] = collections.deque()
+        self.q_in: collections.deque[QueuedRequest] = collections.deque()
         self._served_turn: dict[bytes | str, int] = {}  # share -> the batch that last served it
         self._turn = 0
         self.queue_bytes = 0
-        self._peer_queue: dict[bytes, list[int]] = {}  # principal -> [requests, bytes] queued
+        self._peer_queue: dict[bytes, PeerBacklog] = {}  # principal -> what it has queued
         self.limits = message_limits(backend)
         self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
@@ -414,34 +414,32 @@ class DraftServer(LookaheadServing):
     def _enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int, share: bytes | str) -> None:
         """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)."""
         h, cfg = msg.header, self.config
-        mine = self._peer_queue.get(principal) or [0, 0]
+        mine = self._peer_queue.get(principal) or PeerBacklog()
         why = None
         if len(self.q_in) >= cfg.max_queue:
             why = f"the request queue is full ({cfg.max_queue} requests)"
         elif self.queue_bytes + cost > cfg.max_queue_bytes:
             why = f"the request queue holds {self.queue_bytes} of its {cfg.max_queue_bytes} bytes"
-        elif mine[0] >= cfg.max_peer_queue:
-            why = f"this target already has {mine[0]} requests queued (limit {cfg.max_peer_queue})"
-        elif mine[1] + cost > cfg.max_peer_queue_bytes:
-            why = f"this target's queued requests hold {mine[1]} of its {cfg.max_peer_queue_bytes} bytes"
+        elif mine.requests >= cfg.max_peer_queue:
+            why = f"this target already has {mine.requests} requests queued (limit {cfg.max_peer_queue})"
+        elif mine.nbytes + cost > cfg.max_peer_queue_bytes:
+            why = f"this target's queued requests hold {mine.nbytes} of its {cfg.max_peer_queue_bytes} bytes"
         if why is not None:
             raise ProtocolError(ErrorCode.BUSY, why, h["session"], h["seq"])
-        mine[0] += 1
-        mine[1] += cost
+        mine.requests += 1
+        mine.nbytes += cost
         self._peer_queue[principal] = mine
         self.queue_bytes += cost
         self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
-        # (..., when it was read off the socket, when it was queued): its time here, by part
-        self.q_in.append((identity, principal, msg, cost, share, self._read_at, time.perf_counter()))
+        self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, time.perf_counter()))
 
-    def _dequeued(self, item: tuple) -> None:
-        principal, cost = item[1], item[3]
-        self.queue_bytes -= cost
-        mine = self._peer_queue[principal]
-        mine[0] -= 1
-        mine[1] -= cost
-        if not mine[0]:
-            del self._peer_queue[principal]
+    def _dequeued(self, item: QueuedRequest) -> None:
+        self.queue_bytes -= item.cost
+        mine = self._peer_queue[item.principal]
+        mine.requests -= 1
+        mine.nbytes -= item.cost
+        if not mine.requests:
+            del self._peer_queue[item.principal]
 
     def _check_draft(self, session: Session, msg: Message) -> None:
         """What a DRAFT request can be checked for on arrival, before it is queued: depth, token
@@ -570,7 +568,7 @@ class DraftServer(LookaheadServing):
         deadline = start + window
         waited = False
         while True:
-            waiting = {(item[1], item[2].header["session"]) for item in self.q_in}
+            waiting = {item.key for item in self.q_in}
             if len(waiting) >= self.config.batch_max:
                 break
             now = time.monotonic()
@@ -593,7 +591,7 @@ class DraftServer(LookaheadServing):
             self.stats.batch_waits += 1
             self.stats.batch_wait_s += time.monotonic() - start
 
-    def _take_batch(self) -> list[tuple]:
+    def _take_batch(self) -> list[QueuedRequest]:
         """At most batch_max waiting requests, one per session (a session's later request waits
         for the next pass, so each session's requests stay in order), shared fairly: each share
         (an address, or a CURVE key) gets one request in turn, the share served longest ago
@@ -603,10 +601,9 @@ class DraftServer(LookaheadServing):
         by_share: dict = {}
         seen = set()
         for i, item in enumerate(items):
-            key = (item[1], item[2].header["session"])
-            if key not in seen:
-                seen.add(key)
-                by_share.setdefault(item[4], []).append(i)
+            if item.key not in seen:
+                seen.add(item.key)
+                by_share.setdefault(item.share, []).append(i)
         shares = sorted(by_share, key=lambda sh: (self._served_turn.get(sh, 0), by_share[sh][0]))
         taken: list[int] = []
         limit, depth = self.config.batch_max, 0
@@ -618,7 +615,7 @@ class DraftServer(LookaheadServing):
             depth += 1
         self._turn += 1
         for i in taken:
-            self._served_turn[items[i][4]] = self._turn
+            self._served_turn[items[i].share] = self._turn
         self._served_turn = {sh: t for sh, t in self._served_turn.items() if sh in by_share}
         chosen = set(taken)
         batch = [items[i] for i in sorted(chosen)]
@@ -669,17 +666,19 @@ class DraftServer(LookaheadServing):
         return tree if tree > h["depth"] else 0
 
     def _serve_batch(self) -> None:
-        admitted = []  # (identity, header, session's key, request, (read at, queued at))
+        admitted: list[AdmittedRequest] = []
         keys: set = set()
         start = time.perf_counter()  # the batch begins: its requests' wait in the queue ends
-        for identity, principal, msg, *_, read_at, queued_at in self._take_batch():
-            key = (principal, msg.header["session"])
+        for item in self._take_batch():
             try:
-                admitted.append((identity, msg.header, key, self._admit(principal, msg, keys), (read_at, queued_at)))
-                keys.add(key)
+                request = self._admit(item.principal, item.msg, keys)
             except ProtocolError as exc:
                 exc.re = MsgType.DRAFT
-                self._error(identity, exc)
+                self._error(item.identity, exc)
+                continue
+            admitted.append(AdmittedRequest(item.identity, item.msg.header, item.key, request, item.read_at,
+                                            item.queued_at))
+            keys.add(item.key)
         if self.sessions.dropped:  # sessions evicted to make room for these (none of them)
             self._free_dropped()
         if not admitted:
@@ -700,13 +699,13 @@ class DraftServer(LookaheadServing):
         t0 = time.perf_counter()
         try:
             if todo:
-                for i, d in zip(todo, self.backend.draft_many([admitted[i][3] for i in todo])):
+                for i, d in zip(todo, self.backend.draft_many([admitted[i].request for i in todo])):
                     drafts[i] = d
         except Exception:  # a failing draft costs these rounds (targets verify alone), not the daemon
             log.exception("drafting failed for %d session(s)", len(todo))
             for i in todo:
-                identity, h = admitted[i][0], admitted[i][1]
-                self._error(identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
+                h = admitted[i].header
+                self._error(admitted[i].identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
                                                     MsgType.DRAFT))
             todo = []  # answered (with an error); the hits above still need their bookkeeping
         finally:
@@ -727,16 +726,15 @@ class DraftServer(LookaheadServing):
         done = time.perf_counter()
         parts = stats.request_s
         for i in served:
-            read_at, queued_at = admitted[i][4]
-            queued = start - queued_at
+            queued = start - admitted[i].queued_at
             parts["queue"] += queued
             parts["draft_forward"] += spent[i]
-            parts["rest"] += (done - read_at) - queued - spent[i]
+            parts["rest"] += (done - admitted[i].read_at) - queued - spent[i]
         stats.profiled += len(served)
         window = self.config.batch_window_s > 0
         sent = time.monotonic()
         for i in served:
-            _, h, key, req, _ = admitted[i]
+            key, req = admitted[i].key, admitted[i].request
             draft = drafts[i]
             session = self.sessions.sessions.get(key)
             if draft.parents is not None:
@@ -754,21 +752,22 @@ class DraftServer(LookaheadServing):
                     session.replied_at = sent
                     self._awaited[key] = session
                 if self.config.lookahead and not self.draining and draft.parents is None:
-                    self._start_lookahead(session, draft, ahead_depth(self.config.max_depth, req.depth), h["seq"])
+                    self._start_lookahead(session, draft, ahead_depth(self.config.max_depth, req.depth),
+                                          admitted[i].header["seq"])
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
 
-    def _reply(self, item: tuple, draft: Draft, start: float, seconds: float) -> None:
+    def _reply(self, item: AdmittedRequest, draft: Draft, start: float, seconds: float) -> None:
         """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its
         batch began) and the drafting time it reports."""
-        identity, h, _, _, (_, queued_at) = item
+        h = item.header
         reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
-                 "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - queued_at))),
+                 "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - item.queued_at))),
                  "draft_us": min(P.MAX_REPORTED_US, round(1e6 * seconds))}
         tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
         if draft.parents is not None:
             tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
-        self._send(identity, Message(MsgType.DRAFTED, reply, tensors))
+        self._send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
 
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark
