@@ -238,8 +238,8 @@ class TargetEngine:
         tok = self.loaded.tokenizer
         return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
-    def _forward(self, cache, ids: list[int], features: bool = False, logits: bool = True,
-                 layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, cache, ids: list[int], features: bool = False, logits: bool = True,
+                layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [len(ids), V] (float32, on the model's device: verification runs there; None
         with ``logits=False``, as a prefill needs none) and, if asked, the features: the final
         hidden states [len(ids), H], or those entering ``layers``, fused (``common.features``)."""
@@ -273,8 +273,8 @@ class TargetEngine:
         return rows, hidden
 
     @torch.inference_mode()
-    def _forward_tree(self, cache, ids: list[int], parents: list[int], features: bool,
-                      layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_tree(self, cache, ids: list[int], parents: list[int], features: bool,
+                     layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over (root, tree nodes) = ``ids`` after the cached positions, each row
         attending to the cache and its own ancestors at the position of its depth
         (``common.tree.tree_attention``): logits rows [len(ids), V] (float32, on the model's
@@ -322,7 +322,7 @@ class TargetEngine:
         outcomes = []
         for g, end, h in zip(gens, ends, hidden):
             try:
-                g._prefilled(end, h, seconds)
+                g.record_prefill(end, h, seconds)
                 outcomes.append(None)
             except Exception as exc:
                 outcomes.append(exc)
@@ -344,12 +344,12 @@ class TargetEngine:
         gens = [g for g, _, _ in rounds]
         states = [None if g.params.greedy else g.gen.get_state() for g in gens]
         try:
-            plans = [g._plan(p, w) for g, p, w in rounds]
+            plans = [g.prepare_round(p, w) for g, p, w in rounds]
             feeds = [[g.tokens[-1], *plan.x] for g, plan in zip(gens, plans)]
             t_forward = time.perf_counter()
             rows, hidden = self._forward_batch([g.cache for g in gens], feeds, [g.feats is not None for g in gens],
                                                [plan.parents for plan in plans], [g.feature_layers for g in gens])
-            decided = [g._decide(r, plan) for g, r, plan in zip(gens, rows, plans)]
+            decided = [g.decide(r, plan) for g, r, plan in zip(gens, rows, plans)]
             chains = [i for i, d in enumerate(decided) if isinstance(d, torch.Tensor)]
             if chains:  # the chains' decisions in one transfer; trees were decided on the host
                 for i, d in zip(chains, torch.stack([decided[i] for i in chains]).tolist()):
@@ -367,7 +367,7 @@ class TargetEngine:
         for b, (g, plan) in enumerate(zip(gens, plans)):
             g.last_forward_s = forward_s
             try:
-                outcomes.append(g._apply(plan, *decided[b], rows[b], hidden[b]))
+                outcomes.append(g.apply_outcome(plan, *decided[b], rows[b], hidden[b]))
             except Exception as exc:
                 outcomes.append(exc)
         math_s = time.perf_counter() - t_start - forward_s
@@ -375,8 +375,8 @@ class TargetEngine:
             g.last_math_s = math_s
         return outcomes
 
-    def _valid(self, prop: Proposal, depth: int, greedy: bool, budget: int = 0,
-               parents: list[int] | None = None) -> bool:
+    def valid_proposal(self, prop: Proposal, depth: int, greedy: bool, budget: int = 0,
+                       parents: list[int] | None = None) -> bool:
         """Whether a proposal can be verified: a chain of at most ``depth`` tokens, or a tree
         (``parents``, from ``_parents``) of at most ``budget`` tokens none deeper than ``depth``
         (``common.tree.check_parents``), its ids in the vocabulary; in sampling mode one q row
@@ -447,7 +447,7 @@ class TargetEngine:
 
 
 class _Plan(NamedTuple):
-    """A round before its forward: what ``Generation._plan`` decided, counted by ``_apply``."""
+    """A round before its forward: what ``Generation.prepare_round`` decided, counted by ``apply_outcome``."""
 
     prop: "Proposal | None"  # the proposal to verify (None: the target alone)
     x: list[int]  # its draft tokens
@@ -533,11 +533,11 @@ class Generation:
         """Feed the next chunk of the prompt into the cache (and its features, if collected)."""
         t0 = time.perf_counter()
         end = self.next_chunk_end()
-        _, hidden = self.engine._forward(self.cache, self.tokens[self.prefilled: end], self.feats is not None,
-                                         logits=False, layers=self.feature_layers)
-        self._prefilled(end, hidden, time.perf_counter() - t0)
+        _, hidden = self.engine.forward(self.cache, self.tokens[self.prefilled: end], self.feats is not None,
+                                        logits=False, layers=self.feature_layers)
+        self.record_prefill(end, hidden, time.perf_counter() - t0)
 
-    def _prefilled(self, end: int, hidden: torch.Tensor | None, seconds: float) -> None:
+    def record_prefill(self, end: int, hidden: torch.Tensor | None, seconds: float) -> None:
         """The prompt up to ``end`` went into the cache in a forward of ``seconds`` (its
         features, if collected, are ``hidden``)."""
         if self.feats is not None:
@@ -565,37 +565,38 @@ class Generation:
     def verify(self, prop: Proposal | None, wanted: bool = True) -> int | None:
         """One round: verify ``prop`` (None: the target alone). Returns how many drafts were kept,
         or None when the proposal was unusable. ``wanted`` says drafts were asked for this round,
-        so a round without them counts as a fallback. (``TargetEngine.verify_batch`` runs the same
-        steps for several generations in one forward.)"""
+        so a round without them counts as a fallback. Its steps (``prepare_round``, the forward,
+        ``decide``, ``apply_outcome``) are what ``TargetEngine.verify_batch`` runs for several
+        generations in one forward."""
         t_start = time.perf_counter()
-        plan = self._plan(prop, wanted)
+        plan = self.prepare_round(prop, wanted)
         t_forward = time.perf_counter()
         ids = [self.tokens[-1], *plan.x]
         if plan.parents is not None:
-            logits, hidden = self.engine._forward_tree(self.cache, ids, plan.parents, self.feats is not None,
-                                                       self.feature_layers)
+            logits, hidden = self.engine.forward_tree(self.cache, ids, plan.parents, self.feats is not None,
+                                                      self.feature_layers)
         else:
-            logits, hidden = self.engine._forward(self.cache, ids, self.feats is not None, layers=self.feature_layers)
-        n, nxt, valid = _host(self._decide(logits, plan))  # the one host sync of the round
+            logits, hidden = self.engine.forward(self.cache, ids, self.feats is not None, layers=self.feature_layers)
+        n, nxt, valid = _host(self.decide(logits, plan))  # the one host sync of the round
         self.last_forward_s = time.perf_counter() - t_forward
-        kept = self._apply(plan, n, nxt, valid, logits, hidden)
+        kept = self.apply_outcome(plan, n, nxt, valid, logits, hidden)
         self.last_math_s = time.perf_counter() - t_start - self.last_forward_s
         return kept
 
-    def _plan(self, prop: Proposal | None, wanted: bool) -> _Plan:
-        """What the round verifies. Counts nothing: ``_apply`` does, once the round is done."""
+    def prepare_round(self, prop: Proposal | None, wanted: bool) -> _Plan:
+        """What the round verifies. Counts nothing: ``apply_outcome`` does, once the round is done."""
         if self.prefilling:
             raise RuntimeError("a round cannot run before the prompt is prefilled")
         depth = self.draft_depth()
         parents = _parents(prop)
-        invalid = prop is not None and not self.engine._valid(prop, depth, self.params.greedy, self.draft_budget(),
-                                                              parents)
+        invalid = prop is not None and not self.engine.valid_proposal(prop, depth, self.params.greedy,
+                                                                      self.draft_budget(), parents)
         if invalid:
             prop, parents = None, None
         fallback = prop is None and wanted and depth > 0
         return _Plan(prop, list(prop.tokens) if prop is not None else [], invalid, fallback, parents)
 
-    def _decide(self, logits: torch.Tensor, plan: _Plan):
+    def decide(self, logits: torch.Tensor, plan: _Plan):
         """The round's verification on the logits' device: [kept count, next token, valid] as a
         tensor (``common.verify``'s tensor path); a greedy chain's on a CPU as that tuple, decided
         through numpy (``verify_greedy_host``). A tree's is decided on the host: (kept path,
@@ -628,8 +629,8 @@ class Generation:
         path, nxt = verify_tree_sampling(p, q, x, parents, self.gen)
         return path, nxt, 1
 
-    def _apply(self, plan: _Plan, n, nxt: int, valid: int, logits: torch.Tensor,
-               hidden: torch.Tensor | None) -> int | None:
+    def apply_outcome(self, plan: _Plan, n, nxt: int, valid: int, logits: torch.Tensor,
+                      hidden: torch.Tensor | None) -> int | None:
         """Keep the round's outcome: roll the cache back to the kept tokens, append them, count.
         For a tree, ``n`` is the kept path (node indices): the cache keeps the root and the path's
         positions, moved up behind it (one index copy per layer, ``SlotCache.keep``). A round

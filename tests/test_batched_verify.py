@@ -199,7 +199,7 @@ def test_one_generation_failing_in_a_batch_fails_alone(loaded_target, backend, m
     def broken(*args, **kwargs):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
 
-    monkeypatch.setattr(gens[0], "_apply", broken)
+    monkeypatch.setattr(gens[0], "apply_outcome", broken)
     outcomes = engine.verify_batch([(g, LocalDrafts(backend).propose(g.tokens, 4), True) for g in gens])
     assert isinstance(outcomes[0], UnicodeDecodeError)
     assert isinstance(outcomes[1], int) and gens[1].stats.rounds == 1 and len(gens[1].out) == outcomes[1] + 1
@@ -313,14 +313,14 @@ def test_a_failed_batched_prefill_in_the_scheduler_fails_no_other_job(loaded_tar
     if where == "one generation's features":
         from starsd_target.engine import Generation
 
-        real_prefilled = Generation._prefilled
+        real_prefilled = Generation.record_prefill
 
         def broken(self, end, hidden, seconds):
             if self.tokens[:3] == engine.encode(PROMPTS[1])[:3]:
                 raise MemoryError("no room for its features")
             real_prefilled(self, end, hidden, seconds)
 
-        monkeypatch.setattr(Generation, "_prefilled", broken)
+        monkeypatch.setattr(Generation, "record_prefill", broken)
     sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4)
     futures = [sched.submit(Job(engine.encode(p), 8, SamplingParams(), no_draft=True)) for p in PROMPTS]
     sched.start()
