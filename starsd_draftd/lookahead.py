@@ -1,21 +1,23 @@
 """The draft daemon's lookahead: drafting a served session's next round ahead of its request.
 
-``DraftServer`` (``starsd_draftd.server``) takes these methods: after its replies it queues the
-work ahead (``_start_lookahead``), runs one forward of it per loop pass while nothing is queued
-(``_lookahead_step``), answers the requests that bring a guessed sequence from it
-(``_answered_ahead``) and drops it with its session (``_release``). The backend drafts the
-guesses (``DraftBackend.lookahead``; README, "Lookahead and adaptive draft length").
+``DraftServer`` (``starsd_draftd.server``) owns one ``LookaheadServing``: after its replies it
+queues the work ahead (``start``), runs one forward of it per loop pass while nothing is queued
+(``step``), has the requests that bring a guessed sequence answered from it (``answered``) and
+drops it when it frees the session (``drop``). The backend drafts the guesses
+(``DraftBackend.lookahead``; README, "Lookahead and adaptive draft length").
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
 from common.protocol import ProtocolError
-from starsd_draftd.backends.base import Draft
+from starsd_draftd.backends.base import Draft, DraftBackend
 from starsd_draftd.records import AdmittedRequest
-from starsd_draftd.sessions import Session
+from starsd_draftd.sessions import Session, SessionTable
+from starsd_draftd.stats import Stats
 
 log = logging.getLogger("starsd.draftd")
 
@@ -35,10 +37,18 @@ def ahead_depth(max_depth: int, asked: int) -> int:
 
 
 class LookaheadServing:
-    """Lookahead's part of the draft daemon's loop (a mixin of ``DraftServer``, whose state it uses:
-    ``backend``, ``sessions``, ``stats``, ``_ahead``)."""
+    """Lookahead's part of the draft daemon's loop: the sessions with work ahead, and what is done
+    with it. It drafts with the server's backend, reserves memory in its session table and counts
+    in its ``stats.lookahead``."""
 
-    def _answered_ahead(self, admitted: list[AdmittedRequest]) -> dict[int, tuple[Draft, float]]:
+    def __init__(self, backend: DraftBackend, sessions: SessionTable, stats: Stats):
+        self.backend = backend
+        self.sessions = sessions
+        self.stats = stats
+        # sessions whose lookahead has steps left, the one replied to longest ago (back soonest) first
+        self.pending: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
+
+    def answered(self, admitted: list[AdmittedRequest]) -> dict[int, tuple[Draft, float]]:
         """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
         session drafted ahead for exactly the sequence the request brings, done, or nearly done
         (a late hit: finished now, when what is left is at most half the forwards drafting it
@@ -53,7 +63,7 @@ class LookaheadServing:
             if task is None:
                 continue
             session.ahead = None
-            self._ahead.pop(key, None)
+            self.pending.pop(key, None)
             guess = task.match(req.verified)
             late = not task.done
             if guess is not None and late and task.steps_left is not None and 2 * task.steps_left > req.depth:
@@ -76,7 +86,7 @@ class LookaheadServing:
             out[i] = (draft, time.perf_counter() - t0)
         return out
 
-    def _start_lookahead(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
+    def start(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
         """Queue the drafting of ``session``'s next round ahead of its request, when its cache
         memory fits in what is free without evicting anyone. A session whose requests work
         ahead rarely answers (score below LOOKAHEAD_MIN_SCORE) is drafted ahead only every
@@ -102,12 +112,12 @@ class LookaheadServing:
         if task is None:
             return
         session.ahead = task
-        self._ahead[session.key] = session
+        self.pending[session.key] = session
         self.stats.lookahead["started"] += 1
 
-    def _lookahead_step(self) -> None:
+    def step(self) -> None:
         """One forward of the lookahead of the session replied to longest ago."""
-        key, session = next(iter(self._ahead.items()))
+        key, session = next(iter(self.pending.items()))
         task = session.ahead
         t0 = time.perf_counter()
         try:
@@ -116,7 +126,7 @@ class LookaheadServing:
             log.exception("drafting ahead failed for session %d", key[1])
             self.stats.lookahead["failed"] += 1
             session.ahead = None
-            self._ahead.pop(key, None)
+            self.pending.pop(key, None)
             task.close()
             return
         finally:
@@ -124,14 +134,13 @@ class LookaheadServing:
             self.stats.lookahead["steps"] += 1
             self.stats.lookahead["idle_s"] += spent  # not busy_s: that is drafting for requests
         if done:
-            self._ahead.pop(key, None)
+            self.pending.pop(key, None)
 
-    def _release(self, session: Session) -> None:
-        """Free a session's backend state, dropping any work done ahead for it first."""
+    def drop(self, session: Session) -> None:
+        """Drop any work done ahead for ``session`` (which is going: its state is freed next)."""
         task = session.ahead
         if task is not None:
             session.ahead = None
-            self._ahead.pop(session.key, None)
+            self.pending.pop(session.key, None)
             task.close()
             self.stats.lookahead["dropped"] += 1
-        self.backend.release(session.state)

@@ -134,7 +134,7 @@ class LoopFailed(RuntimeError):
     systemd restarts it) rather than look alive and serve nothing."""
 
 
-class DraftServer(LookaheadServing):
+class DraftServer:
     def __init__(self, backend: DraftBackend, config: ServerConfig, ctx: zmq.Context | None = None):
         check_server_endpoint(config.bind, config.curve_secret, config.curve_allow, config.insecure)
         self.backend = backend
@@ -152,9 +152,8 @@ class DraftServer(LookaheadServing):
         self.limits = message_limits(backend)
         self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
-        # sessions whose lookahead has steps left, the one replied to longest ago (back soonest) first
-        self._ahead: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
         self.stats = Stats()
+        self.lookahead = LookaheadServing(backend, self.sessions, self.stats)
         self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
         self.instance = secrets.token_hex(8)
@@ -251,14 +250,14 @@ class DraftServer(LookaheadServing):
             if self.allow is not None:
                 self.allow.reload()
                 self.stats.key_reloads += 1
-        timeout = 0 if (self.q_in or self.q_out or self._ahead) else 100
+        timeout = 0 if (self.q_in or self.q_out or self.lookahead.pending) else 100
         if poller.poll(timeout):
             self._drain_socket()
         if self.q_in:
             self._fill_batch()
             self._serve_batch()
-        elif self._ahead and not self.draining:
-            self._lookahead_step()  # one forward, then the socket is looked at again
+        elif self.lookahead.pending and not self.draining:
+            self.lookahead.step()  # one forward, then the socket is looked at again
         self._flush_out()
         now = time.monotonic()
         if now >= self._next_sweep:
@@ -687,7 +686,7 @@ class DraftServer(LookaheadServing):
         drafts: list[Draft | None] = [None] * len(admitted)
         spent = [0.0] * len(admitted)  # each request's drafting time (what its reply reports)
         # requests answered from work done ahead go out at once, before the others are drafted
-        ahead = self._answered_ahead(admitted)
+        ahead = self.lookahead.answered(admitted)
         if ahead:  # counted before their replies leave, as the others below
             stats.requests += len(ahead)
             stats.drafted_tokens += sum(len(d.tokens) for d, _ in ahead.values())
@@ -752,7 +751,7 @@ class DraftServer(LookaheadServing):
                     session.replied_at = sent
                     self._awaited[key] = session
                 if self.config.lookahead and not self.draining and draft.parents is None:
-                    self._start_lookahead(session, draft, ahead_depth(self.config.max_depth, req.depth),
+                    self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
                                           admitted[i].header["seq"])
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
@@ -768,6 +767,11 @@ class DraftServer(LookaheadServing):
         if draft.parents is not None:
             tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
         self._send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
+
+    def _release(self, session: Session) -> None:
+        """Free a session's backend state, dropping any work done ahead for it first."""
+        self.lookahead.drop(session)
+        self.backend.release(session.state)
 
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark

@@ -88,7 +88,7 @@ def test_a_hit_is_answered_without_a_backend_call_and_a_miss_drafts_as_before():
     with running_server(backend, max_depth=4) as (server, ctx):
         peer = _peer(server, ctx, 1, [10, 20])
         assert _draft(peer, 1, 1, 0, [], 2) == [21, 22, 23]
-        _wait(lambda: server.stats.lookahead["steps"] >= 5 and not server._ahead)  # the guess, 4 drafts: done
+        _wait(lambda: server.stats.lookahead["steps"] >= 5 and not server.lookahead.pending)  # the guess, 4 drafts: done
         calls = backend.draft_calls
         # the target kept all three and added 24 (the guess): answered from the work done ahead
         got = _draft(peer, 1, 2, 3, [24], 6)
@@ -165,7 +165,7 @@ def test_closing_a_session_drops_its_work_ahead():
         _wait(lambda: server.stats.lookahead["steps"] >= 1)
         peer.send(Message(MsgType.CLOSE, {"session": 1}))
         _wait(lambda: server.stats.lookahead["dropped"] == 1)
-        assert not server._ahead and server.stats.lookahead["hits"] == 0
+        assert not server.lookahead.pending and server.stats.lookahead["hits"] == 0
         peer.sock.close(0)
 
 
