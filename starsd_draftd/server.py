@@ -752,7 +752,7 @@ class DraftServer:
                     self._awaited[key] = session
                 if self.config.lookahead and not self.draining and draft.parents is None:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
-                                          admitted[i].header["seq"])
+                                         admitted[i].header["seq"])
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
 
