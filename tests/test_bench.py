@@ -7,7 +7,6 @@ import math
 import random
 import threading
 
-import click
 import numpy as np
 import pytest
 import torch
@@ -338,7 +337,11 @@ def test_batch_max_detection_matches_server_config():
 # ---------------------------------------------------------------- CLI
 @pytest.fixture
 def cli():
-    return click.Group(commands={"bench": bench_cli.bench, "plan": bench_cli.plan})
+    """The user's command line, ``starsd-draftd``, whose bench and plan commands these are (a bare
+    group would leave click's cached --help option without the -h the real group gives it)."""
+    from starsd_draftd.cli import main
+
+    return main
 
 
 def test_plan_cli_prints_the_model(cli):
