@@ -25,7 +25,7 @@ with less of both:
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
 and caches against the model's own forward, in float32, bfloat16 and fp16-weights). Measured
 interleaved on one core (demo target, fp16-weights, 200 cached positions): a decode step 22.9 ms
-through transformers, 18.2 ms lean; README, "The lean forward", has more.
+through transformers, 18.2 ms lean; docs/architecture.md, "The model runner", has more.
 
 It covers ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` in inference mode with full attention in
 every layer, SDPA and no module hooks; ``LeanForward.build`` says why it cannot take any other

@@ -40,7 +40,7 @@ log = logging.getLogger("starsd.runner")
 
 COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
                 "The daemon compiles before it serves (minutes on a CPU); compiled code is cached under "
-                "StarSD's cache directory, which shortens restarts (the model is traced again). Off by default: see README, 'Compiled forwards', for what "
+                "StarSD's cache directory, which shortens restarts (the model is traced again). Off by default: see docs/architecture.md, 'The model runner', for what "
                 "it costs and when it pays.")
 
 

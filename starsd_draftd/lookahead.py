@@ -4,7 +4,7 @@
 queues the work ahead (``start``), runs one forward of it per loop pass while nothing is queued
 (``step``), has the requests that bring a guessed sequence answered from it (``answered``) and
 drops it when it frees the session (``drop``). The backend drafts the guesses
-(``DraftBackend.lookahead``; README, "Lookahead and adaptive draft length").
+(``DraftBackend.lookahead``; docs/architecture.md, "Lookahead and adaptive draft length").
 """
 
 from __future__ import annotations

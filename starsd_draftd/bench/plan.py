@@ -72,7 +72,7 @@ second choice there), so measured rates can exceed alpha^d. The model takes h as
 it is a property of the draft-target pair to measure (`starsd-draftd status` reports it). h = 0 is
 today's design (no lookahead: all of it would be wasted). Its S_a counts one row: the daemon's
 guesses share a batched forward, which on a CPU costs somewhat more than one row (more on the
-guesses in README, "Lookahead and adaptive draft length"). Write W = V + R for a session's return time.
+guesses in docs/architecture.md, "Lookahead and adaptive draft length"). Write W = V + R for a session's return time.
 Assumptions: (a) real requests come first: the lookahead runs only while no request waits, and a
 request that misses cancels its session's lookahead at once (the work is dropped; cancelling at the
 next step boundary instead costs at most one step, ignored); (b) on a hit, a lookahead that has not

@@ -79,7 +79,7 @@ def format_round_profile(profiles: list[dict]) -> str:
 
 
 def format_report(report: dict) -> str:
-    """The report as Markdown tables (printed by the CLI, written to bench.md, pasted in the README)."""
+    """The report as Markdown tables (printed by the CLI, written to bench.md, the source of docs/bench.md)."""
     m = report["machine"]
     lines = [f"# StarSD bench ({report['mode']}, {report['created']})", "",
              f"Machine: {m['cpu']}, {m['usable_cores']} usable cores"

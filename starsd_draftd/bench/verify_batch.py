@@ -116,5 +116,5 @@ def format_verify(v: dict) -> list[str]:
     lines += ["", "Tokens are compared per generation with the target alone verifying one generation per forward. "
                   "In float32 batched forwards give the same tokens; in 16-bit dtypes a batched forward rounds "
                   "differently, and where the two best logits lie one rounding step apart the greedy token can "
-                  "differ (README, \"Batched verification\").", ""]
+                  "differ (docs/architecture.md, \"Batched verification\").", ""]
     return lines
