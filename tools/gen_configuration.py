@@ -9,6 +9,7 @@ Tooling, not product: no daemon imports it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
 WIDTH = 100
 COMMAND = "make docs"
+log = logging.getLogger("starsd.tools.configuration")
 
 # (program, subcommand): the daemons' serve first, then their other commands.
 COMMANDS = (
@@ -76,14 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is stale")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     text = render()
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run `{COMMAND}`", file=sys.stderr)
+            log.error("%s is stale: run `%s`", PAGE.relative_to(ROOT), COMMAND)
             return 1
         return 0
     PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    log.info("wrote %s", PAGE.relative_to(ROOT))
     return 0
 
 
