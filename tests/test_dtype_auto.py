@@ -130,11 +130,7 @@ def test_a_tied_bfloat16_checkpoint_in_fp16_weights_decodes_as_its_rounded_self(
     engine = TargetEngine(target, depth=4)
     assert engine.runner.forward_kind == "lean"
     prompt = engine.encode("def parse(line):\n    ")
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        ref = _rounded_reference(tmp_path / "b").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
-                                                          do_sample=False, eos_token_id=EOS_ID,
-                                                          pad_token_id=PAD_ID)[0, len(prompt):].tolist()
+    ref = _fp16_rounded_greedy(tmp_path / "b", prompt, 40)
     assert len(set(ref)) > 3  # not one token over and over: the check has something to compare
     assert engine.generate(prompt, 40, SamplingParams()).token_ids == ref
     backend = ModelBackend(load_causal_lm(str(tmp_path / "b"), dtype="auto"))
@@ -159,17 +155,12 @@ def test_memory_report_reads_this_process_and_the_checkpoint(tiny_target):
 
 
 def _fp16_rounded_greedy(model_dir, prompt_ids, n):
-    """What fp16-weights serves, decoded the plain way: the checkpoint with its linear weights
-    rounded to float16, computed in float32, through the model's own generate."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(m.weight.half().float())
+    """What fp16-weights serves, decoded the plain way: the rounded checkpoint
+    (``_rounded_reference``) through the model's own generate."""
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        out = _rounded_reference(model_dir).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                     do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     return out[0, len(prompt_ids):].tolist()
 
 
