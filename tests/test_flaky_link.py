@@ -1,5 +1,5 @@
 """A flaky network between a target and the draft daemon: a TCP fault proxy adds latency, resets
-every connection every few seconds and stalls all traffic once for 5 s, while the target generates
+every connection every few seconds and stalls all traffic once for 2 s, while the target generates
 back to back. Every output stays exactly the target's own greedy output, and speculation
 resumes after each fault: ZeroMQ reconnects on its own; the new connection has a new routing
 identity, so the client greets the daemon again (once its draft timed out, or on NO_HANDSHAKE)
@@ -135,7 +135,7 @@ MAX_TOKENS = 96
 ROUND_S = 0.03  # the shortest round (see RecordingDrafts)
 MARGIN_S = 0.3  # "after a fault" means starting at least this long after it ended
 INTO_GENERATION_S = 0.25  # faults strike this long after a generation started, so they hit mid-flight
-GAP_S = 1.0  # at least this long between the end of one fault and the next
+GAP_S = 0.6  # at least this long between the end of one fault and the next
 
 
 class RoundRecorder:
@@ -180,11 +180,11 @@ def _recovered(runs: list[Run], since: float) -> bool:
 
 def _inject_faults(proxy: FaultProxy, runs: list[Run], started: list[float], t0: float,
                    stop: threading.Event, done: threading.Event) -> None:
-    """Resets every few seconds with one 5 s stall among them, each striking mid-generation. The
+    """Resets every few seconds with one 2 s stall among them, each striking mid-generation. The
     next fault waits until speculation has come back after the previous one (on a slow machine
     the schedule stretches instead of faults piling up; if it never comes back, the test's
     deadline fails it)."""
-    plan = [("reset", 0.0), ("reset", 0.0), ("stall", 5.0), ("reset", 0.0)]
+    plan = [("reset", 0.0), ("reset", 0.0), ("stall", 2.0), ("reset", 0.0)]
     not_before, since = t0 + 1.5, t0 - 1.0
     try:
         for kind, seconds in plan:

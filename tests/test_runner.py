@@ -102,12 +102,9 @@ def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
     assert inductor_cache_dir() == tmp_path / "inductor"
 
 
-@pytest.mark.slow
-def test_compiled_forward_equals_eager_with_rollback(one_layer_pair, compile_cache):
+def _assert_compiled_equals_eager_with_rollback(compiled: ModelRunner, eager: ModelRunner) -> None:
     """A compiled runner (symbolic lengths: a graph for one token, one for several) gives eager's
     logits on decode, verification and rolled-back steps."""
-    loaded = load_causal_lm(str(one_layer_pair[0]))  # the model the later compiled tests use: cached graphs
-    eager, compiled = ModelRunner(loaded), ModelRunner(loaded, compile=True)
     assert compiled.compiled and not eager.compiled
     torch.manual_seed(1)
     prompt = torch.randint(3, 250, (30,)).tolist()
@@ -123,14 +120,16 @@ def test_compiled_forward_equals_eager_with_rollback(one_layer_pair, compile_cac
             for cache in (ce, cc):
                 crop_cache(cache, cache.get_seq_length() - len(ids) + 1)
     assert cc.get_seq_length() == ce.get_seq_length()
-    assert compile_cache.exists() and any(compile_cache.iterdir())  # artifacts went to the configured cache
 
 
 @pytest.mark.slow
 def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(one_layer_pair, compile_cache):
     """Target engine and draft backend on compiled runners, warmed up as the daemons warm them
-    up, then served with any further compilation an error (``fail_on_recompile``): greedy
-    speculation (lookup on), over several prefill chunks, and a sampled generation all run on the warm-up's graphs, and greedy output equals generate()."""
+    up, then served with any further compilation an error (``fail_on_recompile``): the compiled
+    target's logits equal eager's on decode, verification and rolled-back steps; greedy
+    speculation (lookup on), over several prefill chunks, and a sampled generation all run on
+    the warm-up's graphs, and greedy output equals generate(). (One test: each compiled runner
+    costs tens of seconds of compilation here.)"""
     from fakes import LocalDrafts
     from starsd_draftd.backends.base import ContextLookup
 
@@ -143,6 +142,8 @@ def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(one_la
     assert engine.warm_up() > 0 and backend.warm_up(batch_max=1) > 0
     assert engine.runner.warm and backend.runner.warm
     engine.runner.serving_stance = backend.runner.serving_stance = "fail_on_recompile"
+    assert compile_cache.exists() and any(compile_cache.iterdir())  # artifacts went to the configured cache
+    _assert_compiled_equals_eager_with_rollback(engine.runner, ModelRunner(target))
     prompt = engine.encode("import os\nimport sys\nimport json\n")  # 32 positions: 4 prefill chunks
     out = engine.generate(prompt, 40, SamplingParams(), drafts=LocalDrafts(backend))
     assert out.token_ids == reference_greedy(tiny_target, prompt, 40)

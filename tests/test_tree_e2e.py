@@ -37,18 +37,23 @@ def arch_pair(request, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["model", "eagle"])
-def test_four_targets_verify_trees_exactly(backend, arch_pair, star):
+def test_targets_verify_trees_exactly(backend, arch_pair, star):
+    """Targets verifying trees drafted by one daemon, concurrently: four targets on the first
+    pair (llama, a draft model), two on the other three (the architectures and backends differ;
+    what four concurrent targets add, the first case shows, and each target is a process start)."""
     arch, target, draft, head = arch_pair
+    n = 4 if (arch, backend) == ("llama", "model") else 2
     if backend == "eagle":
         drafter = ["--backend", "eagle", "--eagle-head", str(head), "--base-model", str(target)]
     else:
         drafter = ["--backend", "model", "--model", str(draft)]
     draft_ep = star.serve_drafts([*drafter, "--depth", "4", "--tree-topk", "3"], ready=False)
-    eps = star.targets(target, draft_ep, len(PROMPTS), "--draft-tokens", "16", "--draft-timeout", "30",
+    eps = star.targets(target, draft_ep, n, "--draft-tokens", "16", "--draft-timeout", "30",
                        "--connect-timeout", "120")
     engine = TargetEngine(load_causal_lm(str(target)))
-    results = run_concurrently(eps, [{"id": i + 1, "prompt": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(PROMPTS)])
-    for p, res in zip(PROMPTS, results):
+    results = run_concurrently(eps, [{"id": i + 1, "prompt": p, "max_tokens": MAX_TOKENS}
+                                     for i, p in enumerate(PROMPTS[:n])])
+    for p, res in zip(PROMPTS[:n], results):
         assert res["token_ids"] == reference_greedy(target, engine.encode(p), MAX_TOKENS), (arch, backend, p)
         s = res["stats"]
         assert s["fallback_rounds"] == 0 and s["invalid_drafts"] == 0
@@ -56,7 +61,7 @@ def test_four_targets_verify_trees_exactly(backend, arch_pair, star):
     assert sum(r["stats"]["accepted"] for r in results) > 0  # speculation happened
     with ControlClient(draft_ep) as cc:
         st = cc.stats()
-    assert st["peers"] == 4 and st["trees"]["requests"] > 0
+    assert st["peers"] == n and st["trees"]["requests"] > 0
     assert st["trees"]["tokens"] > 4 * st["trees"]["requests"]  # trees, wider than the depth-4 chains
     out = CliRunner().invoke(draftd_cli, ["status", "--connect", draft_ep])  # the command, in this process
     assert out.exit_code == 0 and f"trees: {st['trees']['requests']} requests answered with trees" in out.stdout
