@@ -74,7 +74,7 @@ def train_eagle(base_model, out, kind, ttt_steps, draft_vocab, time_budget, thre
 @option("--device", default="cpu", help="Device for every daemon.")
 @option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto",
         help="Model dtype for every daemon (auto, on a CPU: fp16-weights where fbgemm is available (x86), "
-             "else bfloat16 where it is native, else float32; see `starsd-target serve --help`).")
+             "else float32, which is exact where bfloat16 is not; see `starsd-target serve --help`).")
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
              "are pinned to disjoint cores, as separate machines would be).")
