@@ -14,7 +14,7 @@ import logging
 import time
 
 from common.protocol import ProtocolError
-from starsd_draftd.backends.base import Draft, DraftBackend
+from starsd_draftd.backends.base import Draft, DraftBackend, Lookahead
 from starsd_draftd.records import AdmittedRequest
 from starsd_draftd.sessions import Session, SessionTable
 from starsd_draftd.stats import Stats
@@ -27,6 +27,7 @@ log = logging.getLogger("starsd.draftd")
 LOOKAHEAD_SMOOTHING = 0.25
 LOOKAHEAD_MIN_SCORE = 0.25
 LOOKAHEAD_PROBE_EVERY = 8
+FRESH_SMOOTHING = 0.2  # weight of each new measure of a fresh draft forward's seconds
 
 
 def ahead_depth(max_depth: int, asked: int) -> int:
@@ -47,12 +48,13 @@ class LookaheadServing:
         self.stats = stats
         # sessions whose lookahead has steps left, the one replied to longest ago (back soonest) first
         self.pending: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
+        self.fresh_step_s: float | None = None  # smoothed seconds of a forward drafting on request (``note_fresh``)
 
     def answered(self, admitted: list[AdmittedRequest]) -> dict[int, tuple[Draft, float]]:
         """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
         session drafted ahead for exactly the sequence the request brings, done, or nearly done
-        (a late hit: finished now, when what is left is at most half the forwards drafting it
-        afresh would take); at most the depth asked. Any other work ahead is dropped, and its
+        (a late hit: finished now, when what is left costs less than drafting it afresh:
+        ``finishing_pays``); at most the depth asked. Any other work ahead is dropped, and its
         request drafted as without lookahead."""
         out: dict[int, tuple[Draft, float]] = {}
         st = self.stats.lookahead
@@ -66,7 +68,7 @@ class LookaheadServing:
             self.pending.pop(key, None)
             guess = task.match(req.verified)
             late = not task.done
-            if guess is not None and late and task.steps_left is not None and 2 * task.steps_left > req.depth:
+            if guess is not None and late and not self.finishing_pays(task, req.depth):
                 guess = None  # too far from done: drafting afresh is quicker
             session.ahead_score += LOOKAHEAD_SMOOTHING * ((guess is not None) - session.ahead_score)
             if guess is None:
@@ -85,6 +87,31 @@ class LookaheadServing:
             st["late_hits" if late else "hits"] += 1
             out[i] = (draft, time.perf_counter() - t0)
         return out
+
+    def note_fresh(self, seconds: float, depth: int) -> None:
+        """A request drafted on arrival, alone in its batch: ``seconds`` for ``depth`` tokens,
+        about one forward each (its new tokens go in one), which ``finishing_pays`` weighs a late
+        hit's remaining steps against."""
+        if depth > 0 and seconds > 0:
+            per_step = seconds / depth
+            prev = self.fresh_step_s
+            self.fresh_step_s = per_step if prev is None else prev + FRESH_SMOOTHING * (per_step - prev)
+
+    def finishing_pays(self, task: Lookahead, depth: int) -> bool:
+        """Whether a request that brings a guessed sequence before its work ahead is done is
+        answered by finishing that work rather than by drafting ``depth`` tokens afresh: the
+        steps left at the seconds its steps have taken (every guess's row, the first step's cache
+        copies included) against ``depth`` forwards at the measured seconds of a fresh one. Where
+        a draft step costs a third of a verification, a request arrives with two or three of the
+        work's ``depth`` + 1 steps left, and at real sizes a batched step costs about one row's:
+        finishing saves one to two forwards. Until both are measured, at most half the depth
+        left (on a small model, a step over four rows costs up to twice one row's)."""
+        left = task.steps_left
+        if left is None:
+            return False
+        if self.fresh_step_s is None or task.steps == 0:
+            return 2 * left <= depth
+        return left * (task.seconds / task.steps) < depth * self.fresh_step_s
 
     def start(self, session: Session, draft: Draft, depth: int, seq: int) -> None:
         """Queue the drafting of ``session``'s next round ahead of its request, when its cache

@@ -717,6 +717,8 @@ class DraftServer:
         if served:
             stats.batches += 1
             stats.batched_requests += len(served)
+        if len(todo) == 1 and drafts[todo[0]].parents is None:  # a chain alone: what a fresh forward costs
+            self.lookahead.note_fresh(elapsed, admitted[todo[0]].request.depth)
         for i in todo:
             spent[i] = elapsed
             self._reply(admitted[i], drafts[i], start, elapsed)

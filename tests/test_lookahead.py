@@ -246,3 +246,32 @@ def test_model_lookahead_drafts_each_guess_as_a_request_would(params, near_draft
     assert task.match(guesses[pick]) == pick and task.match(verified) is None
     nxt = guesses[pick] + got.tokens[:2] + [3]
     assert ahead.draft(st, nxt, 4).tokens == fresh.draft(ref, nxt, 4).tokens
+
+
+class _Task:
+    """What ``finishing_pays`` reads of a Lookahead: steps run, their seconds, steps left."""
+
+    def __init__(self, steps: int, seconds: float, left: int | None):
+        self.steps, self.seconds, self.steps_left = steps, seconds, left
+
+
+def test_a_late_hit_is_finished_when_its_steps_left_cost_less_than_drafting_afresh():
+    from starsd_draftd.lookahead import LookaheadServing
+    from starsd_draftd.stats import Stats
+
+    la = LookaheadServing(ScriptedBackend(), None, Stats())
+    # nothing measured yet: at most half the depth left
+    assert la.finishing_pays(_Task(3, 0.3, 2), depth=4) and not la.finishing_pays(_Task(2, 0.2, 3), depth=4)
+    assert not la.finishing_pays(_Task(0, 0.0, None), depth=4)  # an unknown length is never waited for
+    la.note_fresh(0.4, 4)  # a fresh draft: 0.1 s a forward
+    assert la.fresh_step_s == pytest.approx(0.1)
+    # a real-size draft, whose batched step costs about one row's: three steps left of five beat
+    # four fresh forwards (the rule of thumb would have drafted afresh)
+    assert la.finishing_pays(_Task(2, 0.22, 3), depth=4)
+    # a small model, whose steps over four rows cost 2.5 fresh ones: two left cost more than four fresh
+    assert not la.finishing_pays(_Task(3, 0.75, 2), depth=4) and la.finishing_pays(_Task(4, 1.0, 1), depth=4)
+    la.note_fresh(0.2, 4)  # measures are smoothed, not replaced
+    assert 0.05 < la.fresh_step_s < 0.1
+    la.note_fresh(0.0, 4)
+    la.note_fresh(0.3, 0)  # nothing to learn from an empty or unmeasured draft
+    assert 0.05 < la.fresh_step_s < 0.1
