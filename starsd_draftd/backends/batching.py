@@ -35,6 +35,25 @@ def left_padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return pad_sequence([t[0].transpose(0, 1) for t in rows], batch_first=True, padding_side="left").transpose(1, 2)
 
 
+def padded_layout(lengths: list[int], news: list[int], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout's attention mask [B, P + N] (1 on each row's cached slots and new tokens), the
+    new tokens' position ids [B, N] (each row's from its own cached length ``lengths[b]``) and
+    the position of each row's first step after them [B]; ``news[b]``: the row's new tokens."""
+    P, N = max(lengths, default=0), max(news, default=0)
+    cached = torch.tensor(lengths, dtype=torch.long, device=device)
+    fed = torch.tensor(news, dtype=torch.long, device=device)
+    cols = torch.arange(P + N, device=device)
+    mask = ((cols >= P - cached[:, None]) & (cols < P + fed[:, None])).long()
+    return mask, cached[:, None] + torch.arange(N, device=device), cached + fed
+
+
+def row_ranges(P: int, N: int, cached: int, new: int, kept: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A row's column ranges in the layout: its own (``cached`` positions and ``new`` tokens) and
+    the first ``kept`` steps after the new block, as ``row_slots`` takes them."""
+    return (P - cached, P + new), (P + N, P + N + kept)
+
+
 def row_slots(t: torch.Tensor, row: int, own: tuple[int, int], kept: tuple[int, int]) -> torch.Tensor:
     """Row ``row`` of a batched cache tensor [B, H, T, D] as a session's own [1, H, n, D]: the
     column range ``own`` (its cached positions and new tokens), then ``kept`` (the steps it
@@ -110,13 +129,8 @@ class BatchedCaches:
             for li in range(n_layers):
                 _set_layer(self.cache.layers[li], left_padded([row[li][0] for row in per_row]),
                            left_padded([row[li][1] for row in per_row]))
-        cached = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        fed = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=device)
-        cols = torch.arange(self.P + self.N, device=device)
-        self.mask = ((cols >= self.P - cached[:, None]) & (cols < self.P + fed[:, None])).long()
+        self.mask, pos, self.next_pos = padded_layout(self.lengths, [len(f) for f in feeds], device)
         ids = torch.tensor([f + [0] * (self.N - len(f)) for f in feeds], dtype=torch.long, device=device)
-        pos = cached[:, None] + torch.arange(self.N, device=device)
-        self.next_pos = cached + fed
         self._first = (ids, pos)
         self.live_steps = [0] * B  # steps whose token each row keeps (a prefix of the steps)
         self.steps = 0
@@ -149,7 +163,6 @@ class BatchedCaches:
         if len(into.layers) != len(self.cache.layers):
             raise RuntimeError(f"a session cache with {len(into.layers)} layers cannot take a batch row of "
                                f"{len(self.cache.layers)}")
-        c_b, n_b, s_b = self.lengths[row], len(self.feeds[row]), self.live_steps[row]
-        own, kept = (self.P - c_b, self.P + n_b), (self.P + self.N, self.P + self.N + s_b)
+        own, kept = row_ranges(self.P, self.N, self.lengths[row], len(self.feeds[row]), self.live_steps[row])
         for layer, mine in zip(self.cache.layers, into.layers):
             _set_layer(mine, row_slots(layer.keys, row, own, kept), row_slots(layer.values, row, own, kept))

@@ -34,7 +34,7 @@ from common.tree import ROOT
 from common.verify import SamplingParams, make_generator
 from starsd_draftd.backends.base import (Calibration, Draft, DraftBackend, DraftRequest, Stopping, frontier_width,
                                         request_stopping, session_seed, stopped_sent, top_probs)
-from starsd_draftd.backends.batching import left_padded, row_slots
+from starsd_draftd.backends.batching import left_padded, padded_layout, row_ranges, row_slots
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
 
 log = logging.getLogger("starsd.eagle")
@@ -441,9 +441,7 @@ class EagleBackend(DraftBackend):
         lengths = [st.past[0][0].shape[2] for st, *_ in jobs]
         longest, k = max(lengths), len(jobs)
         past = jobs[0][0].past if k == 1 else _merge_past([st.past for st, *_ in jobs])
-        real = torch.zeros(k, longest, dtype=torch.long, device=dev)
-        for i, n in enumerate(lengths):
-            real[i, longest - n:] = 1
+        real = padded_layout(lengths, [0] * k, dev)[0]  # each row's cached slots, right-aligned
         fed = 0  # tree columns in the merged cache
         try:
             for d in range(1, max(depth for _, _, depth, _ in jobs)):
@@ -502,9 +500,7 @@ class EagleBackend(DraftBackend):
         longest, wide = max(lengths), max(news)
         dev = self.device
         past = _merge_past([st.past for st, *_ in jobs]) if longest else None
-        mask = torch.zeros(k, longest + wide, dtype=torch.long, device=dev)
-        for i, (n, m) in enumerate(zip(lengths, news)):
-            mask[i, longest - n: longest + m] = 1
+        mask, pos, step_pos = padded_layout(lengths, news, dev)  # the layout BatchedCaches batches in
         if wide:  # every session's new pairs in one forward
             feats = torch.zeros(k, wide, self.feature_size, dtype=self.head.dtype, device=dev)
             ids = torch.zeros(k, wide, dtype=torch.long, device=dev)
@@ -512,7 +508,6 @@ class EagleBackend(DraftBackend):
                 if news[i]:
                     feats[i, : news[i]] = f.to(device=dev, dtype=self.head.dtype)
                     ids[i, : news[i]] = torch.tensor(new_ids, dtype=torch.long)
-            pos = torch.tensor([[n + j for j in range(wide)] for n in lengths], dtype=torch.long, device=dev)
             out, past = self.module(feats, input_ids=ids, attention_mask=mask, position_ids=pos,
                                     past_key_values=past, use_cache=True)
             for i, (st, new_ids, _, _) in enumerate(jobs):
@@ -539,14 +534,13 @@ class EagleBackend(DraftBackend):
                 if j < steps:
                     mask = torch.cat([mask, mask.new_ones(k, 1)], dim=1)
                     ids = torch.tensor([[t] for t in toks], dtype=torch.long, device=dev)
-                    pos = torch.tensor([[n + m + j] for n, m in zip(lengths, news)], dtype=torch.long, device=dev)
+                    pos = (step_pos + j).unsqueeze(1)
                     x, past = self.module(x, input_ids=ids, attention_mask=mask, position_ids=pos,
                                           past_key_values=past, use_cache=True)
         if wide or steps:  # split the merged cache back: each session keeps what drafting alone adds
             for i, (st, *_) in enumerate(jobs):
-                own = (longest - lengths[i], longest + news[i])
                 fed = min(len(chains[i].tokens), depths[i] - 1) if drafting[i] else 0  # a stopped chain fed fewer
-                chain = (longest + wide, longest + wide + fed)
+                own, chain = row_ranges(longest, wide, lengths[i], news[i], fed)
                 if own[1] > own[0] or chain[1] > chain[0]:
                     st.past = tuple((row_slots(kk, i, own, chain), row_slots(vv, i, own, chain)) for kk, vv in past)
         return [stopped_sent(stop, st.calibration, len(st.pairs) + 1, c.result()) if ok else Draft([])
