@@ -542,6 +542,9 @@ def test_quick_bench_lookahead_fields(quick_report):
         assert c["same_as_alone"] == c["of"] > 0, name  # exact with every combination
         assert 0 < c["asked_per_round"] <= r["config"]["depth"], name
         assert 0 < c["drafted_per_round"] <= c["asked_per_round"], name
+        ms = c["round_ms"]  # the target's round profile, per round
+        assert ms["round"] >= ms["verify_forward"] > 0 and ms["draft_forward"] > 0, name
+        assert _num(c["round_over_larger"]) and c["round_over_larger"] > 0 and c["drafting_ms"] > 0, name
         if c["lookahead"]:  # drafted ahead, and requests were checked against it
             assert c["hit_rate"] is not None and 0.0 <= c["hit_rate"] <= 1.0 and c["idle_s"] > 0, name
         else:
@@ -656,3 +659,23 @@ def test_a_shape_checkpoint_has_the_real_configuration(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown shape"):
         rows.shape_checkpoint("llama-70b", tmp_path)
     assert rows.SHAPES["qwen2.5-1.5b"]["hidden_size"] == 1536 and rows.SHAPES["qwen2.5-1.5b"]["num_hidden_layers"] == 28
+
+
+def test_a_round_is_set_against_the_larger_of_drafting_and_verification():
+    from starsd_draftd.bench.lookahead import overlap, sum_profiles
+    from starsd_target.profile import ms_per_round
+
+    def prof(rounds, wall, drafting, verifying):
+        return {"rounds": rounds, "wall_s": wall, "seconds": {"draft_wait": drafting, "draft_forward": drafting,
+                                                              "verify_forward": verifying}}
+
+    fixed = sum_profiles([prof(2, 0.2, 0.08, 0.1), prof(2, 0.2, 0.08, 0.1)])
+    assert fixed["rounds"] == 4 and fixed["seconds"]["draft_forward"] == pytest.approx(0.16)
+    # fixed depth: 40 ms drafting, then 50 ms verifying, one after the other (100 ms rounds);
+    # ahead: drafting hidden, rounds of 55 ms against the larger of the two, 50 ms
+    configs = {"fixed": {"round_ms": ms_per_round(fixed)},
+               "lookahead": {"round_ms": ms_per_round(prof(4, 0.22, 0.004, 0.2))}}
+    overlap(configs)
+    assert configs["fixed"]["drafting_ms"] == pytest.approx(40.0)
+    assert configs["fixed"]["round_over_larger"] == pytest.approx(2.0)
+    assert configs["lookahead"]["round_over_larger"] == pytest.approx(1.1)

@@ -44,8 +44,11 @@ _b = BenchConfig()
 @option("--guess-rate", type=click.FloatRange(0, 1), default=_b.guess_rate,
         help="Emulation with lookahead: the chance that the emulated drafter's guess of a target's next token "
              "after a round that kept every draft is right (hit rate acceptance^depth x this).")
-@option("--models", type=click.Choice(["demo", "tiny"]), default=None,
-        help="Real section: the demo checkpoints (SmolLM2 and its distilled draft), or tiny random checkpoints [default: demo; quick: tiny].")
+@option("--models", type=click.Choice(["demo", "demo-third", "tiny"]), default=None,
+        help="Sections with real models: the demo checkpoints (SmolLM2 and its distilled two-layer draft); "
+             "demo-third: the demo target with a draft of its first third of layers, distilled the same way "
+             "(built once, about 4.5 minutes): a draft step costs a real share of a round, as a 0.5B draft's "
+             "does beside a 1.5B target; or tiny random checkpoints [default: demo; quick: tiny].")
 @option("--max-tokens", type=click.IntRange(1), default=None,
         help=f"Real section: tokens per job [default: {_b.max_tokens}; quick: 24].")
 @option("--jobs", type=click.IntRange(1), default=None,

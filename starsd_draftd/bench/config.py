@@ -54,7 +54,9 @@ class BenchConfig:
     q_topk: int = 32
     tree_topk: int = 8  # the trees section's branching (the draft daemons' --tree-topk)
     # real models
-    models: str = "demo"  # "demo": the demo checkpoints (SmolLM2 + its draft); "tiny": random tiny checkpoints (CI)
+    # "demo": the demo checkpoints (SmolLM2 + its draft); "demo-third": the demo target and its real-cost
+    # draft (a third of its layers); "tiny": random tiny checkpoints (CI)
+    models: str = "demo"
     real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores
     jobs_per_target: int = 2
     max_tokens: int = 64
@@ -94,8 +96,8 @@ class BenchConfig:
         unknown = set(self.sections) - set(SECTIONS)
         if unknown:
             raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-        if self.models not in ("demo", "tiny"):
-            raise ValueError("models must be 'demo' or 'tiny'")
+        if self.models not in ("demo", "demo-third", "tiny"):
+            raise ValueError("models must be 'demo', 'demo-third' or 'tiny'")
         if self.n_max < 1 or self.real_n_max < 1:
             raise ValueError("N must be >= 1")
         self.emulation_plan()  # validates the timing parameters

@@ -18,6 +18,7 @@ from starsd_draftd.bench.config import BenchConfig
 from starsd_draftd.bench.pool import Pool, _stats
 from starsd_draftd.bench.real import _run_jobs, bench_dtype
 from starsd_draftd.demo.prompts import DEMO_PROMPTS
+from starsd_target.profile import ms_per_round
 
 CONFIGS = (("fixed", False, False), ("adaptive", False, True), ("lookahead", True, False),
            ("lookahead+adaptive", True, True))  # (name, lookahead, adaptive depth)
@@ -66,13 +67,39 @@ def _run(ep: str, prompts: list[str], streams: int, max_tokens: int, no_draft: b
     jobs = [j for g in run["results"] for j in g]
     tokens = sum(j["stats"]["generated"] for j in jobs)
     rounds = sum(j["stats"]["rounds"] for j in jobs)
-    return {"tokens": tokens, "wall_s": run["wall_s"], "tps": tokens / run["wall_s"], "rounds": rounds,
+    profile = sum_profiles([j["stats"]["profile"] for j in jobs])
+    return {"profile": profile,"tokens": tokens, "wall_s": run["wall_s"], "tps": tokens / run["wall_s"], "rounds": rounds,
             "kept_per_round": tokens / rounds if rounds else 0.0,
             "asked_per_round": sum(j["stats"].get("asked_tokens", 0) for j in jobs) / rounds if rounds else 0.0,
             "drafted_per_round": sum(j["stats"]["drafted"] for j in jobs) / rounds if rounds else 0.0,
             "fallback_rounds": sum(j["stats"]["fallback_rounds"] for j in jobs),
             "plain_rounds": sum(j["stats"].get("plain_rounds", 0) for j in jobs),
             "token_ids": [j["token_ids"] for j in jobs]}
+
+
+def sum_profiles(profiles: list[dict]) -> dict:
+    """Several round profiles (``RoundProfile.to_dict()``) as one: rounds, wall and each part's seconds summed."""
+    out: dict = {"rounds": 0, "wall_s": 0.0, "seconds": {}}
+    for p in profiles:
+        out["rounds"] += p["rounds"]
+        out["wall_s"] += p["wall_s"]
+        for part, sec in p["seconds"].items():
+            out["seconds"][part] = out["seconds"].get(part, 0.0) + sec
+    return out
+
+
+def overlap(configs: dict) -> None:
+    """Each configuration's round against the larger of drafting and verifying it: drafting is what
+    drafting a round on request costs (the fixed configuration's draft forward per round, both sides
+    measured in the same turns), verifying its own verification forward per round. 1.0: a round as
+    long as the larger of the two (drafting hidden behind verification, or the reverse); their sum:
+    one after the other."""
+    drafting = configs["fixed"]["round_ms"].get("draft_forward")
+    for c in configs.values():
+        ms = c["round_ms"]
+        larger = max(drafting or 0.0, ms.get("verify_forward", 0.0))
+        c["drafting_ms"] = drafting
+        c["round_over_larger"] = ms["round"] / larger if ms and larger else None
 
 
 def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]) -> dict:
@@ -112,6 +139,7 @@ def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Pa
             row["configs"][name] = {
                 "lookahead": la, "adaptive_depth": adaptive, "tps": tps, "speedup": tps / alone_tps,
                 "tps_runs": [r["tps"] for r in rs],
+                "round_ms": ms_per_round(sum_profiles([r["profile"] for r in rs])),
                 "kept_per_round": sum(r["tokens"] for r in rs) / max(1, sum(r["rounds"] for r in rs)),
                 "asked_per_round": sum(r["asked_per_round"] for r in rs) / len(rs),
                 "drafted_per_round": sum(r["drafted_per_round"] for r in rs) / len(rs),
@@ -122,6 +150,7 @@ def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Pa
                 "idle_s": sum(r["lookahead"]["idle_s"] for r in rs),
                 "same_as_alone": sum(a == b for r in rs for a, b in zip(r["token_ids"], ref)),
                 "of": sum(len(r["token_ids"]) for r in rs)}
+        overlap(row["configs"])
         fixed = row["configs"]["fixed"]["speedup"]
         for c in row["configs"].values():
             c["speedup_vs_fixed"] = c["speedup"] / fixed if fixed else None
@@ -151,7 +180,21 @@ def format_lookahead(v: dict) -> list[str]:
                          f"{c['drafted_per_round']:.2f} | "
                          f"{hit} | {c['fallback_rounds']} of {c['rounds']} | {c['plain_rounds']} of {c['rounds']} | "
                          f"{c['same_as_alone']} of {c['of']} |")
-    lines += ["", "Drafts asked: the length a round asked for (with adaptive depth on a daemon that stops "
+    lines += ["", "Where a round's time goes (milliseconds per round, from the target's round profile):", "",
+              "| streams | configuration | round | draft wait | of which drafting | of which wire | verification | "
+              "round over the larger of drafting and verification |", "|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        for name, c in r["configs"].items():
+            ms = c.get("round_ms") or {}
+            if not ms:
+                continue
+            ratio = "-" if c.get("round_over_larger") is None else f"{c['round_over_larger']:.2f}"
+            lines.append(f"| {r['streams']} | {name} | {ms['round']:.1f} | {ms['draft_wait']:.1f} | "
+                         f"{ms['draft_forward']:.1f} | {ms['wire']:.1f} | {ms['verify_forward']:.1f} | {ratio} |")
+    lines += ["", "Drafting, in the last column: a round's drafts made on request (the fixed configuration's "
+                  "draft forward per round); 1.00 is a round as long as the larger of drafting and verification, "
+                  "their sum is one after the other.",
+              "", "Drafts asked: the length a round asked for (with adaptive depth on a daemon that stops "
                   "chains itself, the cap); sent: the drafts that came.",
               "", "Hit rate: requests answered from work drafted ahead (late hits, finished on arrival, "
                   "included) over the requests checked against it.", ""]

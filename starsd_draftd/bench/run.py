@@ -116,10 +116,11 @@ def run_bench(cfg: BenchConfig) -> dict:
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
             else:
-                from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
+                from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints, ensure_real_cost_draft
 
                 # builds the demo checkpoints once (minutes) when not cached yet; reported apart from the measurement
-                models = timed("models", lambda: ensure_demo_checkpoints(progress=cfg.progress))
+                ensure = ensure_real_cost_draft if cfg.models == "demo-third" else ensure_demo_checkpoints
+                models = timed("models", lambda: ensure(progress=cfg.progress))
         if cfg.prestart:  # every daemon starts now; their start-up overlaps earlier sections' measurements
             sel = set(cfg.sections)
             if "wire" in sel:
