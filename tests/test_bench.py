@@ -673,9 +673,17 @@ def test_a_round_is_set_against_the_larger_of_drafting_and_verification():
     assert fixed["rounds"] == 4 and fixed["seconds"]["draft_forward"] == pytest.approx(0.16)
     # fixed depth: 40 ms drafting, then 50 ms verifying, one after the other (100 ms rounds);
     # ahead: drafting hidden, rounds of 55 ms against the larger of the two, 50 ms
-    configs = {"fixed": {"round_ms": ms_per_round(fixed)},
-               "lookahead": {"round_ms": ms_per_round(prof(4, 0.22, 0.004, 0.2))}}
+    # adaptive: 10 ms drafting, 50 ms verifying, 70 ms rounds; with lookahead, against its partner's 10
+    configs = {"fixed": {"round_ms": ms_per_round(fixed), "lookahead": False, "adaptive_depth": False},
+               "lookahead": {"round_ms": ms_per_round(prof(4, 0.22, 0.004, 0.2)), "lookahead": True,
+                             "adaptive_depth": False},
+               "adaptive": {"round_ms": ms_per_round(prof(2, 0.14, 0.02, 0.1)), "lookahead": False,
+                            "adaptive_depth": True},
+               "both": {"round_ms": ms_per_round(prof(2, 0.12, 0.002, 0.1)), "lookahead": True, "adaptive_depth": True}}
     overlap(configs)
-    assert configs["fixed"]["drafting_ms"] == pytest.approx(40.0)
+    assert configs["fixed"]["drafting_ms"] == configs["lookahead"]["drafting_ms"] == pytest.approx(40.0)
     assert configs["fixed"]["round_over_larger"] == pytest.approx(2.0)
     assert configs["lookahead"]["round_over_larger"] == pytest.approx(1.1)
+    assert configs["both"]["drafting_ms"] == pytest.approx(10.0)
+    assert configs["adaptive"]["round_over_larger"] == pytest.approx(1.4)
+    assert configs["both"]["round_over_larger"] == pytest.approx(1.2)

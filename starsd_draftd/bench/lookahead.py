@@ -90,12 +90,14 @@ def sum_profiles(profiles: list[dict]) -> dict:
 
 def overlap(configs: dict) -> None:
     """Each configuration's round against the larger of drafting and verifying it: drafting is what
-    drafting a round on request costs (the fixed configuration's draft forward per round, both sides
-    measured in the same turns), verifying its own verification forward per round. 1.0: a round as
-    long as the larger of the two (drafting hidden behind verification, or the reverse); their sum:
-    one after the other."""
-    drafting = configs["fixed"]["round_ms"].get("draft_forward")
+    drafting its rounds on request costs (the draft forward per round of the configuration without
+    lookahead and with the same depth rule: lookahead's own hides what it drafted ahead), verifying
+    its own verification forward per round. 1.0: a round as long as the larger of the two (drafting
+    hidden behind verification, or the reverse); about their sum: one after the other."""
     for c in configs.values():
+        partner = next((o for o in configs.values() if not o["lookahead"]
+                        and o["adaptive_depth"] == c["adaptive_depth"]), None)
+        drafting = None if partner is None else partner["round_ms"].get("draft_forward")
         ms = c["round_ms"]
         larger = max(drafting or 0.0, ms.get("verify_forward", 0.0))
         c["drafting_ms"] = drafting
@@ -191,9 +193,9 @@ def format_lookahead(v: dict) -> list[str]:
             ratio = "-" if c.get("round_over_larger") is None else f"{c['round_over_larger']:.2f}"
             lines.append(f"| {r['streams']} | {name} | {ms['round']:.1f} | {ms['draft_wait']:.1f} | "
                          f"{ms['draft_forward']:.1f} | {ms['wire']:.1f} | {ms['verify_forward']:.1f} | {ratio} |")
-    lines += ["", "Drafting, in the last column: a round's drafts made on request (the fixed configuration's "
-                  "draft forward per round); 1.00 is a round as long as the larger of drafting and verification, "
-                  "their sum is one after the other.",
+    lines += ["", "Drafting, in the last column: a round's drafts made on request (the draft forward per round "
+                  "of the same depth rule without lookahead); 1.00 is a round as long as the larger of drafting "
+                  "and verification, about their sum is one after the other.",
               "", "Drafts asked: the length a round asked for (with adaptive depth on a daemon that stops "
                   "chains itself, the cap); sent: the drafts that came.",
               "", "Hit rate: requests answered from work drafted ahead (late hits, finished on arrival, "

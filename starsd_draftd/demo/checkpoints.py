@@ -67,6 +67,22 @@ def exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _building(final: Path) -> Iterator[Path]:
+    """A temporary directory beside ``final`` to build into, put in ``final``'s place when the block
+    completes (a rename: readers see the whole build or none of it) and removed if it fails."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _complete(root: Path) -> bool:
     return (root / REPORT_NAME).is_file() and all((root / sub / "config.json").is_file() for sub in ("target", "draft"))
 
@@ -87,19 +103,11 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
         if not _complete(final):
             for stale in final.parent.glob(f".{final.name}.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-            try:
+            with _building(final) as tmp:
                 report = build_demo_checkpoints(tmp, progress=progress, threads=threads or len(os.sched_getaffinity(0)))
                 eagle = final / "eagle"  # a head trained earlier for this recipe stays
                 if eagle.is_dir():
                     os.rename(eagle, tmp / "eagle")
-                if final.exists():
-                    shutil.rmtree(final)
-                os.chmod(tmp, 0o755)
-                os.rename(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
             log.info("demo checkpoints ready in %.0fs (draft agreement with the target %.1f%%): %s",
                      report["wall_s"], 100 * report["draft"]["heldout_top1_agreement"], final)
             for old, size in earlier_recipes(final):
@@ -219,16 +227,9 @@ def ensure_real_cost_draft(progress: bool = True, threads: int | None = None) ->
         return target_dir, final
     with exclusive_lock(root.parent / f"{root.name}.lock"):
         if not (final / REPORT_NAME).is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=f".{REAL_COST_NAME}.tmp-", dir=root))
-            try:
+            with _building(final) as tmp:
                 report = build_real_cost_draft(root, tmp, threads=threads or len(os.sched_getaffinity(0)),
                                                progress=progress)
-                shutil.rmtree(final, ignore_errors=True)
-                os.chmod(tmp, 0o755)
-                os.rename(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
             log.info("real-cost draft ready: %d of the target's %d layers, %d distillation steps: %s",
                      report["layers"], report["of"], report["steps"], final)
     return target_dir, final
