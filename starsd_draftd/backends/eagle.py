@@ -439,7 +439,7 @@ class EagleBackend(DraftBackend):
             predicted.append({ROOT: hidden[0, -1]})
             cols.append([])  # the merged columns of the nodes the session has fed, in its tree's order
         lengths = [st.past[0][0].shape[2] for st, *_ in jobs]
-        longest, k = max(lengths), len(jobs)
+        k = len(jobs)
         past = jobs[0][0].past if k == 1 else _merge_past([st.past for st, *_ in jobs])
         real = padded_layout(lengths, [0] * k, dev)[0]  # each row's cached slots, right-aligned
         fed = 0  # tree columns in the merged cache
