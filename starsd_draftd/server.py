@@ -1,9 +1,12 @@
-"""The draft daemon's work-conserving loop: one ROUTER socket, one request queue, one backend.
+"""The draft daemon's batcher: a work-conserving loop over one request queue and one backend.
 
-I/O is drained into Q_in without blocking; each pass serves a batch of the waiting DRAFT
-requests (oldest first, one per address in turn before any address gets a second) and queues
-the replies on Q_out. The loop blocks only when no work is waiting, so the draft model is busy
-whenever any target is waiting for drafts.
+Its front door, ``starsd_draftd.ingress.Ingress``, owns the ROUTER socket: it reads and checks
+what arrives, answers the handshake and operators, and queues DRAFT requests. Each pass here
+takes a batch of the waiting requests (oldest first, one per address in turn before any address
+gets a second), admits each against its session, drafts them in one backend call and queues
+the replies, which the ingress sends. The loop blocks only when no work is waiting, so the draft
+model is busy whenever any target is waiting for drafts; with nothing queued it drafts ahead
+(``starsd_draftd.lookahead``).
 """
 
 from __future__ import annotations
@@ -20,29 +23,22 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
-from common.features import check_feature_layers
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.memory import memory_report
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
-from common.security import AllowList
-from common.sockets import SocketOptions, bind_server, check_server_endpoint, is_local_address
-from common.tensors import WIRE_DTYPES, all_finite, dtype_name
-from common.verify import SamplingParams
+from common.sockets import check_server_endpoint
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
+from starsd_draftd.ingress import Ingress
 from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.records import AdmittedRequest, PeerBacklog, QueuedRequest
+from starsd_draftd.records import AdmittedRequest, QueuedRequest
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
 log = logging.getLogger("starsd.draftd")
-
-FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16", "float32"))
-
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
 
@@ -94,41 +90,6 @@ class ServerConfig:
     name: str = "starsd-draftd"
 
 
-# A msgpack byte can become up to about 12 bytes of Python objects (a uint16 token id is 3 bytes
-# on the wire, a 28-byte int plus an 8-byte list slot once decoded); tensor frames are held as
-# they arrived (decoded arrays are views of them). Measured: 2**18 uint32 ids (1.3 MiB) decode to
-# about 11 MB, 8.4 bytes per wire byte.
-HEADER_EXPANSION = 12
-MESSAGE_OVERHEAD = 1024  # the Message, its dicts and the queue's record
-
-
-def queue_cost(frames: list) -> int:
-    """What a queued request costs in memory, from its frame sizes (frames[0]: the type,
-    frames[1]: the msgpack header, the rest tensors), before anything is decoded."""
-    return MESSAGE_OVERHEAD + HEADER_EXPANSION * len(frames[1]) + sum(len(f) for f in frames[2:])
-
-
-def _origin(frame: zmq.Frame) -> tuple[int, str]:
-    """The socket a message arrived on and the remote address ZeroMQ reports ("" for ipc)."""
-    try:
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        address = ""
-    return frame.get(zmq.SRCFD), address
-
-
-def message_limits(backend: DraftBackend) -> P.Limits:
-    """Bounds for what this daemon accepts: no token list longer than the drafter's context, no
-    message larger than the largest a target can need (a prompt of that length, or features for
-    every position of it)."""
-    base = P.DEFAULT_LIMITS
-    n = min(base.max_array_len, backend.max_len or base.max_array_len)
-    largest = (64 << 10) + 5 * n + 4 * n * backend.feature_size  # headers, ids (5 bytes each), float32 features
-    if not backend.feature_size:  # a feature backend takes what its targets need, beyond the default cap
-        largest = min(base.max_message_bytes, largest)
-    return dataclasses.replace(base, max_array_len=n, max_message_bytes=largest)
-
-
 class LoopFailed(RuntimeError):
     """The serving loop kept failing outside any one request: the daemon exits non-zero (and
     systemd restarts it) rather than look alive and serve nothing."""
@@ -144,13 +105,8 @@ class DraftServer:
                   if f.name != "kv_bytes_per_token"}  # the one bound that comes from the model
         self.sessions = SessionTable(TableLimits(**bounds, kv_bytes_per_token=backend.kv_bytes_per_token),
                                      durable=config.curve_secret is not None)
-        self.q_in: collections.deque[QueuedRequest] = collections.deque()
         self._served_turn: dict[bytes | str, int] = {}  # share -> the batch that last served it
         self._turn = 0
-        self.queue_bytes = 0
-        self._peer_queue: dict[bytes, PeerBacklog] = {}  # principal -> what it has queued
-        self.limits = message_limits(backend)
-        self.q_out: collections.deque[list] = collections.deque()
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
         self.lookahead = LookaheadServing(backend, self.sessions, self.stats)
@@ -159,11 +115,29 @@ class DraftServer:
         self.instance = secrets.token_hex(8)
         self._stop = threading.Event()
         self._reload = threading.Event()
-        self.draining = False
-        self.sock: zmq.Socket | None = None
-        self.allow: AllowList | None = None
-        self.endpoint = config.bind
-        self._read_at = 0.0  # when the message being handled was read off the socket
+        # the socket, what arrives on it and the queue's budgets; this class takes the queue's requests
+        self.ingress = Ingress(backend, config, self.sessions, self.stats, self.ctx, self.instance, self.snapshot,
+                               self._release, self._free_dropped, self._returned)
+
+    # the ingress's state, as this loop and its callers see it
+    @property
+    def q_in(self) -> collections.deque[QueuedRequest]:
+        return self.ingress.q_in
+
+    @property
+    def endpoint(self) -> str:
+        return self.ingress.endpoint
+
+    @property
+    def draining(self) -> bool:
+        return self.ingress.draining
+
+    def _returned(self, session: Session) -> None:
+        """A DRAFT of ``session`` was queued: with a batch window, its turnaround is measured and it is
+        no longer awaited."""
+        if self.config.batch_window_s > 0:
+            session.returned(time.monotonic())
+            self._awaited.pop(session.key, None)
 
     # ------------------------------------------------------------ life cycle
     def stop(self) -> None:
@@ -180,29 +154,21 @@ class DraftServer:
         signal.signal(signal.SIGHUP, lambda *_: self.reload_keys())
 
     def bind(self) -> str:
-        # ZeroMQ drops a connection that sends more than this before buffering it; up to it, an
-        # oversized message is read and answered TOO_LARGE (the decode limits), so a careless
-        # peer learns why
-        hard = max(16 << 20, 2 * self.limits.max_message_bytes)
-        self.sock, self.allow = bind_server(self.ctx, self.config.bind, self.config.curve_secret,
-                                            self.config.curve_allow, SocketOptions(max_msg_bytes=hard))
-        # disconnects, so a connection's entry and sessions go when it does, not a TTL later
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = self.ingress.bind()
         if self.config.metrics_port is not None:
             serve_metrics(self.metrics.registry, self.config.metrics_port)
-        log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", self.endpoint, self.backend.name,
-                 self.config.max_depth, "CURVE" if self.allow else "plaintext")
-        return self.endpoint
+        log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", endpoint, self.backend.name,
+                 self.config.max_depth, "CURVE" if self.ingress.allow else "plaintext")
+        return endpoint
 
     def serve_forever(self, ready: threading.Event | None = None) -> None:
-        if self.sock is None:
+        if self.ingress.sock is None:
             self.bind()
         if ready is not None:
             ready.set()
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.ingress.sock, zmq.POLLIN)
+        poller.register(self.ingress.monitor, zmq.POLLIN)
         self._next_sweep = time.monotonic() + 1.0
         drain_deadline = None
         failures = 0
@@ -216,7 +182,7 @@ class DraftServer:
                     drain_deadline = time.monotonic() + self.config.drain_s
                     self._start_draining()
                 if self.draining and (not self.q_in or time.monotonic() >= drain_deadline):
-                    self._flush_out()
+                    self.ingress.flush()
                     break
                 try:
                     self._pass(poller)
@@ -231,13 +197,7 @@ class DraftServer:
         finally:
             if self.q_in:
                 log.warning("stopping with %d draft requests unanswered", len(self.q_in))
-            # a short linger lets the GOODBYEs and last replies leave; LINGER 0 would drop them
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-            self.sock.close(linger=500 if self.draining else 0)
-            self.sock = None
-            if self.allow is not None:
-                self.allow.stop()
+            self.ingress.close()
             log.info("draft daemon stopped")
 
     MAX_FAILED_PASSES = 50  # passes in a row that fail outside any request: then the daemon exits non-zero
@@ -247,34 +207,22 @@ class DraftServer:
         second expire silent peers and sample the metrics."""
         if self._reload.is_set():
             self._reload.clear()
-            if self.allow is not None:
-                self.allow.reload()
-                self.stats.key_reloads += 1
-        timeout = 0 if (self.q_in or self.q_out or self.lookahead.pending) else 100
+            self.ingress.reload_keys()
+        timeout = 0 if (self.q_in or self.ingress.q_out or self.lookahead.pending) else 100
         if poller.poll(timeout):
-            self._drain_socket()
+            self.ingress.read()
         if self.q_in:
             self._fill_batch()
             self._serve_batch()
         elif self.lookahead.pending and not self.draining:
             self.lookahead.step()  # one forward, then the socket is looked at again
-        self._flush_out()
+        self.ingress.flush()
         now = time.monotonic()
         if now >= self._next_sweep:
             self.sessions.expire(now)
             self._free_dropped()
             self._sample_metrics(now)
             self._next_sweep = now + 1.0
-
-    def _drain_monitor(self) -> list:
-        """The connections the socket monitor says have closed since the last look."""
-        gone = []
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.stats.disconnects += 1
-                gone.extend(self.sessions.conns_on(event["value"]))
-        return gone
 
     def _free_dropped(self) -> None:
         """Free the backend state of sessions the table dropped on its own, counted by why."""
@@ -290,270 +238,9 @@ class DraftServer:
 
     def _start_draining(self) -> None:
         """Stop taking sessions, tell every peer we are leaving, answer what is already queued."""
-        self.draining = True
         notify("STOPPING=1", "STATUS=draining")
-        log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.conns))
-        for identity in self.sessions.conns:
-            self._send(identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
+        self.ingress.say_goodbye()
 
-    # ------------------------------------------------------------ I/O
-    def _drain_socket(self, budget: int = 1024) -> None:
-        """Read and handle what has arrived. Disconnects the socket monitor reported before the
-        reading take effect after it: the messages those connections sent before closing were
-        queued before the event, so this drain reads them; and a connection registered during
-        it (on a reused socket) is not among those dropped."""
-        gone = self._drain_monitor()
-        # ZMQ_EVENTS says whether a message is waiting; cheaper than a receive that raises Again
-        sock = self.sock
-        for _ in range(budget):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                break
-            self._on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-        if gone:
-            self.sessions.disconnected(gone)
-            self._free_dropped()
-
-    def _send(self, identity: bytes, msg: Message) -> None:
-        self.q_out.append([identity, *P.encode(msg)])
-
-    def _flush_out(self) -> None:
-        """Send queued replies. A peer that stopped reading (its pipe is full) loses that reply
-        rather than stalling everyone behind it; it resynchronises on its own."""
-        while self.q_out:
-            frames = self.q_out.popleft()
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=P.needs_copy(frames))
-            except zmq.Again:
-                self.stats.dropped_replies += 1
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self.stats.unroutable += 1  # the peer disconnected; its reply has nowhere to go
-
-    def _error(self, identity: bytes | None, exc: ProtocolError) -> None:
-        self.stats.errors[exc.code.name] += 1
-        log.debug("protocol error from %r: %s", identity, exc)
-        if identity is not None:
-            self._send(identity, P.error_from(exc))
-
-    # ------------------------------------------------------------ message handling
-    def _on_frames(self, frames: list) -> None:
-        self._read_at = time.perf_counter()  # when this message was read off the socket (request_s)
-        identity = frames[0].bytes if frames else None
-        try:
-            if len(frames) < 2:
-                raise ProtocolError(ErrorCode.MALFORMED, "empty message")
-            # With CURVE the authenticator stamps each message with the peer's public key: sessions
-            # follow the key, so nobody can reach another key's sessions, even after reconnecting.
-            principal = identity
-            if self.allow is not None:
-                principal = frames[1].get("User-Id").encode()
-            cost = 0
-            if len(frames) > 2 and frames[1].bytes == MsgType.DRAFT.value:
-                cost = queue_cost(frames[1:])
-                if cost > min(self.config.max_peer_queue_bytes, self.config.max_queue_bytes):
-                    raise ProtocolError(ErrorCode.TOO_LARGE, f"a draft request of {cost} bytes (estimated in "
-                                        f"memory) exceeds the queue's budget per target",
-                                        *P.peek_ids(frames[2].buffer, self.limits), re=MsgType.DRAFT)
-            msg = P.decode(frames[1:], self.limits)
-            try:
-                self._on_message(identity, principal, msg, _origin(frames[1]), cost)
-            except ProtocolError as exc:
-                exc.re = exc.re or msg.type  # the refusal names the request it answers
-                raise
-        except ProtocolError as exc:
-            self._error(identity, exc)
-        except Exception:  # a bug must cost one request, never the daemon
-            log.exception("internal error while handling a message from %r", identity)
-            self._error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
-        finally:
-            if self.sessions.dropped:
-                self._free_dropped()
-
-    def _on_message(self, identity: bytes, principal: bytes, msg: Message, origin: tuple[int, str],
-                    cost: int = 0) -> None:
-        """Handle one decoded message; ``origin`` is (socket fd, remote address) of its connection."""
-        h = msg.header
-        mtype = msg.type
-        fd, address = origin
-        conn = self.sessions.touch(principal, identity, fd)
-        if mtype is MsgType.DRAFT:  # the hot path first
-            if conn is None:
-                raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
-            session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
-            self._check_draft(session, msg)
-            # without CURVE a host can open many connections: fair service is counted per address
-            self._enqueue(identity, principal, msg, cost, principal if self.allow is not None else conn.address)
-            if self.config.batch_window_s > 0:
-                session.returned(time.monotonic())
-                self._awaited.pop(session.key, None)
-            return
-        if mtype is MsgType.STATS and (conn is not None or self.allow is not None or is_local_address(address)):
-            # operators' status: for targets, authenticated peers and this machine
-            self._send(identity, Message(MsgType.STATS_REPLY, {"stats": self.snapshot()}))
-            return
-        if self.draining and mtype in (MsgType.HELLO, MsgType.OPEN):
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the draft daemon is shutting down", h.get("session"))
-        if mtype is MsgType.HELLO:
-            self._hello(identity, principal, h, origin)
-            return
-        if conn is None:
-            raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
-        if mtype is MsgType.PING:
-            self._send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
-        elif mtype is MsgType.OPEN:
-            self._open(principal, h, conn.address)
-        elif mtype is MsgType.CLOSE:
-            s = self.sessions.close(principal, h["session"])
-            if s is not None:
-                self._release(s)
-        else:
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
-
-    def _enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int, share: bytes | str) -> None:
-        """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)."""
-        h, cfg = msg.header, self.config
-        mine = self._peer_queue.get(principal) or PeerBacklog()
-        why = None
-        if len(self.q_in) >= cfg.max_queue:
-            why = f"the request queue is full ({cfg.max_queue} requests)"
-        elif self.queue_bytes + cost > cfg.max_queue_bytes:
-            why = f"the request queue holds {self.queue_bytes} of its {cfg.max_queue_bytes} bytes"
-        elif mine.requests >= cfg.max_peer_queue:
-            why = f"this target already has {mine.requests} requests queued (limit {cfg.max_peer_queue})"
-        elif mine.nbytes + cost > cfg.max_peer_queue_bytes:
-            why = f"this target's queued requests hold {mine.nbytes} of its {cfg.max_peer_queue_bytes} bytes"
-        if why is not None:
-            raise ProtocolError(ErrorCode.BUSY, why, h["session"], h["seq"])
-        mine.requests += 1
-        mine.nbytes += cost
-        self._peer_queue[principal] = mine
-        self.queue_bytes += cost
-        self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
-        self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, time.perf_counter()))
-
-    def _dequeued(self, item: QueuedRequest) -> None:
-        self.queue_bytes -= item.cost
-        mine = self._peer_queue[item.principal]
-        mine.requests -= 1
-        mine.nbytes -= item.cost
-        if not mine.requests:
-            del self._peer_queue[item.principal]
-
-    def _check_draft(self, session: Session, msg: Message) -> None:
-        """What a DRAFT request can be checked for on arrival, before it is queued: depth, token
-        ids, the length it claims, and its features' type and size (at most one per position).
-        What depends on the session's state when it is served (seq, accepted, pos) is checked then."""
-        h = msg.header
-        sid, seq, pos = h["session"], h["seq"], h["pos"]
-        if not 1 <= h["depth"] <= self.config.max_depth:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"depth {h['depth']} is outside 1..{self.config.max_depth}",
-                                sid, seq)
-        if len(h["new"]) > pos:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(h['new'])} new tokens cannot make a sequence of {pos}",
-                                sid, seq)
-        self._check_ids(h["new"], sid, seq)
-        self._check_len(pos + h["depth"], sid, seq)
-        if h.get("tree_tokens", 0) > self.config.max_tree_tokens:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tree_tokens {h['tree_tokens']} exceeds this daemon's "
-                                f"{self.config.max_tree_tokens}", sid, seq)
-        f = msg.tensors.get("features")
-        need = self.backend.feature_size
-        if not need:
-            if f is not None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "this draft daemon takes no features", sid, seq)
-            return
-        if f is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend needs target features",
-                                sid, seq)
-        dtype, shape = f.dtype, f.shape
-        if dtype not in FEATURE_DTYPES or len(shape) != 2 or shape[1] != need or shape[0] > pos:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"features must be float [m, {need}] with m <= pos ({pos}), "
-                                f"got {dtype_name(dtype)} {list(shape)}", sid, seq)
-        if not all_finite(f):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "features must be finite", sid, seq)
-
-    def _hello(self, identity: bytes, principal: bytes, h: dict, origin: tuple[int, str]) -> None:
-        mine = (self.backend.vocab_size, self.backend.fingerprint)
-        theirs = (h["vocab_size"], h["tokenizer"])
-        need = self.backend.feature_size
-        why = self._feature_refusal(h)
-        if why is not None:
-            log.warning("refusing target %r: %s", h.get("name", ""), why)
-            raise ProtocolError(ErrorCode.INCOMPATIBLE_MODEL, why)
-        if mine != theirs:
-            log.warning("refusing target %r: its vocabulary %d (tokenizer %s) differs from the draft's %d "
-                        "(tokenizer %s)", h.get("name", ""), theirs[0], theirs[1], mine[0], mine[1])
-            raise ProtocolError(
-                ErrorCode.INCOMPATIBLE_MODEL,
-                f"draft model vocabulary {mine[0]} (tokenizer {mine[1]}) does not match the target's "
-                f"vocabulary {theirs[0]} (tokenizer {theirs[1]})")
-        fd, address = origin
-        conn = self.sessions.welcome(principal, identity, h.get("name", ""), address, fd)
-        log.info("target %s connected from %s", conn.name or identity.hex(), address or "ipc")
-        self._send(identity, Message(MsgType.WELCOME, {
-            "vocab_size": mine[0], "tokenizer": mine[1], "backend": self.backend.name,
-            "max_depth": self.config.max_depth, "q_topk": getattr(self.backend, "q_topk", 0),
-            "feature_size": need, "instance": self.instance, "server": self.config.name,
-            "max_len": self.backend.max_len or 0, "tree_topk": self.backend.tree_topk,
-            "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0,
-            "stops_drafts": self.backend.stops_drafts,
-            **({"feature_layers": list(self.backend.feature_layers)} if self.backend.feature_layers else {})}))
-
-    def _feature_refusal(self, h: dict) -> str | None:
-        """Why the HELLO's target cannot give the features this daemon's head reads (None: it can,
-        or the head reads none): its hidden size, and for fused features its layer count."""
-        b = self.backend
-        if not b.feature_size:
-            return None
-        width = getattr(b, "target_hidden_size", b.feature_size)
-        theirs = h.get("feature_size", 0)
-        if theirs != width:
-            return (f"the {b.name} draft head works on a target hidden size of {width}, but the target's hidden "
-                    f"size is {theirs or 'unknown'}")
-        layers = b.feature_layers
-        if layers:
-            n = h.get("num_layers", 0)
-            why = check_feature_layers(layers, n) if n else "the target did not say how many layers it has"
-            if why is not None:
-                return f"the {b.name} draft head fuses the target's hidden states entering layers {list(layers)}: {why}"
-        return None
-
-    def _open(self, principal: bytes, h: dict, address: str) -> None:
-        sid = h["session"]
-        P.validate_fields(P.SAMPLING_SCHEMA, h["sampling"], "OPEN.sampling", sid)
-        try:
-            params = SamplingParams.from_wire(h["sampling"])
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), sid) from None
-        prompt = h["prompt"]
-        if not prompt:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the prompt must hold at least one token", sid)
-        self._check_len(len(prompt), sid, None)
-        self._check_ids(prompt, sid, None)
-        old = self.sessions.close(principal, sid)
-        if old is not None:
-            self._release(old)
-        state = self.backend.new_state(params)
-        try:
-            self.sessions.open(principal, sid, params, prompt, state, address,
-                               reserve=len(prompt) + self.config.max_depth)
-        except ProtocolError:
-            self.backend.release(state)
-            raise
-        self.stats.sessions_opened += 1
-
-    def _check_len(self, length: int, sid, seq) -> None:
-        limit = self.backend.max_len
-        if limit is not None and length > limit:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{length} positions exceed the draft model's context of {limit}",
-                                sid, seq)
-
-    def _check_ids(self, ids: list[int], sid, seq) -> None:
-        vocab = self.backend.vocab_size
-        if ids and max(ids) >= vocab:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {max(ids)} is outside the vocabulary ({vocab})",
-                                sid, seq)
 
     def _fill_batch(self) -> None:
         """With a batch window, wait (at most the window) while the batch has room and some
@@ -582,8 +269,8 @@ class DraftServer:
             if not due or now >= deadline:
                 break
             waited = True
-            if self.sock.poll(max(1, int(1000 * (deadline - now))), zmq.POLLIN):
-                self._drain_socket()
+            if self.ingress.sock.poll(max(1, int(1000 * (deadline - now))), zmq.POLLIN):
+                self.ingress.read()
             else:
                 break
         if waited:
@@ -618,9 +305,9 @@ class DraftServer:
         self._served_turn = {sh: t for sh, t in self._served_turn.items() if sh in by_share}
         chosen = set(taken)
         batch = [items[i] for i in sorted(chosen)]
-        self.q_in = collections.deque(item for i, item in enumerate(items) if i not in chosen)
+        self.ingress.q_in = collections.deque(item for i, item in enumerate(items) if i not in chosen)
         for item in batch:
-            self._dequeued(item)
+            self.ingress.dequeued(item)
         return batch
 
     def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
@@ -673,7 +360,7 @@ class DraftServer:
                 request = self._admit(item.principal, item.msg, keys)
             except ProtocolError as exc:
                 exc.re = MsgType.DRAFT
-                self._error(item.identity, exc)
+                self.ingress.error(item.identity, exc)
                 continue
             admitted.append(AdmittedRequest(item.identity, item.msg.header, item.key, request, item.read_at,
                                             item.queued_at))
@@ -693,7 +380,7 @@ class DraftServer:
             for i, (draft, seconds) in ahead.items():
                 drafts[i], spent[i] = draft, seconds
                 self._reply(admitted[i], draft, start, seconds)
-            self._flush_out()
+            self.ingress.flush()
         todo = [i for i in range(len(admitted)) if i not in ahead]
         t0 = time.perf_counter()
         try:
@@ -704,7 +391,7 @@ class DraftServer:
             log.exception("drafting failed for %d session(s)", len(todo))
             for i in todo:
                 h = admitted[i].header
-                self._error(admitted[i].identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
+                self.ingress.error(admitted[i].identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
                                                     MsgType.DRAFT))
             todo = []  # answered (with an error); the hits above still need their bookkeeping
         finally:
@@ -722,7 +409,7 @@ class DraftServer:
         for i in todo:
             spent[i] = elapsed
             self._reply(admitted[i], drafts[i], start, elapsed)
-        self._flush_out()
+        self.ingress.flush()
         # the rest of the bookkeeping is off the targets' critical path
         done = time.perf_counter()
         parts = stats.request_s
@@ -768,7 +455,7 @@ class DraftServer:
         tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
         if draft.parents is not None:
             tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
-        self._send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
+        self.ingress.send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
 
     def _release(self, session: Session) -> None:
         """Free a session's backend state, dropping any work done ahead for it first."""
@@ -786,7 +473,7 @@ class DraftServer:
         snap["addresses"] = len(self.sessions.address_conns)
         snap["kv_bytes"] = self.sessions.kv_bytes
         snap["backend"] = self.backend.counters()
-        snap["queue_bytes"] = self.queue_bytes
+        snap["queue_bytes"] = self.ingress.queue_bytes
         snap["limits"] = self.budgets()
         snap["memory"] = memory_report(self.backend.weights_bytes)
         return snap

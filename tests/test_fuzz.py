@@ -29,7 +29,7 @@ from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
 from fakes import CountingBackend, nested as nested_list, running_server, speculate
 from starsd_draftd.bench.procs import ProcessSet
-from starsd_draftd.server import message_limits
+from starsd_draftd.ingress import message_limits
 from starsd_target.client import Backoff, DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import reference_greedy

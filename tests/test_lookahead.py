@@ -11,7 +11,7 @@ from common.verify import SamplingParams
 from fakes import RawPeer, running_server, speculate
 from starsd_draftd.backends.base import ChainDrafter, Draft, DraftBackend, Lookahead, position_seed
 from starsd_draftd.backends.model import ModelBackend
-from starsd_draftd.server import DraftServer
+from starsd_draftd.ingress import Ingress
 from starsd_target.client import DraftClient
 from starsd_target.engine import TargetEngine
 
@@ -116,13 +116,13 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
     """Session 1's work ahead is long (each step sleeps); session 2's request, once queued, is
     served after at most one more of those steps: the loop looks at the socket between steps."""
     backend = ScriptedBackend(step_s=0.03)
-    enqueue = DraftServer._enqueue
+    enqueue = Ingress.enqueue
 
     def logged(self, identity, principal, msg, cost, share):
         backend.events.append(("queued", msg.header["new"][-1] if msg.header["new"] else None))
         return enqueue(self, identity, principal, msg, cost, share)
 
-    monkeypatch.setattr(DraftServer, "_enqueue", logged)
+    monkeypatch.setattr(Ingress, "enqueue", logged)
     with running_server(backend, max_depth=16) as (server, ctx):
         a, b = _peer(server, ctx, 1, [10, 20]), _peer(server, ctx, 2, [150, 160])
         _draft(a, 1, 1, 0, [], 2, depth=15)  # session 1's lookahead: 17 steps of 30 ms

@@ -11,7 +11,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.verify import SamplingParams
 from fakes import CountingBackend, running_server
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.server import REQUEST_PARTS, DraftServer
+from starsd_draftd.server import REQUEST_PARTS
 from starsd_target.client import DraftClient
 from starsd_target.engine import TargetEngine
 from starsd_target.metrics import TargetMetrics
@@ -151,13 +151,13 @@ def test_an_older_daemon_without_the_fields_still_drafts(loaded_target, fake_bac
     draft wait is all wire (it cannot tell the daemon's share)."""
     engine = TargetEngine(loaded_target, depth=4)
     with running_server(fake_backend) as (server, ctx):
-        def old_send(identity, msg, send=DraftServer._send.__get__(server)):
+        def old_send(identity, msg, send=server.ingress.send):
             if msg.type is MsgType.DRAFTED:
                 msg = Message(MsgType.DRAFTED, {k: v for k, v in msg.header.items()
                                                 if k not in ("queued_us", "draft_us")}, msg.tensors)
             send(identity, msg)
 
-        server._send = old_send
+        server.ingress.send = old_send
         _, results = _run(engine, server, ctx, PROMPTS[:1])
     stats = results[0].stats
     p = stats.to_dict()["profile"]
