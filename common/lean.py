@@ -39,7 +39,6 @@ optional 2-D or 4-D mask and position ids, ``output_hidden_states`` and ``logits
 from __future__ import annotations
 
 import logging
-import sys
 from types import SimpleNamespace
 
 import torch

@@ -2,7 +2,6 @@
 (the server runs in this process here; test_e2e covers separate processes)."""
 
 import pytest
-import zmq
 
 from common.models import load_causal_lm
 from common.verify import SamplingParams

@@ -4,7 +4,6 @@ the target model's own generate() whatever the drafts are."""
 import dataclasses
 
 import pytest
-import torch
 
 from common.verify import SamplingParams
 from starsd_target.engine import TargetEngine

@@ -4,7 +4,6 @@ the final hidden states of the newly verified positions, taken from its verifica
 import numpy as np
 import torch
 
-from common.models import load_causal_lm
 from common.tensors import as_torch
 from common.verify import SamplingParams
 from fakes import CountingBackend, RawPeer, running_server, speculate

@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import zmq
 
 from common.protocol import ErrorCode, Message, MsgType

@@ -1,7 +1,6 @@
 """The target's scheduler: concurrent generations stay exact, interleave while drafts are in
 flight (work conservation at the target), and overload and shutdown are answered cleanly."""
 
-import threading
 import time
 
 import pytest

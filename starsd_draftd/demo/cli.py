@@ -10,7 +10,7 @@ import click
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
-from common.models import DTYPE_CHOICES, DTYPE_HELP, ModelLoadError
+from common.models import DTYPE_CHOICES, ModelLoadError
 from starsd_draftd.demo.checkpoints import DRAFT_VOCAB
 from starsd_draftd.demo.run import DemoConfig, format_table, format_texts, prepare as prepare_checkpoints, run_demo
 
