@@ -391,8 +391,10 @@ def test_bench_config_refuses_unknown_sections():
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    report = run.run_bench(config.BenchConfig.quick_config(out=out, progress=False,
-                                                    workdir=tmp_path_factory.mktemp("bench-work")))
+    # --quick, with fewer measurements still: these tests check what the report holds, not its figures
+    report = run.run_bench(config.BenchConfig.quick_config(
+        out=out, progress=False, workdir=tmp_path_factory.mktemp("bench-work"), wire_rounds=60, wire_paced_rounds=6,
+        min_rounds=15, calib_rounds=5, capacity_s=0.2, max_tokens=16))
     return out, report
 
 
