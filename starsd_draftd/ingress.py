@@ -75,7 +75,6 @@ def message_limits(backend: DraftBackend) -> P.Limits:
     return dataclasses.replace(base, max_array_len=n, max_message_bytes=largest)
 
 
-
 class Ingress:
     """The socket side of the draft daemon (see the module's docstring). ``snapshot``: the STATS
     reply's content; ``release(session)``: free a session closed or re-opened here;

@@ -88,12 +88,13 @@ class LookaheadServing:
             out[i] = (draft, time.perf_counter() - t0)
         return out
 
-    def note_fresh(self, seconds: float, depth: int) -> None:
-        """A request drafted on arrival, alone in its batch: ``seconds`` for ``depth`` tokens,
-        about one forward each (its new tokens go in one), which ``finishing_pays`` weighs a late
-        hit's remaining steps against."""
-        if depth > 0 and seconds > 0:
-            per_step = seconds / depth
+    def note_fresh(self, seconds: float, tokens: int) -> None:
+        """A request drafted on arrival, alone in its batch and after an earlier draft of its
+        session (so no prompt prefill in its time): ``seconds`` for ``tokens`` drafts, about one
+        forward each (its new tokens go in one), which ``finishing_pays`` weighs a late hit's
+        remaining steps against."""
+        if tokens > 0 and seconds > 0:
+            per_step = seconds / tokens
             prev = self.fresh_step_s
             self.fresh_step_s = per_step if prev is None else prev + FRESH_SMOOTHING * (per_step - prev)
 
@@ -108,7 +109,7 @@ class LookaheadServing:
         left (on a small model, a step over four rows costs up to twice one row's)."""
         left = task.steps_left
         if left is None:
-            return False
+            return True  # a backend that does not say how long its work takes: finished, as always
         if self.fresh_step_s is None or task.steps == 0:
             return 2 * left <= depth
         return left * (task.seconds / task.steps) < depth * self.fresh_step_s

@@ -241,7 +241,6 @@ class DraftServer:
         notify("STOPPING=1", "STATUS=draining")
         self.ingress.say_goodbye()
 
-
     def _fill_batch(self) -> None:
         """With a batch window, wait (at most the window) while the batch has room and some
         session is predicted to send its next request within the window; otherwise return at
@@ -391,8 +390,8 @@ class DraftServer:
             log.exception("drafting failed for %d session(s)", len(todo))
             for i in todo:
                 h = admitted[i].header
-                self.ingress.error(admitted[i].identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed", h["session"], h["seq"],
-                                                    MsgType.DRAFT))
+                self.ingress.error(admitted[i].identity, ProtocolError(ErrorCode.INTERNAL, "drafting failed",
+                                                                       h["session"], h["seq"], MsgType.DRAFT))
             todo = []  # answered (with an error); the hits above still need their bookkeeping
         finally:
             elapsed = time.perf_counter() - t0
@@ -404,13 +403,15 @@ class DraftServer:
         if served:
             stats.batches += 1
             stats.batched_requests += len(served)
-        if len(todo) == 1 and drafts[todo[0]].parents is None:  # a chain alone: what a fresh forward costs
-            self.lookahead.note_fresh(elapsed, admitted[todo[0]].request.depth)
         for i in todo:
             spent[i] = elapsed
             self._reply(admitted[i], drafts[i], start, elapsed)
         self.ingress.flush()
         # the rest of the bookkeeping is off the targets' critical path
+        if len(todo) == 1 and drafts[todo[0]].parents is None:  # a chain alone: what fresh forwards cost,
+            one = self.sessions.sessions.get(admitted[todo[0]].key)  # once its session was drafted before
+            if one is not None and one.last_draft:
+                self.lookahead.note_fresh(elapsed, len(drafts[todo[0]].tokens))
         done = time.perf_counter()
         parts = stats.request_s
         for i in served:

@@ -664,14 +664,14 @@ def test_a_shape_checkpoint_has_the_real_configuration(tmp_path, monkeypatch):
 
 
 def test_a_round_is_set_against_the_larger_of_drafting_and_verification():
-    from starsd_draftd.bench.lookahead import overlap, sum_profiles
-    from starsd_target.profile import ms_per_round
+    from starsd_draftd.bench.lookahead import overlap
+    from starsd_target.profile import merge, ms_per_round
 
     def prof(rounds, wall, drafting, verifying):
         return {"rounds": rounds, "wall_s": wall, "seconds": {"draft_wait": drafting, "draft_forward": drafting,
                                                               "verify_forward": verifying}}
 
-    fixed = sum_profiles([prof(2, 0.2, 0.08, 0.1), prof(2, 0.2, 0.08, 0.1)])
+    fixed = merge([prof(2, 0.2, 0.08, 0.1), prof(2, 0.2, 0.08, 0.1)])
     assert fixed["rounds"] == 4 and fixed["seconds"]["draft_forward"] == pytest.approx(0.16)
     # fixed depth: 40 ms drafting, then 50 ms verifying, one after the other (100 ms rounds);
     # ahead: drafting hidden, rounds of 55 ms against the larger of the two, 50 ms

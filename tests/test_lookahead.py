@@ -262,8 +262,8 @@ def test_a_late_hit_is_finished_when_its_steps_left_cost_less_than_drafting_afre
     la = LookaheadServing(ScriptedBackend(), None, Stats())
     # nothing measured yet: at most half the depth left
     assert la.finishing_pays(_Task(3, 0.3, 2), depth=4) and not la.finishing_pays(_Task(2, 0.2, 3), depth=4)
-    assert not la.finishing_pays(_Task(0, 0.0, None), depth=4)  # an unknown length is never waited for
-    la.note_fresh(0.4, 4)  # a fresh draft: 0.1 s a forward
+    assert la.finishing_pays(_Task(0, 0.0, None), depth=4)  # a backend that gives no length: finished
+    la.note_fresh(0.4, 4)  # a fresh draft of four tokens: 0.1 s a forward
     assert la.fresh_step_s == pytest.approx(0.1)
     # a real-size draft, whose batched step costs about one row's: three steps left of five beat
     # four fresh forwards (the rule of thumb would have drafted afresh)

@@ -18,7 +18,7 @@ from starsd_draftd.bench.config import BenchConfig
 from starsd_draftd.bench.pool import Pool, _stats
 from starsd_draftd.bench.real import _run_jobs, bench_dtype
 from starsd_draftd.demo.prompts import DEMO_PROMPTS
-from starsd_target.profile import ms_per_round
+from starsd_target.profile import merge, ms_per_round
 
 CONFIGS = (("fixed", False, False), ("adaptive", False, True), ("lookahead", True, False),
            ("lookahead+adaptive", True, True))  # (name, lookahead, adaptive depth)
@@ -67,25 +67,15 @@ def _run(ep: str, prompts: list[str], streams: int, max_tokens: int, no_draft: b
     jobs = [j for g in run["results"] for j in g]
     tokens = sum(j["stats"]["generated"] for j in jobs)
     rounds = sum(j["stats"]["rounds"] for j in jobs)
-    profile = sum_profiles([j["stats"]["profile"] for j in jobs])
-    return {"profile": profile,"tokens": tokens, "wall_s": run["wall_s"], "tps": tokens / run["wall_s"], "rounds": rounds,
+    profile = merge([j["stats"]["profile"] for j in jobs])
+    return {"profile": profile, "tokens": tokens, "wall_s": run["wall_s"], "tps": tokens / run["wall_s"],
+            "rounds": rounds,
             "kept_per_round": tokens / rounds if rounds else 0.0,
             "asked_per_round": sum(j["stats"].get("asked_tokens", 0) for j in jobs) / rounds if rounds else 0.0,
             "drafted_per_round": sum(j["stats"]["drafted"] for j in jobs) / rounds if rounds else 0.0,
             "fallback_rounds": sum(j["stats"]["fallback_rounds"] for j in jobs),
             "plain_rounds": sum(j["stats"].get("plain_rounds", 0) for j in jobs),
             "token_ids": [j["token_ids"] for j in jobs]}
-
-
-def sum_profiles(profiles: list[dict]) -> dict:
-    """Several round profiles (``RoundProfile.to_dict()``) as one: rounds, wall and each part's seconds summed."""
-    out: dict = {"rounds": 0, "wall_s": 0.0, "seconds": {}}
-    for p in profiles:
-        out["rounds"] += p["rounds"]
-        out["wall_s"] += p["wall_s"]
-        for part, sec in p["seconds"].items():
-            out["seconds"][part] = out["seconds"].get(part, 0.0) + sec
-    return out
 
 
 def overlap(configs: dict) -> None:
@@ -141,7 +131,7 @@ def lookahead_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Pa
             row["configs"][name] = {
                 "lookahead": la, "adaptive_depth": adaptive, "tps": tps, "speedup": tps / alone_tps,
                 "tps_runs": [r["tps"] for r in rs],
-                "round_ms": ms_per_round(sum_profiles([r["profile"] for r in rs])),
+                "round_ms": ms_per_round(merge([r["profile"] for r in rs])),
                 "kept_per_round": sum(r["tokens"] for r in rs) / max(1, sum(r["rounds"] for r in rs)),
                 "asked_per_round": sum(r["asked_per_round"] for r in rs) / len(rs),
                 "drafted_per_round": sum(r["drafted_per_round"] for r in rs) / len(rs),

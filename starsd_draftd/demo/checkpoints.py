@@ -70,7 +70,10 @@ def exclusive_lock(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def _building(final: Path) -> Iterator[Path]:
     """A temporary directory beside ``final`` to build into, put in ``final``'s place when the block
-    completes (a rename: readers see the whole build or none of it) and removed if it fails."""
+    completes (a rename: readers see the whole build or none of it) and removed if it fails.
+    Call it under the build's lock: what an earlier, killed build left there goes first."""
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
@@ -101,8 +104,6 @@ def ensure_demo_checkpoints(progress: bool = True, threads: int | None = None) -
         return final / "target", final / "draft"
     with exclusive_lock(final.parent / f"{final.name}.lock"):
         if not _complete(final):
-            for stale in final.parent.glob(f".{final.name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
             with _building(final) as tmp:
                 report = build_demo_checkpoints(tmp, progress=progress, threads=threads or len(os.sched_getaffinity(0)))
                 eagle = final / "eagle"  # a head trained earlier for this recipe stays
