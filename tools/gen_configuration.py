@@ -1,9 +1,10 @@
 """Writes docs/configuration.md from the two command lines' own --help, so the page cannot drift.
 
 Run `python tools/gen_configuration.py` (or `make docs`) after changing an option; tests/test_docs.py
-fails while the page differs from what this prints. The help is taken in-process with click's test
-runner at a fixed width, with no STARSD_* variable set, so the text is the same on every machine.
-Tooling, not product: no daemon imports it.
+fails while the page differs from what this prints. The help is what the installed commands print
+(`starsd-draftd serve --help`, ...), run beside this interpreter at a fixed terminal width with no
+STARSD_* variable set, so the text is the same on every machine. Tooling, not product: no daemon
+imports it, and it imports no command's code.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
@@ -47,30 +48,27 @@ README's option table picks out the ones most deployments set.
 """
 
 
-def _groups():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from starsd_draftd.cli import main as draftd
-    from starsd_target.cli import main as target
-
-    return {"starsd-draftd": draftd, "starsd-target": target}
-
-
-def help_text(group, prog: str, sub: str) -> str:
-    """One command's --help, at WIDTH columns, as if no STARSD_* variable were set."""
-    env = {k: None for k in os.environ if k.startswith("STARSD_")}
-    result = CliRunner().invoke(group, [sub, "--help"], prog_name=prog, env=env, terminal_width=WIDTH)
-    if result.exit_code != 0:
-        raise RuntimeError(f"{prog} {sub} --help failed ({result.exit_code}): {result.output}")
-    return result.output.rstrip() + "\n"
+def help_text(prog: str, sub: str) -> str:
+    """One command's --help as the installed command prints it at WIDTH columns, as if no STARSD_*
+    variable were set."""
+    exe = Path(sys.executable).parent / prog  # the console script installed beside this interpreter
+    if not exe.is_file():
+        raise RuntimeError(f"{exe} is not installed: run `make install` first")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STARSD_")}
+    env["COLUMNS"] = str(WIDTH)
+    res = subprocess.run([str(exe), sub, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"{prog} {sub} --help failed ({res.returncode}): {res.stdout}{res.stderr}")
+    return res.stdout.rstrip() + "\n"
 
 
 def render() -> str:
-    groups = _groups()
     parts = [HEADER]
     parts.append("Commands: " + ", ".join(f"[`{p} {s}`](#{p}-{s})" for p, s in COMMANDS) + ".\n")
-    for prog, sub in COMMANDS:
-        parts.append(f"## {prog} {sub}\n\n```text\n{help_text(groups[prog], prog, sub)}```\n")
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # each run starts Python
+        texts = list(pool.map(lambda c: help_text(*c), COMMANDS))
+    for (prog, sub), text in zip(COMMANDS, texts):
+        parts.append(f"## {prog} {sub}\n\n```text\n{text}```\n")
     return "\n".join(parts)
 
 
