@@ -41,9 +41,10 @@ CORPUS_BYTES = 1_500_000  # of the standard library's sources: the teacher's pro
 HELDOUT_BYTES = 60_000
 DRAFT_VOCAB = 8192  # ids the draft's output layer keeps: 97.7% of the target's tokens on the demo's prompts
 # A real-cost draft for timing work: the target's first third of layers, distilled like the demo's
-# draft. On the demo target (30 layers) one of its steps cost 7.3 ms against 36 ms of a target
-# step (one core each, fp16-weights, 2026-12-06): drafting is a real share of a round, as a 0.5B
-# draft's is beside a 1.5B target, where the demo's two-layer draft is a fifteenth.
+# draft. On the demo target (30 layers) one of its steps cost 7.3-7.9 ms against 36-39 ms of a
+# target step (one core each, fp16-weights, 2026-12-06; docs/bench.md): drafting is a real share
+# of a round, as a 0.5B draft's is beside a 1.5B target, where the demo's two-layer draft is a
+# fifteenth.
 REAL_COST_LAYERS = 10
 REAL_COST_BUDGET_S = 240.0
 REAL_COST_NAME = "draft-third"
