@@ -12,7 +12,8 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
 
     HELLO   -> WELCOME | ERROR      handshake: version, vocabulary size, tokenizer fingerprint
     OPEN    -> (nothing) | ERROR    new session: prompt ids and sampling parameters
-    DRAFT   -> DRAFTED | ERROR      "n of your last drafts survived, then these tokens were
+    DRAFT   -> ACK, then DRAFTED | ERROR
+                                     "n of your last drafts survived, then these tokens were
                                      verified; the verified sequence is now `pos` long;
                                      draft `depth` more". For a backend that drafts from the
                                      target's features (WELCOME.feature_size > 0) a tensor
@@ -32,6 +33,12 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
                                      last verified token, every parent before its children
                                      (``common.tree``); without it the tokens are a chain. A tree
                                      reply's q rows are per node: the parent's distribution.
+                                     ACK comes at once, when the request is queued (a refusal
+                                     comes as ERROR instead): `ahead`, the requests queued before
+                                     it, and `eta_us`, the daemon's estimate of when its DRAFTED
+                                     will leave, from its measured costs. No ACK within a round
+                                     trip means the daemon is not answering; an ACK means the
+                                     reply is worth waiting for, about `eta_us`.
     CLOSE   -> (nothing)
                                      An ERROR names the request it answers (``re``: "OPEN",
                                      "DRAFT", ...) and echoes its session and seq where it had
@@ -59,7 +66,7 @@ import numpy as np
 
 from common.tensors import TensorCodecError, brief, decode_tensor, encode_tensor
 
-PROTOCOL_VERSION = 4  # 2: ERROR names the request it answers (re); WELCOME says max_len
+PROTOCOL_VERSION = 5  # 2: ERROR names the request it answers (re); WELCOME says max_len
 # 3: draft trees (DRAFT.tree_tokens, DRAFTED's parents tensor, WELCOME.tree_topk and max_tree_tokens).
 # A bump, not optional fields: after a tree, DRAFT's `accepted` no longer counts a prefix of the
 # last drafts (the kept path comes back as new tokens) and a reply's q rows are per node, the
@@ -67,6 +74,8 @@ PROTOCOL_VERSION = 4  # 2: ERROR names the request it answers (re); WELCOME says
 # 4: fused features (WELCOME.feature_layers, HELLO.num_layers) for EAGLE-3 heads. A bump: a
 # version-3 target would ignore feature_layers and send final hidden states where fused ones are
 # read.
+# 5: DRAFT is acknowledged (ACK) on arrival. A bump: a version-4 daemon never acknowledges, and a
+# version-5 target would take its silence for a hung daemon.
 # Optional fields added to a message without a version bump, because a peer of the same version
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every
@@ -89,6 +98,7 @@ class MsgType(bytes, enum.Enum):
     PING = b"PING"
     PONG = b"PONG"
     GOODBYE = b"GOODBYE"
+    ACK = b"ACK"
 
 
 class ErrorCode(enum.IntEnum):
@@ -212,6 +222,12 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "tokens": ("ids", True),
         "queued_us": ("us", False),  # in the request queue: from being queued to the start of its batch
         "draft_us": ("us", False),  # its batch's backend call (the draft forwards)
+    },
+    MsgType.ACK: {
+        "session": ("uint", True),
+        "seq": ("uint", True),
+        "ahead": ("uint", True),  # requests queued before this one
+        "eta_us": ("us", True),  # the daemon's estimate: from now until its DRAFTED leaves
     },
     MsgType.CLOSE: {"session": ("uint", True)},
     MsgType.ERROR: {

@@ -1,12 +1,19 @@
 """The draft daemon's front door: its ROUTER socket and everything that arrives on it.
 
-``Ingress`` reads what arrived (``read``), decodes and bounds-checks each message, answers the
-handshake (HELLO), PING, STATS, OPEN and CLOSE itself, checks a DRAFT request for what can be
-checked on arrival and queues it within the queue's budgets (``enqueue``; count and bytes, in all
-and per peer), or refuses it with a typed error. The batcher (``starsd_draftd.server.DraftServer``)
-takes queued requests from ``q_in`` (returning their budget with ``dequeued``) and sends its replies
-through ``send`` and ``flush``; it never reads the socket itself. What a session's state needs
-when a request is served (its sequence, cache memory) is checked there, at admission.
+``Ingress`` runs on a thread of its own (``start``), the only one that touches the socket: it
+reads what arrived, decodes and bounds-checks each message, answers the handshake (HELLO), PING,
+STATS, OPEN and CLOSE itself, checks a DRAFT request for what can be checked on arrival and queues
+it within the queue's budgets (``enqueue``; count and bytes, in all and per peer), or refuses it
+with a typed error, all while the batcher computes. The batcher (``starsd_draftd.server.DraftServer``)
+takes queued requests from ``q_in`` (returning their budget with ``dequeued``), waits on
+``arrived`` when it has nothing to do, and queues its replies with ``send`` and ``flush``, which
+this thread sends. What a session's state needs when a request is served (its sequence, cache
+memory) is checked there, at admission.
+
+The two threads share the session table and the queue under ``lock``. The backend is the
+batcher's alone: a session opened here gets its backend state when it is first served, and a
+session closed, re-opened or dropped here is handed to the batcher to free (``take_released``,
+and the table's ``dropped``), never freed under a forward that may be using it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -29,6 +37,7 @@ from common.sockets import SocketOptions, bind_server, is_local_address
 from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend
+from starsd_draftd.eta import ServiceEstimate
 from starsd_draftd.records import PeerBacklog, QueuedRequest
 from starsd_draftd.sessions import Session, SessionTable
 from starsd_draftd.stats import Stats
@@ -77,14 +86,14 @@ def message_limits(backend: DraftBackend) -> P.Limits:
 
 class Ingress:
     """The socket side of the draft daemon (see the module's docstring). ``snapshot``: the STATS
-    reply's content; ``release(session)``: free a session closed or re-opened here;
-    ``free_dropped()``: free the sessions the table dropped on its own (disconnects, evictions);
-    ``on_draft(session)``: a DRAFT of ``session`` was queued (the batch window's bookkeeping)."""
+    reply's content; ``on_draft(session)``: a DRAFT of ``session`` was queued (the batch window's
+    bookkeeping); both are called with ``lock`` held."""
+
+    POLL_S = 0.1  # the longest the thread sleeps in one poll (it also wakes on any reply queued)
 
     def __init__(self, backend: DraftBackend, config: ServerConfig, sessions: SessionTable, stats: Stats,
                  ctx: zmq.Context, instance: str, snapshot: Callable[[], dict],
-                 release: Callable[[Session], None], free_dropped: Callable[[], None],
-                 on_draft: Callable[[Session], None]):
+                 on_draft: Callable[[Session], None], estimate: ServiceEstimate | None = None):
         self.backend = backend
         self.config = config
         self.sessions = sessions
@@ -92,12 +101,15 @@ class Ingress:
         self.ctx = ctx
         self.instance = instance
         self._snapshot = snapshot
-        self._release = release
-        self._free_dropped = free_dropped
         self._on_draft = on_draft
+        self.estimate = estimate or ServiceEstimate(config.batch_max)  # the batcher's measured costs (ACK's eta)
+        self.lock = threading.RLock()  # the session table, the queue and its budgets
+        self.arrived = threading.Event()  # set when the batcher has something new: a request, a session to free
+        self._released: list[Session] = []  # sessions closed or re-opened here, for the batcher to free
         self.limits = message_limits(backend)
         self.q_in: collections.deque[QueuedRequest] = collections.deque()
         self.queue_bytes = 0
+        self.queued_fed = 0  # prompt tokens the queued requests feed (their ``fed``)
         self._peer_queue: dict[bytes, PeerBacklog] = {}  # principal -> what it has queued
         self.q_out: collections.deque[list] = collections.deque()
         self.draining = False  # HELLO and OPEN refused: the daemon is leaving
@@ -106,6 +118,11 @@ class Ingress:
         self.allow: AllowList | None = None
         self.endpoint = config.bind
         self._read_at = 0.0  # when the message being handled was read off the socket
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake_tx: zmq.Socket | None = None  # the batcher's end: a byte here wakes the thread to send
+        self._wake_rx: zmq.Socket | None = None
+        self.failure: BaseException | None = None  # what ended the thread, if anything did
 
     # ------------------------------------------------------------ the socket
     def bind(self) -> str:
@@ -118,17 +135,65 @@ class Ingress:
         # disconnects, so a connection's entry and sessions go when it does, not a TTL later
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake = f"inproc://starsd-ingress-{id(self):x}-{time.monotonic_ns()}"
+        self._wake_rx = self.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(wake)
+        self._wake_tx = self.ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is as good as many
+        self._wake_tx.connect(wake)
         return self.endpoint
 
-    def close(self) -> None:
-        """Close the socket: with a short linger when draining, so the GOODBYEs and last replies
-        leave (LINGER 0 would drop them)."""
+    def start(self) -> None:
+        """Serve the socket on a thread of its own, from now until ``stop``."""
+        self._thread = threading.Thread(target=self._run, name="starsd-ingress", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, close the socket and end the thread: with a short linger when
+        draining, so the GOODBYEs and last replies leave (LINGER 0 would drop them)."""
+        if self._thread is not None:
+            self._stopping.set()
+            self.flush()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the socket thread did not stop within %.0f s", timeout_s)
+            self._thread = None
+        elif self.sock is not None:
+            self._close_sockets()
+        if self._wake_tx is not None:
+            self._wake_tx.close(linger=0)
+            self._wake_tx = None
+        if self.allow is not None:
+            self.allow.stop()
+
+    def _close_sockets(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=500 if self.draining else 0)
         self.sock = None
-        if self.allow is not None:
-            self.allow.stop()
+        self._wake_rx.close(linger=0)
+
+    def _run(self) -> None:
+        """The thread: wait for a message or a wake-up, handle what arrived, send what is queued."""
+        poller = zmq.Poller()
+        for s in (self.sock, self.monitor, self._wake_rx):
+            poller.register(s, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                ready = dict(poller.poll(int(1000 * self.POLL_S)))
+                if self._wake_rx in ready:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv(zmq.NOBLOCK)
+                if self.sock in ready or self.monitor in ready:
+                    self.read()
+                self._send_out()
+            self._send_out()
+        except BaseException as exc:  # the batcher sees it and the daemon exits non-zero
+            log.exception("the socket thread failed")
+            self.failure = exc
+            self.arrived.set()
+        finally:
+            self._close_sockets()
 
     def reload_keys(self) -> None:
         if self.allow is not None:
@@ -138,9 +203,11 @@ class Ingress:
     def say_goodbye(self) -> None:
         """Refuse new handshakes and sessions from now on and tell every peer this daemon is leaving."""
         self.draining = True
-        log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.conns))
-        for identity in self.sessions.conns:
-            self.send(identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
+        with self.lock:
+            log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.conns))
+            for identity in self.sessions.conns:
+                self.send(identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
+        self.flush()
 
     def _drain_monitor(self) -> list:
         """The connections the socket monitor says have closed since the last look."""
@@ -154,27 +221,50 @@ class Ingress:
 
     # ------------------------------------------------------------ I/O
     def read(self, budget: int = 1024) -> None:
-        """Read and handle what has arrived. Disconnects the socket monitor reported before the
-        reading take effect after it: the messages those connections sent before closing were
-        queued before the event, so this drain reads them; and a connection registered during
-        it (on a reused socket) is not among those dropped."""
-        gone = self._drain_monitor()
+        """Read and handle what has arrived (the socket's thread). Disconnects the socket monitor
+        reported before the reading take effect after it: the messages those connections sent
+        before closing were queued before the event, so this drain reads them; and a connection
+        registered during it (on a reused socket) is not among those dropped."""
+        with self.lock:
+            gone = self._drain_monitor()
         # ZMQ_EVENTS says whether a message is waiting; cheaper than a receive that raises Again
         sock = self.sock
         for _ in range(budget):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
-            self._on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            with self.lock:
+                self._on_frames(frames)
         if gone:
-            self.sessions.disconnected(gone)
-            self._free_dropped()
+            with self.lock:
+                self.sessions.disconnected(gone)
+            self.arrived.set()  # the batcher frees what the table dropped
 
     def send(self, identity: bytes, msg: Message) -> None:
+        """Queue a message for ``identity``; it leaves at the socket thread's next pass (``flush``
+        wakes it)."""
         self.q_out.append([identity, *P.encode(msg)])
 
     def flush(self) -> None:
-        """Send queued replies. A peer that stopped reading (its pipe is full) loses that reply
-        rather than stalling everyone behind it; it resynchronises on its own."""
+        """Have the socket's thread send what is queued now (from the batcher's thread)."""
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already pending
+
+    def take_released(self) -> list[Session]:
+        """The sessions closed or re-opened since the last call, whose backend state the batcher
+        frees (call with ``lock`` held)."""
+        out, self._released = self._released, []
+        return out
+
+    def _release(self, session: Session) -> None:
+        self._released.append(session)
+        self.arrived.set()
+
+    def _send_out(self) -> None:
+        """Send queued messages (the socket's thread). A peer that stopped reading (its pipe is
+        full) loses that reply rather than stalling everyone behind it; it resynchronises on its own."""
         while self.q_out:
             frames = self.q_out.popleft()
             try:
@@ -187,7 +277,8 @@ class Ingress:
                 self.stats.unroutable += 1  # the peer disconnected; its reply has nowhere to go
 
     def error(self, identity: bytes | None, exc: ProtocolError) -> None:
-        self.stats.errors[exc.code.name] += 1
+        with self.lock:
+            self.stats.errors[exc.code.name] += 1
         log.debug("protocol error from %r: %s", identity, exc)
         if identity is not None:
             self.send(identity, P.error_from(exc))
@@ -224,7 +315,7 @@ class Ingress:
             self.error(identity, ProtocolError(ErrorCode.INTERNAL, "internal error in the draft daemon"))
         finally:
             if self.sessions.dropped:
-                self._free_dropped()
+                self.arrived.set()  # the batcher frees what the table dropped
 
     def _on_message(self, identity: bytes, principal: bytes, msg: Message, origin: tuple[int, str],
                     cost: int = 0) -> None:
@@ -238,8 +329,11 @@ class Ingress:
                 raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             self._check_draft(session, msg)
+            # what the draft model feeds beyond a token: a new session's prompt, then the newly verified
+            fed = len(h["new"]) + (len(session.verified) if session.state is None else 0)
             # without CURVE a host can open many connections: fair service is counted per address
-            self.enqueue(identity, principal, msg, cost, principal if self.allow is not None else conn.address)
+            self.enqueue(identity, principal, msg, cost, principal if self.allow is not None else conn.address,
+                         fed=fed)
             self._on_draft(session)
             return
         if mtype is MsgType.STATS and (conn is not None or self.allow is not None or is_local_address(address)):
@@ -358,13 +452,8 @@ class Ingress:
         old = self.sessions.close(principal, sid)
         if old is not None:
             self._release(old)
-        state = self.backend.new_state(params)
-        try:
-            self.sessions.open(principal, sid, params, prompt, state, address,
-                               reserve=len(prompt) + self.config.max_depth)
-        except ProtocolError:
-            self.backend.release(state)
-            raise
+        # its backend state is made by the batcher, when it first drafts for it (``Session.state``)
+        self.sessions.open(principal, sid, params, prompt, None, address, reserve=len(prompt) + self.config.max_depth)
         self.stats.sessions_opened += 1
 
     def _check_len(self, length: int, sid, seq) -> None:
@@ -379,8 +468,10 @@ class Ingress:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"token id {max(ids)} is outside the vocabulary ({vocab})",
                                 sid, seq)
 
-    def enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int, share: bytes | str) -> None:
-        """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)."""
+    def enqueue(self, identity: bytes, principal: bytes, msg: Message, cost: int, share: bytes | str,
+                fed: int = 0) -> None:
+        """Queue a DRAFT request within the queue's budgets (count and bytes, in all and per peer)
+        and acknowledge it: its place in the queue and when it should be answered (``eta``)."""
         h, cfg = msg.header, self.config
         mine = self._peer_queue.get(principal) or PeerBacklog()
         why = None
@@ -399,10 +490,18 @@ class Ingress:
         self._peer_queue[principal] = mine
         self.queue_bytes += cost
         self.stats.queue_bytes_peak = max(self.stats.queue_bytes_peak, self.queue_bytes)
-        self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, time.perf_counter()))
+        now = time.perf_counter()
+        eta = self.estimate.eta_s(len(self.q_in), self.queued_fed, h["depth"], fed, now)
+        self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, now, fed))
+        self.queued_fed += fed
+        self.arrived.set()
+        self.send(identity, Message(MsgType.ACK, {"session": h["session"], "seq": h["seq"], "ahead": len(self.q_in) - 1,
+                                                  "eta_us": min(P.MAX_REPORTED_US, round(1e6 * eta))}))
+        self.stats.acks += 1
 
     def dequeued(self, item: QueuedRequest) -> None:
         self.queue_bytes -= item.cost
+        self.queued_fed -= item.fed
         mine = self._peer_queue[item.principal]
         mine.requests -= 1
         mine.nbytes -= item.cost

@@ -20,6 +20,7 @@ class QueuedRequest:
     share: bytes | str  # what fair service is counted by: the CURVE key, or the remote address
     read_at: float  # perf_counter when it was read off the socket
     queued_at: float  # perf_counter when it was queued
+    fed: int = 0  # prompt tokens the draft model feeds for it beyond one (its ACK's estimate)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -37,6 +38,7 @@ class AdmittedRequest:
     request: DraftRequest  # what the backend drafts from
     read_at: float  # perf_counter when it was read off the socket
     queued_at: float  # perf_counter when it was queued
+    fed: int = 0  # prompt tokens the draft model feeds for it beyond one
 
 
 @dataclass(slots=True)

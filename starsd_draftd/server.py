@@ -1,10 +1,11 @@
 """The draft daemon's batcher: a work-conserving loop over one request queue and one backend.
 
-Its front door, ``starsd_draftd.ingress.Ingress``, owns the ROUTER socket: it reads and checks
-what arrives, answers the handshake and operators, and queues DRAFT requests. Each pass here
+Its front door, ``starsd_draftd.ingress.Ingress``, owns the ROUTER socket on a thread of its own:
+it reads and checks what arrives, answers the handshake and operators while a batch computes, and
+queues DRAFT requests. Each pass here
 takes a batch of the waiting requests (oldest first, one per address in turn before any address
 gets a second), admits each against its session, drafts them in one backend call and queues
-the replies, which the ingress sends. The loop blocks only when no work is waiting, so the draft
+the replies, which the ingress's thread sends. The loop blocks only when no work is waiting, so the draft
 model is busy whenever any target is waiting for drafts; with nothing queued it drafts ahead
 (``starsd_draftd.lookahead``).
 """
@@ -31,6 +32,7 @@ from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
 from common.sockets import check_server_endpoint
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
+from starsd_draftd.eta import ServiceEstimate
 from starsd_draftd.ingress import Ingress
 from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
@@ -116,8 +118,10 @@ class DraftServer:
         self._stop = threading.Event()
         self._reload = threading.Event()
         # the socket, what arrives on it and the queue's budgets; this class takes the queue's requests
+        self.estimate = ServiceEstimate(config.batch_max)  # what a batch costs: the ACKs' estimates
         self.ingress = Ingress(backend, config, self.sessions, self.stats, self.ctx, self.instance, self.snapshot,
-                               self._release, self._free_dropped, self._returned)
+                               self._returned, self.estimate)
+        self.lock = self.ingress.lock  # held while the session table or the queue is read or changed
 
     # the ingress's state, as this loop and its callers see it
     @property
@@ -133,8 +137,8 @@ class DraftServer:
         return self.ingress.draining
 
     def _returned(self, session: Session) -> None:
-        """A DRAFT of ``session`` was queued: with a batch window, its turnaround is measured and it is
-        no longer awaited."""
+        """A DRAFT of ``session`` was queued (the ingress's thread, with the lock held): with a batch
+        window, its turnaround is measured and it is no longer awaited."""
         if self.config.batch_window_s > 0:
             session.returned(time.monotonic())
             self._awaited.pop(session.key, None)
@@ -164,11 +168,9 @@ class DraftServer:
     def serve_forever(self, ready: threading.Event | None = None) -> None:
         if self.ingress.sock is None:
             self.bind()
+        self.ingress.start()
         if ready is not None:
             ready.set()
-        poller = zmq.Poller()
-        poller.register(self.ingress.sock, zmq.POLLIN)
-        poller.register(self.ingress.monitor, zmq.POLLIN)
         self._next_sweep = time.monotonic() + 1.0
         drain_deadline = None
         failures = 0
@@ -182,10 +184,11 @@ class DraftServer:
                     drain_deadline = time.monotonic() + self.config.drain_s
                     self._start_draining()
                 if self.draining and (not self.q_in or time.monotonic() >= drain_deadline):
-                    self.ingress.flush()
                     break
+                if self.ingress.failure is not None:
+                    raise LoopFailed("the socket thread failed") from self.ingress.failure
                 try:
-                    self._pass(poller)
+                    self._pass()
                     failures = 0
                 except Exception as exc:  # outside any one request: count it, and give up only if it persists
                     failures += 1
@@ -197,36 +200,49 @@ class DraftServer:
         finally:
             if self.q_in:
                 log.warning("stopping with %d draft requests unanswered", len(self.q_in))
-            self.ingress.close()
+            self.ingress.stop()
             log.info("draft daemon stopped")
 
     MAX_FAILED_PASSES = 50  # passes in a row that fail outside any request: then the daemon exits non-zero
 
-    def _pass(self, poller: zmq.Poller) -> None:
-        """One pass: read what arrived, serve the oldest waiting batch, send replies, and once a
-        second expire silent peers and sample the metrics."""
+    def _pass(self) -> None:
+        """One pass: wait (at most 100 ms) while nothing is queued and no work ahead is pending,
+        free the sessions the ingress let go, serve the oldest waiting batch (the ingress's
+        thread sends its replies), and once a second expire silent peers and sample the metrics."""
         if self._reload.is_set():
             self._reload.clear()
-            self.ingress.reload_keys()
-        timeout = 0 if (self.q_in or self.ingress.q_out or self.lookahead.pending) else 100
-        if poller.poll(timeout):
-            self.ingress.read()
+            with self.lock:
+                self.ingress.reload_keys()
+        arrived = self.ingress.arrived
+        arrived.clear()  # before looking: what arrives after the look sets it again
+        self._free_dropped()
+        if not self.q_in and not (self.lookahead.pending and not self.draining):
+            arrived.wait(0.1)
+            self._free_dropped()
         if self.q_in:
             self._fill_batch()
             self._serve_batch()
         elif self.lookahead.pending and not self.draining:
-            self.lookahead.step()  # one forward, then the socket is looked at again
-        self.ingress.flush()
+            self.estimate.started(1, 0)  # a request arriving now waits for this forward
+            self.lookahead.step()  # one forward, then the queue is looked at again
+            self.estimate.finished(0.0, 0, 0)
         now = time.monotonic()
         if now >= self._next_sweep:
-            self.sessions.expire(now)
+            with self.lock:
+                self.sessions.expire(now)
             self._free_dropped()
             self._sample_metrics(now)
             self._next_sweep = now + 1.0
 
     def _free_dropped(self) -> None:
-        """Free the backend state of sessions the table dropped on its own, counted by why."""
-        for s, why in self.sessions.take_dropped():
+        """Free the backend state of the sessions the ingress closed or re-opened and of those the
+        table dropped on its own (counted by why)."""
+        with self.lock:
+            released = self.ingress.take_released()
+            dropped = self.sessions.take_dropped()
+        for s in released:
+            self._release(s)
+        for s, why in dropped:
             self._release(s)
             if why == "expired":
                 self.stats.sessions_expired += 1
@@ -252,25 +268,26 @@ class DraftServer:
         start = time.monotonic()
         deadline = start + window
         waited = False
+        arrived = self.ingress.arrived
         while True:
-            waiting = {item.key for item in self.q_in}
-            if len(waiting) >= self.config.batch_max:
-                break
-            now = time.monotonic()
-            # sessions replied to and not back yet, due (by their usual turnaround) within the window
-            due = False
-            for key, s in list(self._awaited.items()):
-                t = None if s.replied_at is None or s.turnaround_s is None else s.replied_at + s.turnaround_s
-                if t is None or t < now - window or self.sessions.sessions.get(key) is not s:
-                    del self._awaited[key]  # unpredictable, long overdue, or gone: never waited for again
-                elif t <= deadline and key not in waiting:
-                    due = True
+            arrived.clear()
+            with self.lock:
+                waiting = {item.key for item in self.q_in}
+                if len(waiting) >= self.config.batch_max:
+                    break
+                now = time.monotonic()
+                # sessions replied to and not back yet, due (by their usual turnaround) within the window
+                due = False
+                for key, s in list(self._awaited.items()):
+                    t = None if s.replied_at is None or s.turnaround_s is None else s.replied_at + s.turnaround_s
+                    if t is None or t < now - window or self.sessions.sessions.get(key) is not s:
+                        del self._awaited[key]  # unpredictable, long overdue, or gone: never waited for again
+                    elif t <= deadline and key not in waiting:
+                        due = True
             if not due or now >= deadline:
                 break
             waited = True
-            if self.ingress.sock.poll(max(1, int(1000 * (deadline - now))), zmq.POLLIN):
-                self.ingress.read()
-            else:
+            if not arrived.wait(deadline - now):
                 break
         if waited:
             self.stats.batch_waits += 1
@@ -316,6 +333,8 @@ class DraftServer:
         h = msg.header
         sid, seq = h["session"], h["seq"]
         session = self.sessions.get(principal, sid, seq)
+        if session.state is None:  # opened since its last request: its backend state is made here
+            session.state = self.backend.new_state(session.params)
         features = msg.tensors.get("features") if self.backend.feature_size else None
         if features is not None and session.features + features.shape[0] != h["pos"] - 1:
             raise ProtocolError(
@@ -354,18 +373,18 @@ class DraftServer:
         admitted: list[AdmittedRequest] = []
         keys: set = set()
         start = time.perf_counter()  # the batch begins: its requests' wait in the queue ends
-        for item in self._take_batch():
-            try:
-                request = self._admit(item.principal, item.msg, keys)
-            except ProtocolError as exc:
-                exc.re = MsgType.DRAFT
-                self.ingress.error(item.identity, exc)
-                continue
-            admitted.append(AdmittedRequest(item.identity, item.msg.header, item.key, request, item.read_at,
-                                            item.queued_at))
-            keys.add(item.key)
-        if self.sessions.dropped:  # sessions evicted to make room for these (none of them)
-            self._free_dropped()
+        with self.lock:
+            for item in self._take_batch():
+                try:
+                    request = self._admit(item.principal, item.msg, keys)
+                except ProtocolError as exc:
+                    exc.re = MsgType.DRAFT
+                    self.ingress.error(item.identity, exc)
+                    continue
+                admitted.append(AdmittedRequest(item.identity, item.msg.header, item.key, request, item.read_at,
+                                                item.queued_at, item.fed))
+                keys.add(item.key)
+        self._free_dropped()  # sessions evicted to make room for these (none of them)
         if not admitted:
             return
         stats = self.stats
@@ -381,7 +400,10 @@ class DraftServer:
                 self._reply(admitted[i], draft, start, seconds)
             self.ingress.flush()
         todo = [i for i in range(len(admitted)) if i not in ahead]
+        steps = max((admitted[i].request.depth for i in todo), default=0)
+        fed = sum(admitted[i].fed for i in todo)
         t0 = time.perf_counter()
+        self.estimate.started(steps, fed, t0)
         try:
             if todo:
                 for i, d in zip(todo, self.backend.draft_many([admitted[i].request for i in todo])):
@@ -396,6 +418,7 @@ class DraftServer:
         finally:
             elapsed = time.perf_counter() - t0
             stats.busy_s += elapsed + sum(spent)
+            self.estimate.finished(elapsed if todo else 0.0, steps, fed)
         served = [i for i in range(len(admitted)) if drafts[i] is not None]
         # counted before the replies leave, so a target that saw its reply sees it counted
         stats.requests += len(todo)
@@ -422,10 +445,21 @@ class DraftServer:
         stats.profiled += len(served)
         window = self.config.batch_window_s > 0
         sent = time.monotonic()
+        with self.lock:
+            self._after_replies(admitted, drafts, served, window, sent)
+        if served:
+            self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
+
+    def _after_replies(self, admitted: list[AdmittedRequest], drafts: list[Draft | None], served: list[int],
+                       window: bool, sent: float) -> None:
+        """The served sessions' bookkeeping once their replies are out: tree and stopping counts,
+        their last drafts, the batch window's turnarounds, and their next rounds drafted ahead."""
         for i in served:
             key, req = admitted[i].key, admitted[i].request
             draft = drafts[i]
             session = self.sessions.sessions.get(key)
+            if session is not None and session.state is not req.state:
+                session = None  # closed or re-opened while it was drafted: the new one starts afresh
             if draft.parents is not None:
                 self.stats.trees["requests"] += 1
                 self.stats.trees["tokens"] += len(draft.tokens)
@@ -443,8 +477,6 @@ class DraftServer:
                 if self.config.lookahead and not self.draining and draft.parents is None:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
                                          admitted[i].header["seq"])
-        if served:
-            self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
 
     def _reply(self, item: AdmittedRequest, draft: Draft, start: float, seconds: float) -> None:
         """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its
@@ -461,7 +493,8 @@ class DraftServer:
     def _release(self, session: Session) -> None:
         """Free a session's backend state, dropping any work done ahead for it first."""
         self.lookahead.drop(session)
-        self.backend.release(session.state)
+        if session.state is not None:
+            self.backend.release(session.state)
 
     def _sample_metrics(self, now: float) -> None:
         t0, busy0 = self._busy_mark
@@ -470,11 +503,16 @@ class DraftServer:
         self.metrics.busy_fraction = min(1.0, busy)
 
     def snapshot(self) -> dict:
+        with self.lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict:
         snap = self.stats.snapshot(len(self.sessions.sessions), len(self.q_in), len(self.sessions.conns))
         snap["addresses"] = len(self.sessions.address_conns)
         snap["kv_bytes"] = self.sessions.kv_bytes
         snap["backend"] = self.backend.counters()
         snap["queue_bytes"] = self.ingress.queue_bytes
+        snap["estimate"] = {"step_s": self.estimate.step_s, "token_s": self.estimate.token_s}
         snap["limits"] = self.budgets()
         snap["memory"] = memory_report(self.backend.weights_bytes)
         return snap

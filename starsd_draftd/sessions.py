@@ -24,7 +24,7 @@ from common.verify import SamplingParams
 class Session:
     key: tuple[bytes, int]  # (peer principal, session id): one peer cannot name another's session
     params: SamplingParams
-    state: object  # the backend's per-session state
+    state: object  # the backend's per-session state (None until the batcher first drafts for it)
     verified: list[int]
     address: str = ""  # the remote address that opened it (per-address accounting)
     reserved: int = 0  # positions of cache memory reserved for it (verified tokens plus drafts)

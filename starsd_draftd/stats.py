@@ -28,6 +28,7 @@ class Stats:
         self.batch_wait_s = 0.0
         self.queue_bytes_peak = 0
         self.loop_errors = 0
+        self.acks = 0  # DRAFT requests acknowledged on arrival (ACK: queued, with an estimate)
         # Where the draft requests served went, summed over them (seconds): "queue" from being
         # queued to the start of its batch, "draft_forward" its batch's backend call, "rest" the
         # remainder of its time from its reading off the socket to its reply's send (decode and
@@ -72,6 +73,7 @@ class Stats:
             "batch_wait_s": self.batch_wait_s,
             "queue_bytes_peak": self.queue_bytes_peak,
             "loop_errors": self.loop_errors,
+            "acks": self.acks,
             "errors": dict(self.errors),
             "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},
             "lookahead": dict(self.lookahead),

@@ -70,8 +70,10 @@ def model_options(f):
                     "forward with a tree attention mask (Llama and Qwen2 targets); a daemon that drafts chains "
                     "only (--tree-topk 1) answers with a chain."),
         option("--draft-timeout", type=click.FloatRange(0.001), default=_d("draft_timeout"),
-               help="Most seconds to wait for drafts before verifying a round with the target alone "
-                    "(the wait adapts to the measured round trip, up to this)."),
+               help="Most seconds to wait for drafts before verifying a round with the target alone. "
+                    "The wait is the daemon's own estimate, which it sends when it queues the request, plus "
+                    "a margin; with no acknowledgement within a round trip the round does not wait. This "
+                    "caps a bad estimate."),
         option("--connect-timeout", type=click.FloatRange(0), default=_d("connect_timeout"),
                help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
         option("--threads", type=click.IntRange(0), default=_d("threads"),

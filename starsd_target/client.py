@@ -19,7 +19,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteEr
 from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
-from starsd_target.rtt import RTT_FLOOR_S, RttEstimator
+from starsd_target.rtt import ACK_FLOOR_S, RTT_FLOOR_S, RttEstimator
 
 log = logging.getLogger("starsd.target.client")
 
@@ -104,11 +104,16 @@ class DraftClient:
 
     The link's state (``LinkState``) changes in ``_set_state`` only. HELLO goes out without
     waiting; the WELCOME is taken whenever ``poll()`` reads it. Down, a new HELLO is tried after
-    a backoff that doubles up to ``Backoff.cap_s``. How long a request waits for its drafts
-    adapts to the measured round trips (``RttEstimator``), capped by the caller's timeout; after
-    ``MISSES_TO_DOWN`` requests in a row got no reply in time, or on GOODBYE, the link is down."""
+    a backoff that doubles up to ``Backoff.cap_s``. The daemon acknowledges each draft request on
+    arrival (ACK) with its estimate of when the reply will leave: a request waits for its ACK as
+    long as an acknowledgement's round trip takes (``ack_rtt``, measured), then for its reply the
+    estimate plus a margin, never past the caller's cap. A request with no ACK in time marks the
+    link ``suspect``: rounds then go on without waiting for drafts until the daemon is heard again
+    (any message). After ``MISSES_TO_DOWN`` requests in a row got no reply in time, or on GOODBYE,
+    the link is down."""
 
     MISSES_TO_DOWN = 3
+    ETA_SLACK = 1.5  # a reply is waited for this times the daemon's estimate, plus an ACK's deadline
     ABANDONED_KEPT = 1024  # given-up requests remembered, so that a late reply still measures the round trip
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
@@ -130,13 +135,18 @@ class DraftClient:
         self.refusal: HandshakeError | None = None  # why the last HELLO was answered with an ERROR
         self._delay = backoff.initial_s
         self._retry_at = 0.0  # the first HELLO goes at once
-        self.rtt = RttEstimator(rtt_floor_s)
+        self.rtt = RttEstimator(rtt_floor_s)  # a request to its reply (drafting included)
+        # a request to its acknowledgement, and a HELLO to its WELCOME: the wire and the daemon's
+        # socket thread, which answers while its model computes
+        self.ack_rtt = RttEstimator(max(rtt_floor_s, ACK_FLOOR_S))
+        self._acks: dict[Key, tuple[float, float]] = {}  # acknowledged requests: when, and the estimate (s)
+        self._hello_at: float | None = None
+        self.suspect = False  # a request went unacknowledged and nothing was heard since
+        self.unacked = 0  # requests given up with no acknowledgement
         self._pending: dict[Key, float] = {}  # requests waited for: when each was sent
         self._abandoned: dict[Key, float] = {}  # requests given up on: when each was sent
         self._replies: dict[Key, DraftReply | RemoteError] = {}  # routed, not yet taken
-        self.heard_at = 0.0  # when the daemon last sent anything: it restarts every request's timer
-        self._probe_at = -1.0  # when the last liveness PING went out
-        self.probes = 0
+        self.heard_at = 0.0  # when the daemon last sent anything
         self.misses = 0  # requests in a row with no reply by their deadline
         self.missed = 0  # all of them
         self.stale_replies = 0  # replies that came after their session gave up on them
@@ -154,7 +164,8 @@ class DraftClient:
     def counters(self) -> dict:
         """The link's counts, for the target's STATS (read from another thread: plain numbers)."""
         return {"state": self.state.value, "reconnects": self.reconnects, "hellos": self.hellos,
-                "missed": self.missed, "probes": self.probes, "stale_replies": self.stale_replies,
+                "missed": self.missed, "unacked": self.unacked, "suspect": self.suspect,
+                "stale_replies": self.stale_replies,
                 "unexpected": self.unexpected, "open_refusals": self.open_refusals, "errors": dict(self.errors)}
 
     def next_session(self) -> int:
@@ -190,6 +201,7 @@ class DraftClient:
             frames = self.sock.recv_multipart()  # replies are small: bytes are cheaper than zmq.Frame objects
             n += 1
             self.heard_at = time.monotonic()
+            self.suspect = False  # it answers
             try:
                 msg = P.decode(frames)
             except ProtocolError as exc:
@@ -242,6 +254,7 @@ class DraftClient:
             self._set_state(LinkState.DOWN, "not connected")
             return False
         self.hellos += 1
+        self._hello_at = time.monotonic()
         self._set_state(LinkState.CONNECTING, "HELLO sent")
         return True
 
@@ -295,6 +308,13 @@ class DraftClient:
                         DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"),
                                    _wire_parents(msg.tensors.get("parents")),
                                    None if queued is None else queued / 1e6, None if draft is None else draft / 1e6))
+        elif msg.type is MsgType.ACK:
+            key = (h["session"], h["seq"])
+            sent = self._pending.get(key)
+            if sent is not None:
+                now = time.monotonic()
+                self._acks[key] = (now, h["eta_us"] / 1e6)
+                self.ack_rtt.observe(now - sent)
         elif msg.type is MsgType.ERROR:
             self._on_error(P.remote_error(h))
         elif msg.type is MsgType.WELCOME:
@@ -330,6 +350,7 @@ class DraftClient:
 
     def _reply(self, key: Key, reply: DraftReply | RemoteError) -> None:
         now = time.monotonic()
+        self._acks.pop(key, None)
         if key in self._pending:
             sent = self._pending.pop(key)
             self._replies[key] = reply
@@ -344,6 +365,9 @@ class DraftClient:
             self.misses = 0  # the daemon answers
 
     def _on_welcome(self, h: dict) -> None:
+        if self._hello_at is not None:  # answered on arrival, as an ACK is: it measures that round trip
+            self.ack_rtt.observe(time.monotonic() - self._hello_at)
+            self._hello_at = None
         w = Welcome(h["vocab_size"], h["tokenizer"], h["backend"], h["max_depth"], h["q_topk"],
                     h["feature_size"], h["instance"], h.get("server", ""), h.get("max_len", 0),
                     h.get("tree_topk", 1), h.get("max_tree_tokens", 0), tuple(h["feature_layers"])
@@ -417,36 +441,25 @@ class DraftClient:
         self._pending[(session, seq)] = time.monotonic()
         return True
 
-    def deadline_s(self, cap_s: float) -> float:
-        """The retransmission-style timeout now: adaptive, at most ``cap_s``."""
-        return self.rtt.deadline_s(cap_s)
+    def ack_deadline_s(self, cap_s: float) -> float:
+        """How long a request waits for its acknowledgement: adaptive, at most ``cap_s``."""
+        return self.ack_rtt.deadline_s(cap_s)
 
-    def expired(self, sent_at: float, cap_s: float) -> bool:
-        """Whether to stop waiting for a request sent at ``sent_at``. The timer runs from the
-        later of its sending and the last message the daemon sent (as TCP restarts its timer on
-        every ACK: a daemon that answers is alive, its queue is only long). When it has run
-        ``deadline_s``, a PING goes out, as TCP retransmits on a timeout; the daemon answers it
-        between two batches, which restarts the timer. Only silence for another ``deadline_s``
-        after that PING gives the request up; ``cap_s`` after sending, it is given up anyway."""
-        now = time.monotonic()
-        if now >= sent_at + cap_s:
-            return True
-        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
-        if now < quiet + rto:
-            return False
-        if self._probe_at < quiet:  # silent for one deadline: is the daemon there?
-            if not self._send(Message(MsgType.PING)):
-                self.mark_down("not connected")
-                return True
-            self._probe_at = now
-            self.probes += 1
-            return False
-        return now >= self._probe_at + rto
+    def acked(self, key: Key) -> bool:
+        return key in self._acks
 
-    def wake_at(self, sent_at: float, cap_s: float) -> float:
-        """When ``expired`` for this request has something new to decide (for poll timeouts)."""
-        quiet, rto = max(sent_at, self.heard_at), self.rtt.deadline_s(cap_s)
-        return min(sent_at + cap_s, max(self._probe_at, quiet) + rto)
+    def give_up_at(self, key: Key, sent_at: float, cap_s: float) -> float:
+        """When to stop waiting for the request ``key`` sent at ``sent_at``: unacknowledged, an
+        acknowledgement's deadline after sending; acknowledged, the daemon's estimate (times
+        ETA_SLACK) plus that deadline after its ACK; ``cap_s`` after sending at the latest."""
+        rto = self.ack_rtt.deadline_s(cap_s)
+        ack = self._acks.get(key)
+        at = sent_at + rto if ack is None else ack[0] + self.ETA_SLACK * ack[1] + rto
+        return min(sent_at + cap_s, at)
+
+    def expired(self, key: Key, sent_at: float, cap_s: float) -> bool:
+        """Whether to stop waiting for the request ``key`` (``give_up_at``)."""
+        return time.monotonic() >= self.give_up_at(key, sent_at, cap_s)
 
     def take(self, session: int, seq: int) -> DraftReply | RemoteError | None:
         """The reply routed to (session, seq), if it has come."""
@@ -459,6 +472,7 @@ class DraftClient:
         """The session stops waiting for (session, seq): a reply that still comes is stale."""
         key = (session, seq)
         self._replies.pop(key, None)
+        self._acks.pop(key, None)
         sent = self._pending.pop(key, None)
         if sent is not None:
             self._remember(self._abandoned, key, sent)
@@ -469,13 +483,22 @@ class DraftClient:
         while len(table) > self.ABANDONED_KEPT:
             del table[next(iter(table))]
 
-    def miss(self) -> None:
-        """A request got no reply by its deadline; after ``MISSES_TO_DOWN`` in a row the link is down."""
+    def miss(self, acked: bool = True) -> None:
+        """A request got no reply by its deadline (``acked``: it was acknowledged, so the daemon's
+        estimate was wrong; not: the daemon did not answer, and the link is suspect until it
+        does); after ``MISSES_TO_DOWN`` in a row the link is down."""
         self.misses += 1
         self.missed += 1
-        r = self.rtt
-        log.info("no draft and no answer to a PING, %.1f ms apart (srtt %.1f ms, rttvar %.1f ms); the round runs "
-                 "alone", 1000 * r.deadline_s(float("inf")), 1000 * (r.srtt or 0.0), 1000 * r.rttvar)
+        if not acked:
+            self.unacked += 1
+            if not self.suspect:
+                r = self.ack_rtt
+                log.info("no acknowledgement within %.1f ms (srtt %.1f ms, rttvar %.1f ms): the draft daemon is "
+                         "not answering; rounds go on without waiting for drafts until it does",
+                         1000 * r.deadline_s(float("inf")), 1000 * (r.srtt or 0.0), 1000 * r.rttvar)
+            self.suspect = True
+        else:
+            log.info("a draft came later than the daemon's estimate allowed; the round runs alone")
         if self.misses >= self.MISSES_TO_DOWN:
             self.mark_down(f"no drafts for {self.misses} requests in a row")
 
@@ -533,7 +556,6 @@ class RemoteDraftSession:
         self.disabled = False  # the sequence outgrew the drafter's context: no more drafts for it
         self.sent_at = 0.0  # the request in flight: when it went out,
         self.cap_at = 0.0  # and when waiting for it ends in any case
-        self.opening = False  # it opened the session (carries the prompt's prefill)
         self.open_refusals = 0  # OPENs of this session the daemon refused
         self._before = (0, 0, 0)  # (synced, accepted, features_sent) before the request in flight
         self.tree = False  # the last reply was a tree: what it kept is reported as new tokens
@@ -615,7 +637,6 @@ class RemoteDraftSession:
             self.features_sent = len(tokens) - 1
         self.sent_at = time.monotonic()
         self.cap_at = self.sent_at + self.timeout_s
-        self.opening = opening
         return self.seq
 
     @staticmethod
@@ -662,24 +683,30 @@ class RemoteDraftSession:
 
     def expired(self, idle: bool = True) -> bool:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
-        while the target is ``idle`` (with other rounds to verify, waiting costs nothing) and
-        the link says so (``DraftClient.expired``); the opening request waits up to the cap."""
+        while the target is ``idle`` (with other rounds to verify, waiting costs nothing): at once
+        while the link is suspect, else when the link says so (``DraftClient.expired``: no ACK
+        in a round trip, or no reply by the daemon's estimate)."""
         if time.monotonic() >= self.cap_at:
             return True
-        return idle and not self.opening and self.client.expired(self.sent_at, self.timeout_s)
+        if not idle:
+            return False
+        client = self.client
+        return (client.suspect and not client.acked((self.session, self.seq))) or client.expired(
+            (self.session, self.seq), self.sent_at, self.timeout_s)
 
     @property
     def wake_at(self) -> float:
         """When ``expired()`` has something new to decide."""
-        return self.cap_at if self.opening else self.client.wake_at(self.sent_at, self.timeout_s)
+        return self.client.give_up_at((self.session, self.seq), self.sent_at, self.timeout_s)
 
     def resolve(self, reply: DraftReply | RemoteError | None) -> DraftReply | None:
         """Turn what came back for the request in flight (None: nothing in time, or the link
         went down meanwhile) into drafts."""
         if reply is None:
+            acked = self.client.acked((self.session, self.seq))
             self.client.abandon(self.session, self.seq)
             if self.client.up:
-                self.client.miss()
+                self.client.miss(acked)
             return None
         if isinstance(reply, RemoteError):
             self.errors += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 
 import torch
 import zmq
@@ -72,6 +73,7 @@ class RawPeer:
     def __init__(self, ctx: zmq.Context, endpoint: str):
         self.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
         self.sock.connect(endpoint)
+        self.acks: list[Message] = []
 
     def send(self, msg: Message) -> None:
         self.sock.send_multipart(P.encode(msg))
@@ -79,10 +81,16 @@ class RawPeer:
     def send_raw(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
 
-    def recv(self, timeout_s: float = 5.0) -> Message | None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        return P.decode(self.sock.recv_multipart())
+    def recv(self, timeout_s: float = 5.0, acks: bool = False) -> Message | None:
+        """The next message; the ACKs that come before a draft request's reply are kept in
+        ``self.acks`` and skipped unless ``acks``."""
+        deadline = time.monotonic() + timeout_s
+        while self.sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            msg = P.decode(self.sock.recv_multipart())
+            if msg.type is not MsgType.ACK or acks:
+                return msg
+            self.acks.append(msg)
+        return None
 
     def hello(self, vocab: int = 259, tok: str = "fake-tok") -> Message:
         self.send(Message(MsgType.HELLO, {"vocab_size": vocab, "tokenizer": tok, "name": "raw"}))

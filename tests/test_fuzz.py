@@ -41,7 +41,8 @@ SESSION_TTL_S = 5
 MAX_DEPTH = 4
 RSS_GROWTH_LIMIT_KB = 100 * 1024  # measured: 10-13 MB after all phases (printed at teardown with -s)
 ERROR_NAMES = {c.name for c in ErrorCode}
-REPLY_TYPES = {t.value for t in (MsgType.ERROR, MsgType.WELCOME, MsgType.DRAFTED, MsgType.PONG, MsgType.STATS_REPLY)}
+REPLY_TYPES = {t.value for t in (MsgType.ERROR, MsgType.WELCOME, MsgType.DRAFTED, MsgType.PONG, MsgType.STATS_REPLY,
+                                 MsgType.ACK)}
 REQUEST_TYPES = [MsgType.HELLO, MsgType.OPEN, MsgType.DRAFT, MsgType.CLOSE, MsgType.STATS, MsgType.PING]
 OTHER_TYPES = [t for t in MsgType if t not in REQUEST_TYPES]
 
@@ -157,6 +158,7 @@ class Peer:
     def __init__(self, ctx: zmq.Context, lv: Live | None, endpoint: str | None = None):
         self.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
         self.sock.connect(endpoint or lv.endpoint)
+        self.acks = 0  # acknowledgements received (``recv`` checks them and skips them)
         if lv is not None:
             lv.connections += 1
 
@@ -167,15 +169,21 @@ class Peer:
         self.send([mtype.value, msgpack.packb({"v": P.PROTOCOL_VERSION, **header}, use_bin_type=True)])
 
     def recv(self, timeout_s: float) -> tuple[bytes, dict] | None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        frames = self.sock.recv_multipart()
-        assert frames[0] in REPLY_TYPES, frames[0][:40]
-        header = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
-        assert isinstance(header, dict) and header.get("v") == P.PROTOCOL_VERSION
-        if frames[0] == MsgType.ERROR.value:
-            assert ErrorCode(header["code"]).name in ERROR_NAMES and isinstance(header["message"], str)
-        return frames[0], header
+        """The next reply; the acknowledgements of queued draft requests are checked and counted
+        (``acks``), not returned."""
+        deadline = time.monotonic() + timeout_s
+        while self.sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            frames = self.sock.recv_multipart()
+            assert frames[0] in REPLY_TYPES, frames[0][:40]
+            header = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+            assert isinstance(header, dict) and header.get("v") == P.PROTOCOL_VERSION
+            if frames[0] == MsgType.ERROR.value:
+                assert ErrorCode(header["code"]).name in ERROR_NAMES and isinstance(header["message"], str)
+            if frames[0] != MsgType.ACK.value:
+                return frames[0], header
+            assert header["eta_us"] >= 0 and header["ahead"] >= 0
+            self.acks += 1
+        return None
 
     def drain(self, timeout_s: float = 0.0) -> list[tuple[bytes, dict]]:
         out = []
@@ -248,6 +256,7 @@ def templates(lv: Live) -> dict[MsgType, dict]:
         MsgType.RESULT: {"id": 1, "text": "", "token_ids": [], "stats": {}},
         MsgType.PONG: {"instance": "i", "draining": False},
         MsgType.GOODBYE: {"instance": "i"},
+        MsgType.ACK: {"session": 1, "seq": 1, "ahead": 0, "eta_us": 10},
         MsgType.STATS_REPLY: {"stats": {}},
     }
 

@@ -123,6 +123,7 @@ def _peer_from(ctx, endpoint: str, source: str, identity: bytes | None = None) -
     """A raw peer whose TCP connection leaves from ``source`` (another loopback address stands
     for another host)."""
     peer = RawPeer.__new__(RawPeer)
+    peer.acks = []
     peer.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
     if identity is not None:
         peer.sock.setsockopt(zmq.ROUTING_ID, identity)
@@ -190,6 +191,7 @@ def test_a_connection_that_goes_takes_its_entry_and_sessions_with_it():
         for peer in peers:
             assert peer.hello().type is MsgType.WELCOME
             peer.open(1, [1, 2])
+            assert peer.draft(1, 1, 0, [], 2).type is MsgType.DRAFTED  # its backend state is made
         assert _until(lambda: server.snapshot()["live_sessions"] == 10)
         for peer in peers:
             peer.sock.close(linger=0)
@@ -282,6 +284,8 @@ def test_cache_memory_is_bounded_per_session_per_target_and_in_all():
         assert _opened(b, 3, 45) == "BUSY"  # the daemon's 300 kB are taken, and no session is idle yet
         _idle_for(server, 3.1)
         assert _opened(b, 3, 45) == "OK"  # now the least recently used idle session makes room
+        # (the batcher counts and frees what the socket's thread evicted at its next pass)
+        assert _until(lambda: server.snapshot()["sessions_evicted"] == 1)
         snap = server.snapshot()
         assert snap["kv_bytes"] == 300_000 and snap["sessions_evicted"] == 1 and snap["live_sessions"] == 6
         # a session's reservation grows with what it verifies (here to 90 positions): room is made

@@ -19,9 +19,9 @@ from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.server import DraftServer, ServerConfig
-from starsd_target.client import Backoff, DraftClient, DraftReply, HandshakeRefused, LinkState
+from starsd_target.client import Backoff, DraftClient, DraftReply, HandshakeRefused, LinkState, RemoteDraftSession
 from starsd_target.engine import TargetEngine
-from starsd_target.rtt import RttEstimator
+from starsd_target.rtt import ACK_FLOOR_S, RttEstimator
 from starsd_target.scheduler import Job, Scheduler
 from tiny_models import reference_greedy
 
@@ -203,34 +203,62 @@ def test_repeated_misses_take_the_link_down_one_does_not(loaded_target):
         assert client.state is LinkState.DOWN and client.missed == 1 + DraftClient.MISSES_TO_DOWN
 
 
-def _expire(client: DraftClient, sent: float, probes: int, limit: int = 1000) -> bool:
-    """Ask ``expired`` until it gives the request up or ``probes`` PINGs have gone out."""
-    for _ in range(limit):
-        if client.expired(sent, CAP_S):
-            return True
-        if client.probes >= probes:
-            return False
-        client.poll(0.005)
-    raise AssertionError("neither expired nor probed")
-
-
-def test_silence_sends_a_ping_and_an_answer_keeps_the_request_waiting(loaded_target):
+def test_a_request_waits_for_its_ack_a_round_trip_then_for_the_daemons_estimate(loaded_target):
     with scripted(loaded_target, backoff=Backoff(10.0, 10.0)) as (daemon, client):
         _greet(daemon, client, loaded_target)
-        client.rtt.observe(0.001)  # the deadline is the floor now
+        assert client.ack_rtt.samples == 1  # the WELCOME measured the round trip to the daemon's socket thread
+        ack_wait = client.ack_deadline_s(CAP_S)
+        assert ACK_FLOOR_S <= ack_wait < CAP_S
         assert client.request(1, 1, 0, [5], 3, 4)
         sent = client._pending[(1, 1)]
         assert daemon.recv().type is MsgType.DRAFT
-        assert not _expire(client, sent, probes=1)  # silence first asks whether the daemon is there
-        assert daemon.recv().type is MsgType.PING
-        daemon.send(Message(MsgType.PONG, {"instance": "i1", "draining": False}))
-        heard = client.heard_at
-        assert _until(lambda: client.heard_at > heard, client)
-        # the answer restarted the timer: the request is not given up before another PING
-        assert not _expire(client, sent, probes=2)
-        assert daemon.recv().type is MsgType.PING
-        assert _expire(client, sent, probes=3)  # silence after that PING: given up
-        assert client.probes == 2 and client.up
+        # not acknowledged: given up one acknowledgement's deadline after it was sent
+        assert client.give_up_at((1, 1), sent, CAP_S) == pytest.approx(sent + ack_wait)
+        daemon.send(Message(MsgType.ACK, {"session": 1, "seq": 1, "ahead": 2, "eta_us": 300_000}))
+        assert _until(lambda: client.acked((1, 1)), client)
+        acked_at = client._acks[(1, 1)][0]
+        wait = client.ack_deadline_s(CAP_S)  # the ACK measured one more round trip
+        assert client.ack_rtt.samples == 2
+        # acknowledged: the daemon's estimate with slack, plus a round trip's deadline; within the cap
+        assert client.give_up_at((1, 1), sent, CAP_S) == pytest.approx(acked_at + DraftClient.ETA_SLACK * 0.3 + wait)
+        assert client.give_up_at((1, 1), sent, 0.1) == pytest.approx(sent + 0.1)
+        assert not client.expired((1, 1), sent, CAP_S)
+        daemon.drafted(1, 1, [7])
+        assert _until(lambda: client.take(1, 1) is not None, client)
+        assert not client.acked((1, 1))  # answered: nothing of it is kept
+        # an ACK for a request nobody waits for is dropped without a count
+        daemon.send(Message(MsgType.ACK, {"session": 9, "seq": 9, "ahead": 0, "eta_us": 1}))
+        client.poll(0.2)
+        assert client.unexpected == 0 and not client.acked((9, 9))
+
+
+def test_no_ack_makes_the_link_suspect_until_the_daemon_is_heard(loaded_target):
+    with scripted(loaded_target, backoff=Backoff(10.0, 10.0)) as (daemon, client):
+        _greet(daemon, client, loaded_target)
+        drafts = RemoteDraftSession(client, client.next_session(), SamplingParams(), CAP_S)
+        assert drafts.send([1, 2, 3], 4) == 1
+        assert daemon.recv().type is MsgType.OPEN and daemon.recv().type is MsgType.DRAFT
+        # the opening request, which carries the prompt, waits for its ACK a round trip as any other
+        assert drafts.wake_at == pytest.approx(drafts.sent_at + client.ack_deadline_s(CAP_S))
+        assert not drafts.expired(idle=False)  # with other rounds to verify the target never gives up early
+        assert _until(lambda: drafts.expired(), client)
+        assert drafts.resolve(None) is None
+        assert client.suspect and client.unacked == 1 and client.up  # suspect, not down: one round ran alone
+        # while suspect, a request is not waited for at all when the target is idle
+        assert drafts.send([1, 2, 3, 4], 4) == 2
+        assert daemon.recv().type is MsgType.DRAFT
+        assert drafts.expired()
+        drafts.resolve(None)
+        assert client.unacked == 2
+        # anything from the daemon ends the suspicion; an acknowledged request waits for its reply
+        assert drafts.send([1, 2, 3, 4, 5], 4) == 3
+        assert daemon.recv().type is MsgType.DRAFT
+        daemon.send(Message(MsgType.ACK, {"session": drafts.session, "seq": 3, "ahead": 0, "eta_us": 200_000}))
+        assert _until(lambda: not client.suspect, client)
+        assert not drafts.expired()
+        daemon.drafted(drafts.session, 3, [9, 9])
+        assert _until(lambda: client.take(drafts.session, 3) is not None, client)
+        assert client.misses == 0  # a reply ended the run of misses
 
 
 # ---------------------------------------------------------------- many generations, a healthy daemon
@@ -276,9 +304,9 @@ def test_a_stopped_draft_daemon_costs_rounds_an_adaptive_deadline_and_speculatio
         client.handshake(60)
         counted_miss = client.miss
 
-        def miss():  # the deadline the client had computed when it gave a request up
-            miss_deadlines.append(client.deadline_s(CAP_S))
-            counted_miss()
+        def miss(acked=True):  # the deadline the client had computed when it gave a request up
+            miss_deadlines.append(client.ack_deadline_s(CAP_S))
+            counted_miss(acked)
         client.miss = miss
 
         def on_round(gen, n, wanted, verify_s):
@@ -311,7 +339,7 @@ def test_a_stopped_draft_daemon_costs_rounds_an_adaptive_deadline_and_speculatio
     assert len(miss_deadlines) >= DraftClient.MISSES_TO_DOWN
     assert all(dl < CAP_S for dl in miss_deadlines), miss_deadlines
     assert client.missed == len(miss_deadlines)
-    assert client.probes >= client.missed  # each was given up only after an unanswered PING
+    assert client.unacked >= 1  # given up because the daemon did not acknowledge them
     # ... then the link was down, and verification went on without drafts meanwhile
     assert sum(1 for _, state, kept in stopped if state is not LinkState.UP and kept is None) >= 20
     # after SIGCONT the link came back and drafts were kept again

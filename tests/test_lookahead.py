@@ -118,9 +118,9 @@ def test_a_queued_request_waits_one_lookahead_step_at_most(monkeypatch):
     backend = ScriptedBackend(step_s=0.03)
     enqueue = Ingress.enqueue
 
-    def logged(self, identity, principal, msg, cost, share):
+    def logged(self, identity, principal, msg, cost, share, **kw):
         backend.events.append(("queued", msg.header["new"][-1] if msg.header["new"] else None))
-        return enqueue(self, identity, principal, msg, cost, share)
+        return enqueue(self, identity, principal, msg, cost, share, **kw)
 
     monkeypatch.setattr(Ingress, "enqueue", logged)
     with running_server(backend, max_depth=16) as (server, ctx):
@@ -213,7 +213,7 @@ def test_outputs_are_the_same_with_lookahead_on_and_off(params, tiny_target, nea
     assert stats[0]["started"] == 0
     on = stats[1]
     if params.greedy:
-        assert on["started"] > 0 and on["hits"] + on["late_hits"] > 0  # requests answered from work ahead
+        assert on["started"] > 0 and on["hits"] + on["late_hits"] > 0, on  # requests answered from work ahead
     else:
         assert on["started"] == 0
 

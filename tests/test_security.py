@@ -54,9 +54,11 @@ def ask(sock, msg, timeout_ms=1500):
         sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
     except zmq.Again:
         return None
-    if not sock.poll(timeout_ms):
-        return None
-    return P.decode(sock.recv_multipart())
+    while sock.poll(timeout_ms):
+        reply = P.decode(sock.recv_multipart())
+        if reply.type is not MsgType.ACK:  # a queued draft request's acknowledgement comes first
+            return reply
+    return None
 
 
 HELLO = Message(MsgType.HELLO, {"vocab_size": 259, "tokenizer": "fake-tok"})

@@ -160,6 +160,8 @@ def test_silent_peers_are_purged_with_their_sessions():
         quiet, chatty = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
         quiet.hello(), chatty.hello()
         quiet.open(1, [3]), quiet.open(2, [4])
+        for sid in (1, 2):  # drafted for, so each holds backend state to free
+            assert quiet.draft(sid, 1, 0, [], 1).type is MsgType.DRAFTED
         chatty.open(1, [5])
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:  # the chatty peer keeps its lease with PINGs
@@ -290,15 +292,16 @@ def test_full_table_evicts_the_least_recently_used_idle_session():
         a.open(1, [1]), a.open(2, [2])
         a.send(Message(MsgType.STATS))
         assert a.recv().header["stats"]["live_sessions"] == 2  # a's OPENs are in
+        assert a.draft(1, 1, 0, [], 1, depth=1).header["tokens"] == [2]  # session 1 holds backend state now
         b.open(1, [3])
         assert code_of(b.recv()) == "BUSY"  # both sessions are fresh
         time.sleep(0.4)
         assert a.draft(2, 1, 0, [], 1, depth=1).header["tokens"] == [3]  # session 2 is used again
         b.open(1, [3])  # session 1 of a, idle the longest, makes room
         assert b.draft(1, 1, 0, [], 1, depth=1).header["tokens"] == [4]
-        assert code_of(a.draft(1, 1, 0, [], 1)) == "UNKNOWN_SESSION"
-        # freed: the evicted session's state, and the one made for the OPEN refused BUSY
-        assert server.snapshot()["sessions_evicted"] == 1 and backend.released == 2
+        assert code_of(a.draft(1, 2, 0, [], 1)) == "UNKNOWN_SESSION"
+        # freed: the evicted session's state (none is made for an OPEN, refused or not, until it is drafted for)
+        assert server.snapshot()["sessions_evicted"] == 1 and backend.released == 1
 
 
 def test_sequences_beyond_the_drafters_context_are_refused():
@@ -313,3 +316,58 @@ def test_sequences_beyond_the_drafters_context_are_refused():
         peer.open(2, [3, 4, 5])
         assert peer.draft(2, 1, 0, [], 3, depth=4).type is MsgType.DRAFTED
         assert code_of(peer.draft(2, 2, 4, [9], 8, depth=4)) == "TOO_LARGE"
+
+
+# ---------------------------------------------------------------- the socket's own thread, acknowledgements
+def test_the_daemon_answers_and_acknowledges_while_a_batch_computes():
+    """The batcher is held inside a backend call; meanwhile the socket's thread greets a new
+    target, answers PING and STATS, acknowledges draft requests with their place in the queue
+    and refuses bad ones, so a target can tell a busy daemon from a hung one."""
+    backend = GatedBackend()
+    with running_server(backend, batch_max=1) as (server, ctx):
+        busy, other = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        busy.hello()
+        busy.open(1, [5])
+        busy.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+        ack = busy.recv(acks=True)
+        assert ack.type is MsgType.ACK and ack.header["session"] == 1 and ack.header["seq"] == 1
+        assert ack.header["ahead"] == 0 and ack.header["eta_us"] > 0
+        assert _wait_for(lambda: server.estimate.busy_until > 0)  # the batch is computing (held at the gate)
+        assert other.hello().type is MsgType.WELCOME
+        other.send(Message(MsgType.PING))
+        assert other.recv().type is MsgType.PONG
+        other.send(Message(MsgType.STATS))
+        assert other.recv().header["stats"]["acks"] == 1
+        other.open(1, [7]), other.open(2, [8])
+        for sid in (1, 2):
+            other.send(Message(MsgType.DRAFT, {"session": sid, "seq": 1, "accepted": 0, "new": [], "pos": 1,
+                                               "depth": 2}))
+        acks = [other.recv(acks=True) for _ in range(2)]
+        assert [a.header["ahead"] for a in acks] == [0, 1]  # queued behind the batch, one after the other
+        # the later one waits for more: the batch computing and the one queued before it
+        assert acks[1].header["eta_us"] > acks[0].header["eta_us"]
+        other.send(Message(MsgType.DRAFT, {"session": 9, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+        assert code_of(other.recv()) == "UNKNOWN_SESSION"  # refused on arrival: no ACK
+        assert backend.batches == []  # all of it while the first batch was still held
+        backend.gate.set()
+        assert busy.recv().type is MsgType.DRAFTED
+        replies = [other.recv() for _ in range(2)]
+        assert all(r.type is MsgType.DRAFTED for r in replies)
+        assert len(other.acks) == 0 and server.snapshot()["acks"] == 3
+
+
+def test_the_estimate_learns_a_steps_and_a_prompt_tokens_cost():
+    from starsd_draftd.eta import PREFILL_MIN, ServiceEstimate
+
+    est = ServiceEstimate(batch_max=2)
+    assert est.eta_s(0, 0, 4, 0, now=0.0) == pytest.approx(est.cost_s(4, 0))  # defaults before any measure
+    est.finished(0.040, steps=4, fed=1)  # 10 ms a step
+    est.finished(0.040 + 0.200, steps=4, fed=100)  # then 2 ms a prompt token
+    assert est.step_s == pytest.approx(0.010) and est.token_s == pytest.approx(0.002)
+    est.finished(0.5, steps=0, fed=PREFILL_MIN * 10)  # a prefill chunk alone (no drafting) teaches tokens too
+    assert est.token_s > 0.002
+    est.token_s = 0.002
+    # three requests ahead with a batch of two: two batches before this request's own; 50 tokens ahead
+    assert est.eta_s(3, 50, 4, 10, now=0.0) == pytest.approx(2 * 4 * 0.010 + 60 * 0.002)
+    est.started(4, 0, now=1.0)  # a batch is computing: what is left of it comes first
+    assert est.eta_s(0, 0, 4, 0, now=1.01) == pytest.approx(0.030 + 0.040)
