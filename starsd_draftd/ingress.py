@@ -123,6 +123,8 @@ class Ingress:
         self._wake_tx: zmq.Socket | None = None  # the batcher's end: a byte here wakes the thread to send
         self._wake_rx: zmq.Socket | None = None
         self.failure: BaseException | None = None  # what ended the thread, if anything did
+        self._sent = threading.Event()  # set by the thread once what was queued before a flush has left
+        self._wake_batcher = False  # requests were queued in this pass of the thread
 
     # ------------------------------------------------------------ the socket
     def bind(self) -> str:
@@ -187,6 +189,10 @@ class Ingress:
                 if self.sock in ready or self.monitor in ready:
                     self.read()
                 self._send_out()
+                self._sent.set()
+                if self._wake_batcher:  # after the sends: the batcher then has the GIL to itself
+                    self._wake_batcher = False
+                    self.arrived.set()
             self._send_out()
         except BaseException as exc:  # the batcher sees it and the daemon exits non-zero
             log.exception("the socket thread failed")
@@ -245,12 +251,21 @@ class Ingress:
         wakes it)."""
         self.q_out.append([identity, *P.encode(msg)])
 
+    FLUSH_WAIT_S = 0.002  # the most the batcher waits for its replies to leave
+
     def flush(self) -> None:
-        """Have the socket's thread send what is queued now (from the batcher's thread)."""
+        """Have the socket's thread send what is queued now (from the batcher's thread), and wait
+        (briefly) until it has: the wait hands the thread the GIL, which the batcher's Python
+        would otherwise hold for up to a switch interval before the replies leave."""
+        if not self.q_out:
+            return
+        self._sent.clear()
         try:
             self._wake_tx.send(b"", zmq.NOBLOCK)
         except zmq.Again:
             pass  # a wake-up is already pending
+        if self._thread is not None:
+            self._sent.wait(self.FLUSH_WAIT_S)
 
     def take_released(self) -> list[Session]:
         """The sessions closed or re-opened since the last call, whose backend state the batcher
@@ -494,7 +509,7 @@ class Ingress:
         eta = self.estimate.eta_s(len(self.q_in), self.queued_fed, h["depth"], fed, now)
         self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, now, fed))
         self.queued_fed += fed
-        self.arrived.set()
+        self._wake_batcher = True  # once this pass's acknowledgements are out (``_run``)
         self.send(identity, Message(MsgType.ACK, {"session": h["session"], "seq": h["seq"], "ahead": len(self.q_in) - 1,
                                                   "eta_us": min(P.MAX_REPORTED_US, round(1e6 * eta))}))
         self.stats.acks += 1

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import secrets
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PART
 log = logging.getLogger("starsd.draftd")
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -168,6 +170,10 @@ class DraftServer:
     def serve_forever(self, ready: threading.Event | None = None) -> None:
         if self.ingress.sock is None:
             self.bind()
+        # The socket's thread needs the GIL to read, acknowledge and send; a short switch interval
+        # bounds how long the batcher's Python keeps it waiting (it costs nothing while the thread
+        # sleeps in its poll).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.ingress.start()
         if ready is not None:
             ready.set()
