@@ -66,6 +66,10 @@ def main() -> None:
         help="With requests waiting and room in the batch, wait up to this long for sessions whose targets "
              "usually answer within it (learned per session); 0 never waits (strictly work-conserving). "
              "Millisecond granularity.")
+@option("--batch-prefill-tokens", type=click.IntRange(0), default=_server("batch_prefill_tokens"),
+        help="Prompt tokens one batch feeds at most (a new session's prompt, a round's newly verified tokens): a "
+             "longer request waits for a later batch while its prompt is fed in chunks of this size between "
+             "batches, so a short request is never drafted behind several long prefills. 0: no budget.")
 @option("--lookahead/--no-lookahead", default=_server("lookahead"),
         help="With no request waiting, draft each served session's next round ahead for the outcomes the draft "
              "can guess (its drafts all kept, then its next token; kept up to one of the first positions, then "

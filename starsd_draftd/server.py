@@ -56,6 +56,11 @@ class ServerConfig:
     # it (each session's reply-to-request turnaround is tracked). 0 keeps the loop strictly
     # work-conserving; a few ms fills batches when targets answer fast (many targets, short V).
     batch_window_s: float = 0.0
+    # Prompt tokens a batch feeds at most beyond one a request (a new session's prompt, a round's
+    # newly verified tokens): a request over what is left waits for a later batch, and the first of
+    # them gets a chunk of its prompt fed after the batch's replies (backends that feed prompts in
+    # chunks), so a short request is never drafted behind several long prefills. 0: no budget.
+    batch_prefill_tokens: int = 256
     # With nothing queued, draft each served session's next round ahead for the outcomes the
     # draft can guess (its drafts all kept then its next token; kept up to a position then its
     # second choice there), one batched forward per loop pass; a request that brings one of
@@ -299,12 +304,14 @@ class DraftServer:
             self.stats.batch_waits += 1
             self.stats.batch_wait_s += time.monotonic() - start
 
-    def _take_batch(self) -> list[QueuedRequest]:
+    def _take_batch(self) -> tuple[list[QueuedRequest], QueuedRequest | None]:
         """At most batch_max waiting requests, one per session (a session's later request waits
         for the next pass, so each session's requests stay in order), shared fairly: each share
         (an address, or a CURVE key) gets one request in turn, the share served longest ago
         first, before any gets a second. Within a share, and in the batch, oldest first. So one
-        host's backlog delays another's request by one batch at most, not by the backlog."""
+        host's backlog delays another's request by one batch at most, not by the backlog.
+        Then the prefill budget (``_within_budget``): the requests it leaves queued, and the one
+        whose prompt gets a chunk fed this pass (or None)."""
         items = self.q_in
         by_share: dict = {}
         seen = set()
@@ -325,12 +332,66 @@ class DraftServer:
         for i in taken:
             self._served_turn[items[i].share] = self._turn
         self._served_turn = {sh: t for sh, t in self._served_turn.items() if sh in by_share}
-        chosen = set(taken)
-        batch = [items[i] for i in sorted(chosen)]
+        chosen, chunk = self._within_budget(items, sorted(taken))
+        batch = [items[i] for i in chosen]
+        chosen = set(chosen)
         self.ingress.q_in = collections.deque(item for i, item in enumerate(items) if i not in chosen)
         for item in batch:
             self.ingress.dequeued(item)
-        return batch
+        return batch, chunk
+
+    def _within_budget(self, items, taken: list[int]) -> tuple[list[int], QueuedRequest | None]:
+        """Of a fair batch (indices into ``items``, oldest first), those whose prompt tokens
+        (``fed``) fit ``batch_prefill_tokens``, and the first that does not, for a chunk of its
+        prompt (where the backend feeds prompts in chunks; one whose backend does not is drafted
+        whole in a batch of its own, when it is oldest). A batch is never empty for the budget's
+        sake: one request always goes, or a chunk is fed."""
+        budget = self.config.batch_prefill_tokens
+        if budget <= 0:
+            return taken, None
+        left, keep, chunk = budget, [], None
+        for i in taken:
+            fed = items[i].fed
+            if fed <= left:
+                keep.append(i)
+                left -= fed
+            elif chunk is None and self.backend.prefills:
+                chunk = items[i]
+            elif not keep and chunk is None:
+                keep.append(i)  # drafted whole (no chunks), alone
+                break
+        return keep, chunk
+
+    def _feed_chunk(self, item: QueuedRequest) -> None:
+        """Feed a chunk of a long queued request's prompt (at most ``batch_prefill_tokens``)
+        after this pass's replies; the request stays queued, costing what is left to feed. A
+        chunk that can feed nothing (what is left comes with the request) lets it go whole next."""
+        with self.lock:
+            session = self.sessions.sessions.get(item.key)
+            if session is None:
+                return  # closed meanwhile: its request gets UNKNOWN_SESSION at admission
+            if session.state is None:
+                session.state = self.backend.new_state(session.params)
+            state, verified = session.state, list(session.verified)
+        t0 = time.perf_counter()
+        try:
+            fed_now, left = self.backend.prefill(state, verified, self.config.batch_prefill_tokens)
+        except Exception:  # the request is drafted whole instead
+            log.exception("feeding a prompt chunk failed for session %d", item.key[1])
+            fed_now, left = 0, 1
+        seconds = time.perf_counter() - t0
+        self.stats.busy_s += seconds
+        self.stats.prefill_chunks += 1
+        self.estimate.finished(seconds, 0, fed_now)
+        # what the request still feeds: the rest of the prompt (its last token is drafting's) and its new tokens
+        new_fed = 0 if fed_now == 0 else left - 1 + len(item.msg.header["new"])
+        with self.lock:
+            q = self.ingress.q_in
+            for j, queued in enumerate(q):
+                if queued is item:
+                    q[j] = dataclasses.replace(item, fed=new_fed)
+                    self.ingress.queued_fed += new_fed - item.fed
+                    break
 
     def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
         """Validate a DRAFT request against its session, reserve its cache memory and apply what
@@ -380,7 +441,8 @@ class DraftServer:
         keys: set = set()
         start = time.perf_counter()  # the batch begins: its requests' wait in the queue ends
         with self.lock:
-            for item in self._take_batch():
+            batch, chunk = self._take_batch()
+            for item in batch:
                 try:
                     request = self._admit(item.principal, item.msg, keys)
                 except ProtocolError as exc:
@@ -391,6 +453,8 @@ class DraftServer:
                                                 item.queued_at, item.fed))
                 keys.add(item.key)
         self._free_dropped()  # sessions evicted to make room for these (none of them)
+        if chunk is not None and not admitted:
+            self._feed_chunk(chunk)
         if not admitted:
             return
         stats = self.stats
@@ -449,17 +513,16 @@ class DraftServer:
             parts["draft_forward"] += spent[i]
             parts["rest"] += (done - admitted[i].read_at) - queued - spent[i]
         stats.profiled += len(served)
-        window = self.config.batch_window_s > 0
-        sent = time.monotonic()
         with self.lock:
-            self._after_replies(admitted, drafts, served, window, sent)
+            self._after_replies(admitted, drafts, served)
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
+        if chunk is not None:  # after the batch's replies are out
+            self._feed_chunk(chunk)
 
-    def _after_replies(self, admitted: list[AdmittedRequest], drafts: list[Draft | None], served: list[int],
-                       window: bool, sent: float) -> None:
+    def _after_replies(self, admitted: list[AdmittedRequest], drafts: list[Draft | None], served: list[int]) -> None:
         """The served sessions' bookkeeping once their replies are out: tree and stopping counts,
-        their last drafts, the batch window's turnarounds, and their next rounds drafted ahead."""
+        their last drafts and their next rounds drafted ahead."""
         for i in served:
             key, req = admitted[i].key, admitted[i].request
             draft = drafts[i]
@@ -477,9 +540,6 @@ class DraftServer:
             if session is not None:
                 # a tree's kept path is no prefix of its tokens: the target reports it as new tokens
                 session.last_draft = list(draft.tokens) if draft.parents is None else []
-                if window:
-                    session.replied_at = sent
-                    self._awaited[key] = session
                 if self.config.lookahead and not self.draining and draft.parents is None:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
                                          admitted[i].header["seq"])
@@ -494,6 +554,12 @@ class DraftServer:
         tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
         if draft.parents is not None:
             tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
+        if self.config.batch_window_s > 0:  # before it leaves: the session's next request may come at once
+            with self.lock:
+                session = self.sessions.sessions.get(item.key)
+                if session is not None and session.state is item.request.state:
+                    session.replied_at = time.monotonic()
+                    self._awaited[item.key] = session
         self.ingress.send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
 
     def _release(self, session: Session) -> None:

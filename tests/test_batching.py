@@ -158,3 +158,16 @@ def test_batch_window_gives_up_on_a_session_that_does_not_come_back():
         _round(a, 1, 3, 4)  # b has stopped for good: a is served alone once the window passes
         assert _reply(a).header["seq"] == 3
         assert be.batches[-1] == 1 and server.snapshot()["batch_waits"] >= 1
+
+
+def test_a_prompt_fed_in_chunks_drafts_what_a_whole_one_does(near_draft):
+    """The draft daemon's prefill budget feeds a long prompt a chunk per pass
+    (``ModelBackend.prefill``); the drafts that follow equal those of the prompt fed at once,
+    greedy and seeded sampled."""
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    prompt = [3 + (7 * i) % 240 for i in range(77)]
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, seed=3)):
+        whole, chunked = backend.new_state(params), backend.new_state(params)
+        steps = [backend.prefill(chunked, prompt, 30) for _ in range(4)]
+        assert steps == [(30, 47), (30, 17), (16, 1), (0, 1)]  # the last token is left to drafting
+        assert backend.draft(chunked, prompt, 4).tokens == backend.draft(whole, prompt, 4).tokens

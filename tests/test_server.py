@@ -371,3 +371,68 @@ def test_the_estimate_learns_a_steps_and_a_prompt_tokens_cost():
     assert est.eta_s(3, 50, 4, 10, now=0.0) == pytest.approx(2 * 4 * 0.010 + 60 * 0.002)
     est.started(4, 0, now=1.0)  # a batch is computing: what is left of it comes first
     assert est.eta_s(0, 0, 4, 0, now=1.01) == pytest.approx(0.030 + 0.040)
+
+
+class ChunkingBackend(CountingBackend):
+    """Feeds prompts in chunks (``prefill``), logging each chunk and each batch (its requests'
+    sequence lengths); its first batch is held until ``gate`` is set."""
+
+    prefills = True
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.events: list[tuple] = []
+
+    def new_state(self, params):
+        return {"calls": 0, "cached": 0}
+
+    def prefill(self, state, verified, budget):
+        keep = state["cached"]
+        upto = min(len(verified) - 1, keep + budget)
+        state["cached"] = upto
+        self.events.append(("chunk", upto - keep))
+        time.sleep(0.2)  # a chunk's forward: the other target's next round arrives during it
+        return upto - keep, len(verified) - upto
+
+    def draft_many(self, requests):
+        self.gate.wait(10)
+        self.events.append(("batch", sorted(len(r.verified) for r in requests)))
+        for r in requests:  # drafting feeds what no chunk fed
+            r.state["cached"] = len(r.verified)
+        return super().draft_many(requests)
+
+
+def test_a_long_prompt_is_fed_in_chunks_between_batches_and_short_requests_go_first():
+    """One target's 1,000-token prompt and another's short rounds queued together: with a budget
+    of 256 prompt tokens a batch, the short request is drafted in the next batch without the long
+    prompt, which is fed 256 tokens at a time after each batch, then drafted; every reply is exact."""
+    backend = ChunkingBackend()
+    with running_server(backend, batch_prefill_tokens=256) as (server, ctx):
+        long_peer, short = RawPeer(ctx, server.endpoint), RawPeer(ctx, server.endpoint)
+        long_peer.hello(), short.hello()
+        short.open(1, [5])
+        short.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+        assert _wait_for(lambda: server.estimate.busy_until > 0)  # held in its first batch
+        prompt = [3 + i % 200 for i in range(1000)]
+        long_peer.open(1, prompt)
+        long_peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1000,
+                                               "depth": 2}))
+        assert long_peer.recv(acks=True).type is MsgType.ACK
+        backend.gate.set()
+        assert short.recv().header["tokens"] == [6, 7]
+        short.send(Message(MsgType.DRAFT, {"session": 1, "seq": 2, "accepted": 2, "new": [8], "pos": 4, "depth": 2}))
+        assert short.recv().header["tokens"] == [9, 10]
+        reply = long_peer.recv()
+        assert reply.type is MsgType.DRAFTED and reply.header["tokens"] == [prompt[-1] + 1, prompt[-1] + 2]
+        ev = backend.events
+        chunks = [n for kind, n in ev if kind == "chunk"]
+        assert chunks and all(n <= 256 for n in chunks) and sum(chunks) <= 999
+        batches = [b for kind, b in ev if kind == "batch"]
+        assert [1000] in batches and all(len(b) == 1 or 1000 not in b for b in batches)
+        # the short rounds never waited for the whole prompt: each was drafted before the prompt's last chunk
+        last_chunk = max(i for i, e in enumerate(ev) if e[0] == "chunk")
+        assert ev.index(("batch", [4])) < last_chunk
+        assert server.snapshot()["prefill_chunks"] == len(chunks)

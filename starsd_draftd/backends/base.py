@@ -438,6 +438,14 @@ class DraftBackend(abc.ABC):
         return [self.draft(r.state, r.verified, r.depth, r.new_features, tree_tokens=r.tree_tokens) for r in requests]
 
     drafts_ahead: bool = False  # lookahead() returns work (the server reserves memory for it first)
+    prefills: bool = False  # prefill() feeds part of a long prompt ahead of its request's drafting
+
+    def prefill(self, state: object, verified: list[int], budget: int) -> tuple[int, int]:
+        """Feed up to ``budget`` more of ``verified`` into the session's cache (one forward), so a
+        long prompt is fed over several batches (``--batch-prefill-tokens``) and a short request
+        never waits behind all of it; the next ``draft`` reuses what was fed. Returns the tokens
+        fed now and those of ``verified`` still to feed (at least one: drafting feeds the last)."""
+        raise NotImplementedError
     stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
 
     def lookahead_rows(self, draft: Draft) -> int:

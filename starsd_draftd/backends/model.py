@@ -102,6 +102,18 @@ class ModelBackend(DraftBackend):
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), self.runner.new_cache(), seed=session_seed(params))
 
+    prefills = True
+
+    @torch.inference_mode()
+    def prefill(self, state: object, verified: list[int], budget: int) -> tuple[int, int]:
+        st: ModelSession = state  # type: ignore[assignment]
+        keep = self._rewind(st, verified)
+        upto = min(len(verified) - 1, keep + budget)
+        if upto > keep:
+            self.runner.forward(st.cache, verified[keep:upto], "last")
+            st.cached.extend(verified[keep:upto])
+        return upto - keep, len(verified) - upto
+
     def _forward(self, st: ModelSession, tokens: list[int]) -> torch.Tensor:
         """Feed tokens after the cached ones; return the last position's logits over the vocabulary."""
         logits, _ = self.runner.forward(st.cache, tokens, "last")
