@@ -115,6 +115,7 @@ class DraftServer:
         self.sessions = SessionTable(TableLimits(**bounds, kv_bytes_per_token=backend.kv_bytes_per_token),
                                      durable=config.curve_secret is not None)
         self._served_turn: dict[bytes | str, int] = {}  # share -> the batch that last served it
+        self._conn_turn: dict[bytes, int] = {}  # principal -> the batch that last served it (turns inside a share)
         self._turn = 0
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
@@ -308,18 +309,26 @@ class DraftServer:
         """At most batch_max waiting requests, one per session (a session's later request waits
         for the next pass, so each session's requests stay in order), shared fairly: each share
         (an address, or a CURVE key) gets one request in turn, the share served longest ago
-        first, before any gets a second. Within a share, and in the batch, oldest first. So one
-        host's backlog delays another's request by one batch at most, not by the backlog.
+        first, before any gets a second; inside a share its connections take turns the same way,
+        each one's oldest first; in the batch, oldest first. So one host's backlog delays another's
+        request by one batch at most, not by the backlog, and one process on a host with many
+        sessions delays another on that host by one turn, not by its sessions.
         Then the prefill budget (``_within_budget``): the requests it leaves queued, and the one
         whose prompt gets a chunk fed this pass (or None)."""
         items = self.q_in
         by_share: dict = {}
         seen = set()
+        rank: dict[int, int] = {}  # an item's place among its principal's waiting sessions
+        per_principal: dict[bytes, int] = {}
         for i, item in enumerate(items):
             if item.key not in seen:
                 seen.add(item.key)
                 by_share.setdefault(item.share, []).append(i)
-        shares = sorted(by_share, key=lambda sh: (self._served_turn.get(sh, 0), by_share[sh][0]))
+                rank[i] = per_principal.get(item.principal, 0)
+                per_principal[item.principal] = rank[i] + 1
+        for sh, idx in by_share.items():  # each connection's first, the one served longest ago first; then seconds
+            idx.sort(key=lambda i: (rank[i], self._conn_turn.get(items[i].principal, 0), i))
+        shares = sorted(by_share, key=lambda sh: (self._served_turn.get(sh, 0), min(by_share[sh])))
         taken: list[int] = []
         limit, depth = self.config.batch_max, 0
         while len(taken) < limit:
@@ -331,7 +340,9 @@ class DraftServer:
         self._turn += 1
         for i in taken:
             self._served_turn[items[i].share] = self._turn
+            self._conn_turn[items[i].principal] = self._turn
         self._served_turn = {sh: t for sh, t in self._served_turn.items() if sh in by_share}
+        self._conn_turn = {p: t for p, t in self._conn_turn.items() if p in per_principal}
         chosen, chunk = self._within_budget(items, sorted(taken))
         batch = [items[i] for i in chosen]
         chosen = set(chosen)

@@ -221,8 +221,7 @@ class SessionTable:
                 raise ProtocolError(ErrorCode.BUSY, f"this peer already holds {lim.max_sessions_per_peer} sessions",
                                     sid)
             if not self.durable and self.address_sessions[address] >= lim.max_sessions_per_address:
-                raise ProtocolError(ErrorCode.BUSY, f"address {address or 'ipc'} already holds "
-                                                    f"{lim.max_sessions_per_address} sessions", sid)
+                self._fair_room(peer, address, sid)
             if len(self.sessions) >= lim.max_sessions:
                 lru = min(self.sessions.values(), key=lambda s: s.touched)
                 if time.monotonic() - lru.touched < lim.evict_idle_s:
@@ -240,6 +239,27 @@ class SessionTable:
             self.close(principal, sid)
             raise
         return s
+
+    def _fair_room(self, peer: Peer, address: str, sid: int) -> None:
+        """An address's session budget is shared fairly by its connections (eight targets on one
+        host share its address): a connection under its share (the budget over the address's
+        connections) takes room from the one furthest over its share,
+        whose least recently used session is evicted; at or over its share it gets BUSY. So one
+        process's many sessions cannot starve its neighbours on the host."""
+        lim = self.limits
+        holders = {self.conns[i].principal for i in self.conns if self.conns[i].address == address}
+        holders = [self.peers[p] for p in holders | {peer.principal} if p in self.peers]
+        share = max(1, lim.max_sessions_per_address // len(holders))
+        if len(peer.sessions) >= share:
+            raise ProtocolError(ErrorCode.BUSY, f"address {address or 'ipc'} holds its {lim.max_sessions_per_address} "
+                                                f"sessions and this connection its share of {share}", sid)
+        victim = max(holders, key=lambda p: len(p.sessions))
+        if len(victim.sessions) <= share:
+            raise ProtocolError(ErrorCode.BUSY, f"address {address or 'ipc'} holds its "
+                                                f"{lim.max_sessions_per_address} sessions", sid)
+        lru = min((self.sessions[(victim.principal, v)] for v in victim.sessions), key=lambda s: s.touched)
+        self.close(*lru.key)
+        self.dropped.append((lru, "evicted"))
 
     def reserve(self, s: Session, positions: int, seq: int | None = None, keep=frozenset()) -> None:
         """Reserve cache memory for ``positions`` of session ``s`` (it only grows). TOO_LARGE

@@ -213,7 +213,8 @@ def test_one_address_cannot_fill_the_tables():
             p.send(Message(MsgType.STATS))
             while (r := p.recv()).type is not MsgType.STATS_REPLY:
                 opened.append(_code(r))
-        assert opened.count("BUSY") == 8 and server.snapshot()["live_sessions"] == 12
+        # the second connection takes its share (12 over the address's 4 connections) from the first
+        assert opened.count("BUSY") == 7 and server.snapshot()["live_sessions"] == 12
         # a target on another address still gets in, and gets drafts
         client = _client(server, ctx)
         s = RemoteDraftSession(client, client.next_session(), SamplingParams(), 5.0)
@@ -431,3 +432,51 @@ def test_one_hosts_backlog_delays_another_by_one_batch_at_most():
         # the next one, ahead of the 18 or so that had queued before it
         assert backend.order.index(99) <= 3, backend.order
         client.close()
+
+
+def test_a_hosts_connections_take_turns_inside_its_turn():
+    """Two processes on one host (one address): one queues twenty sessions' requests, the other
+    one request after them; the other's goes in the next batch, not behind the twenty."""
+    backend = OrderBackend()
+    with running_server(backend, batch_max=2) as (server, ctx):
+        busy, other = _peer_from(ctx, server.endpoint, "127.0.0.2"), _peer_from(ctx, server.endpoint, "127.0.0.2")
+        assert busy.hello().type is MsgType.WELCOME and other.hello().type is MsgType.WELCOME
+        for sid in range(1, 21):
+            busy.open(sid, [sid, 1, 2])
+        other.open(1, [99, 1, 2])
+        for sid in range(1, 21):  # the first is held while drafted; the other 19 queue behind it
+            busy.send(Message(MsgType.DRAFT, {"session": sid, "seq": 1, "accepted": 0, "new": [], "pos": 3,
+                                              "depth": 2}))
+        assert backend.drafting.wait(10.0)
+        other.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 3, "depth": 2}))
+        assert other.recv(acks=True).type is MsgType.ACK  # queued behind the nineteen
+        backend.let_go()
+        assert other.recv().header["tokens"] == [3, 4]
+        assert _until(lambda: len(backend.order) == 21)
+        assert backend.order.index(99) <= 3, backend.order  # the batch after the held one
+
+
+def test_an_addresss_session_budget_is_shared_fairly_by_its_connections():
+    """Eight sessions an address: one connection took all eight; a second connection on the
+    same host takes its share (four) from it, least recently used first, and no more; the first
+    cannot take them back while it is at its share."""
+    backend = CountingBackend()
+    with running_server(backend, max_sessions_per_address=8) as (server, ctx):
+        hog, late = _peer_from(ctx, server.endpoint, "127.0.0.2"), _peer_from(ctx, server.endpoint, "127.0.0.2")
+        assert hog.hello().type is MsgType.WELCOME and late.hello().type is MsgType.WELCOME
+        for sid in range(1, 9):
+            hog.open(sid, [sid])
+        assert hog.draft(8, 1, 0, [], 1).type is MsgType.DRAFTED  # session 8 was used: it is evicted last
+        for sid in range(1, 5):
+            late.open(sid, [50 + sid])
+        late.open(5, [60])
+        assert _code(late.recv()) == "BUSY"  # at its share of four
+        hog.open(9, [9])
+        assert _code(hog.recv()) == "BUSY"  # at its share too: nothing is taken back
+        assert _until(lambda: server.snapshot()["sessions_evicted"] == 4)
+        snap = server.snapshot()
+        assert snap["live_sessions"] == 8
+        for sid in range(1, 5):  # the late connection's sessions serve
+            assert late.draft(sid, 1, 0, [], 1).header["tokens"] == [50 + sid + 1, 50 + sid + 2, 50 + sid + 3]
+        assert _code(hog.draft(1, 1, 0, [], 1)) == "UNKNOWN_SESSION"  # its least recently used went first
+        assert hog.draft(8, 2, 0, [], 1).type is MsgType.DRAFTED
