@@ -60,7 +60,7 @@ class ServerConfig:
     # newly verified tokens): a request over what is left waits for a later batch, and the first of
     # them gets a chunk of its prompt fed after the batch's replies (backends that feed prompts in
     # chunks), so a short request is never drafted behind several long prefills. 0: no budget.
-    batch_prefill_tokens: int = 256
+    batch_prefill_tokens: int = 128
     # With nothing queued, draft each served session's next round ahead for the outcomes the
     # draft can guess (its drafts all kept then its next token; kept up to a position then its
     # second choice there), one batched forward per loop pass; a request that brings one of
