@@ -69,7 +69,8 @@ def main() -> None:
 @option("--batch-prefill-tokens", type=click.IntRange(0), default=_server("batch_prefill_tokens"),
         help="Prompt tokens one batch feeds at most (a new session's prompt, a round's newly verified tokens): a "
              "longer request waits for a later batch while its prompt is fed in chunks of this size between "
-             "batches, so a short request is never drafted behind several long prefills. 0: no budget.")
+             "batches (--backend model; behind an EAGLE head it is drafted in a batch of its own), so a short "
+             "request is never drafted behind several long prefills. 0: no budget.")
 @option("--lookahead/--no-lookahead", default=_server("lookahead"),
         help="With no request waiting, draft each served session's next round ahead for the outcomes the draft "
              "can guess (its drafts all kept, then its next token; kept up to one of the first positions, then "

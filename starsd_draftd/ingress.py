@@ -155,7 +155,10 @@ class Ingress:
         draining, so the GOODBYEs and last replies leave (LINGER 0 would drop them)."""
         if self._thread is not None:
             self._stopping.set()
-            self.flush()
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("the socket thread did not stop within %.0f s", timeout_s)

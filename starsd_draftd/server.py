@@ -248,14 +248,18 @@ class DraftServer:
 
     def _free_dropped(self) -> None:
         """Free the backend state of the sessions the ingress closed or re-opened and of those the
-        table dropped on its own (counted by why)."""
+        table dropped on its own (between batches: no forward is using any)."""
         with self.lock:
-            released = self.ingress.take_released()
-            dropped = self.sessions.take_dropped()
-        for s in released:
+            gone = self._take_dropped()
+        for s in gone:
             self._release(s)
-        for s, why in dropped:
-            self._release(s)
+
+    def _take_dropped(self) -> list[Session]:
+        """The sessions let go since the last call, to free; those the table dropped counted by
+        why (call with the lock held)."""
+        gone = self.ingress.take_released()
+        for s, why in self.sessions.take_dropped():
+            gone.append(s)
             if why == "expired":
                 self.stats.sessions_expired += 1
                 log.info("expired silent session %d of peer %s", s.key[1], s.key[0].hex())
@@ -263,6 +267,7 @@ class DraftServer:
                 self.stats.sessions_evicted += 1
             else:
                 self.stats.sessions_disconnected += 1
+        return gone
 
     def _start_draining(self) -> None:
         """Stop taking sessions, tell every peer we are leaving, answer what is already queued."""
@@ -379,8 +384,9 @@ class DraftServer:
         chunk that can feed nothing (what is left comes with the request) lets it go whole next."""
         with self.lock:
             session = self.sessions.sessions.get(item.key)
-            if session is None:
-                return  # closed meanwhile: its request gets UNKNOWN_SESSION at admission
+            if session is None:  # closed meanwhile: its request goes to admission (UNKNOWN_SESSION) next
+                self._requeue(item, 0)
+                return
             if session.state is None:
                 session.state = self.backend.new_state(session.params)
             state, verified = session.state, list(session.verified)
@@ -394,15 +400,19 @@ class DraftServer:
         self.stats.busy_s += seconds
         self.stats.prefill_chunks += 1
         self.estimate.finished(seconds, 0, fed_now)
-        # what the request still feeds: the rest of the prompt (its last token is drafting's) and its new tokens
-        new_fed = 0 if fed_now == 0 else left - 1 + len(item.msg.header["new"])
+        # what the request still feeds: the rest of the prompt (its last token is drafting's) and its
+        # new tokens; a chunk that fed nothing (what is left comes with the request) lets it go whole
         with self.lock:
-            q = self.ingress.q_in
-            for j, queued in enumerate(q):
-                if queued is item:
-                    q[j] = dataclasses.replace(item, fed=new_fed)
-                    self.ingress.queued_fed += new_fed - item.fed
-                    break
+            self._requeue(item, 0 if fed_now == 0 else left - 1 + len(item.msg.header["new"]))
+
+    def _requeue(self, item: QueuedRequest, fed: int) -> None:
+        """Charge a queued request ``fed`` prompt tokens from now on (with the lock held)."""
+        q = self.ingress.q_in
+        for j, queued in enumerate(q):
+            if queued is item:
+                q[j] = dataclasses.replace(item, fed=fed)
+                self.ingress.queued_fed += fed - item.fed
+                return
 
     def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
         """Validate a DRAFT request against its session, reserve its cache memory and apply what
@@ -463,9 +473,20 @@ class DraftServer:
                 admitted.append(AdmittedRequest(item.identity, item.msg.header, item.key, request, item.read_at,
                                                 item.queued_at, item.fed))
                 keys.add(item.key)
-        self._free_dropped()  # sessions evicted to make room for these (none of them)
-        if chunk is not None and not admitted:
-            self._feed_chunk(chunk)
+            gone = self._take_dropped()  # evicted to make room for these (none of them), counted now
+        # They, and the sessions let go from here on (by the socket's thread, this batch's among
+        # them), are freed once the batch is drafted, never under its forwards.
+        try:
+            self._draft_batch(admitted, start)
+        finally:
+            if chunk is not None:  # after the batch's replies are out
+                self._feed_chunk(chunk)
+            for s in gone:
+                self._release(s)
+            self._free_dropped()
+
+    def _draft_batch(self, admitted: list[AdmittedRequest], start: float) -> None:
+        """Draft the admitted requests (those work ahead answers first) and queue their replies."""
         if not admitted:
             return
         stats = self.stats
@@ -528,8 +549,6 @@ class DraftServer:
             self._after_replies(admitted, drafts, served)
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
-        if chunk is not None:  # after the batch's replies are out
-            self._feed_chunk(chunk)
 
     def _after_replies(self, admitted: list[AdmittedRequest], drafts: list[Draft | None], served: list[int]) -> None:
         """The served sessions' bookkeeping once their replies are out: tree and stopping counts,

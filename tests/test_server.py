@@ -436,3 +436,38 @@ def test_a_long_prompt_is_fed_in_chunks_between_batches_and_short_requests_go_fi
         last_chunk = max(i for i, e in enumerate(ev) if e[0] == "chunk")
         assert ev.index(("batch", [4])) < last_chunk
         assert server.snapshot()["prefill_chunks"] == len(chunks)
+
+
+def test_a_session_closed_while_drafted_is_freed_after_its_batch():
+    """The socket's thread takes a CLOSE while the batcher drafts that very session: its state
+    is freed once the batch is done, never under the forward that uses it."""
+    backend = GatedBackend()
+    with running_server(backend) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, [5])
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1, "depth": 2}))
+        assert _wait_for(lambda: server.estimate.busy_until > 0)  # held in its batch
+        peer.send(Message(MsgType.CLOSE, {"session": 1}))
+        assert _wait_for(lambda: server.snapshot()["live_sessions"] == 0)  # closed at once...
+        time.sleep(0.2)
+        assert backend.released == 0  # ...but not freed while drafted
+        backend.gate.set()
+        assert peer.recv().type is MsgType.DRAFTED
+        assert _wait_for(lambda: backend.released == 1)
+
+
+def test_a_long_request_whose_session_closed_is_refused_not_chunked_forever():
+    backend = ChunkingBackend()
+    backend.gate.set()
+    with running_server(backend, batch_prefill_tokens=256) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, [3 + i % 200 for i in range(1000)])
+        peer.send(Message(MsgType.DRAFT, {"session": 1, "seq": 1, "accepted": 0, "new": [], "pos": 1000, "depth": 2}))
+        assert peer.recv(acks=True).type is MsgType.ACK
+        assert _wait_for(lambda: server.snapshot()["prefill_chunks"] >= 1)
+        peer.send(Message(MsgType.CLOSE, {"session": 1}))  # while its prompt is fed
+        assert code_of(peer.recv()) == "UNKNOWN_SESSION"
+        assert _wait_for(lambda: server.snapshot()["queue_depth"] == 0)
+        assert server.ingress.queued_fed == 0
