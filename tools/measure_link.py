@@ -1,17 +1,19 @@
-"""A legitimate target's rounds while others crowd its draft daemon (the demo pair; the draft
-daemon on core 0, the target and the others on core 1). Six completions (32 tokens) first alone,
-then beside one of:
+"""A target's completions when its draft daemon is not there for it (the demo pair; the draft
+daemon on core 0, the targets and any other clients on core 1). One of:
 
-- backlog: another host (127.0.0.2) keeping seven sessions re-opened with fresh 2,000-token
-  prompts, so the draft daemon always has long prefills queued;
-- neighbours: sixteen connections from the target's own address (127.0.0.1) opening 64 sessions
-  each and keeping every one they got warm with cheap DRAFTs.
+- stopped: six completions (24 tokens) on a target whose draft daemon is SIGSTOPped, beside a
+  target with no draft daemon and one whose draft endpoint is unreachable, three runs each;
+- backlog: six completions (32 tokens) alone, then while another host (127.0.0.2) keeps seven
+  sessions re-opened with fresh 2,000-token prompts, so the draft daemon always has long
+  prefills queued;
+- neighbours: the same, while sixteen connections from the target's own address (127.0.0.1)
+  open 64 sessions each and keep every one they got warm with cheap DRAFTs.
 
-Prints, for both runs, the rounds, those without drafts, the drafts kept and the wall time, and
-what the others were served and refused.
+Logs one JSON line: the wall times, rounds, rounds without drafts and drafts kept of each run
+(and what the other clients were served and refused, or the times' ratios).
 
-Usage, from a checkout: .venv/bin/python tools/measure_crowd.py .venv/bin backlog|neighbours [starsd-draftd serve options]"""
-import json, os, random, subprocess, sys, threading, time
+Usage, from a checkout: .venv/bin/python tools/measure_link.py .venv/bin stopped|backlog|neighbours [starsd-draftd serve options]"""
+import json, logging, os, random, signal, subprocess, sys, threading, time
 sys.path.insert(0, os.getcwd())
 import zmq
 from common import protocol as P
@@ -21,11 +23,14 @@ from common.sockets import free_tcp_endpoint
 from starsd_draftd.demo.checkpoints import ensure_demo_checkpoints
 
 BIN, SCENARIO, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+if SCENARIO not in ("stopped", "backlog", "neighbours"):
+    raise SystemExit(f"unknown scenario {SCENARIO!r}: stopped, backlog or neighbours")
 TARGET, DRAFT = (str(p) for p in ensure_demo_checkpoints())
 PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n", "for i in range(10):",
            "# Read a file\n", "def main():\n"]
 counts = {"served": 0, "refused": 0}
 stop = threading.Event()
+log = logging.getLogger("measure_link")
 
 
 def start(args, core):
@@ -111,37 +116,75 @@ def others(d_ep):
     ctx.term()
 
 
-def six(t_ep):
+def six(t_ep, max_tokens=32):
     out = {"rounds": 0, "fallback_rounds": 0, "accepted": 0}
     t0 = time.perf_counter()
     with ControlClient(t_ep) as cc:
         for p in PROMPTS:
-            st = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt": p, "max_tokens": 32}), timeout_s=600).header["stats"]
+            st = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt": p, "max_tokens": max_tokens}),
+                         timeout_s=600).header["stats"]
             for k in out:
                 out[k] += st[k]
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 
 
+def target(ep, draft=None):
+    """A target daemon on core 1: drafting from ``draft``, or with none (--no-draft)."""
+    return start([f"{BIN}/starsd-target", "serve", "--model", TARGET, "--listen", ep, "--depth", "4",
+                  *(["--draft", draft] if draft else ["--no-draft"])], 1)
+
+
+def crowd(procs, d_ep):
+    t_ep = free_tcp_endpoint()
+    procs.append(target(t_ep, d_ep))
+    wait_ready(t_ep)
+    time.sleep(2)
+    six(t_ep)  # warm
+    alone = six(t_ep)
+    th = threading.Thread(target=others, args=(d_ep,), daemon=True)
+    th.start()
+    time.sleep(5)
+    crowded = six(t_ep)
+    stop.set()
+    th.join(5)
+    return {"alone": alone, "crowded": crowded, "others": counts}
+
+
+def stopped(procs, d_ep):
+    eps = {"drafted": free_tcp_endpoint(), "alone": free_tcp_endpoint(), "unreachable": free_tcp_endpoint()}
+    drafts = {"drafted": d_ep, "alone": None, "unreachable": free_tcp_endpoint()}
+    procs += [target(eps[k], drafts[k]) for k in eps]
+    for ep in eps.values():
+        wait_ready(ep)
+    time.sleep(2)
+    runs = {"healthy": [six(eps["drafted"], 24)]}  # warm, with drafts
+    for _ in range(3):
+        runs.setdefault("alone", []).append(six(eps["alone"], 24))
+        runs.setdefault("unreachable", []).append(six(eps["unreachable"], 24))
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        try:
+            runs.setdefault("stopped", []).append(six(eps["drafted"], 24))
+        finally:
+            os.kill(procs[0].pid, signal.SIGCONT)
+        time.sleep(3)  # the link comes back
+        runs.setdefault("resumed", []).append(six(eps["drafted"], 24))
+    wall = {k: sum(r["wall_s"] for r in v) for k, v in runs.items()}
+    return {"runs": runs, "stopped/alone": round(wall["stopped"] / wall["alone"], 3),
+            "unreachable/alone": round(wall["unreachable"] / wall["alone"], 3)}
+
+
 def main():
-    d_ep, t_ep = free_tcp_endpoint(), free_tcp_endpoint()
-    procs = [start([f"{BIN}/starsd-draftd", "serve", "--model", DRAFT, "--bind", d_ep, *extra], 0),
-             start([f"{BIN}/starsd-target", "serve", "--model", TARGET, "--listen", t_ep, "--draft", d_ep, "--depth", "4"], 1)]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    d_ep = free_tcp_endpoint()
+    procs = [start([f"{BIN}/starsd-draftd", "serve", "--model", DRAFT, "--bind", d_ep, *extra], 0)]
     try:
-        wait_ready(t_ep)
-        time.sleep(2)
-        six(t_ep)  # warm
-        alone = six(t_ep)
-        th = threading.Thread(target=others, args=(d_ep,), daemon=True)
-        th.start()
-        time.sleep(5)
-        crowded = six(t_ep)
-        stop.set()
-        th.join(5)
-        print(json.dumps({"scenario": SCENARIO, "args": extra, "alone": alone, "crowded": crowded, "others": counts}))
+        res = (stopped if SCENARIO == "stopped" else crowd)(procs, d_ep)
+        log.info("%s", json.dumps({"scenario": SCENARIO, "args": extra, **res}))
     finally:
         stop.set()
         for p in procs:
+            p.send_signal(signal.SIGCONT)
             p.terminate()
         for p in procs:
             p.wait(10)
