@@ -114,7 +114,7 @@ class DraftClient:
 
     MISSES_TO_DOWN = 3
     ETA_SLACK = 1.5  # a reply is waited for this times the daemon's estimate, plus an ACK's deadline
-    ABANDONED_KEPT = 1024  # given-up requests remembered, so that a late reply still measures the round trip
+    ABANDONED_KEPT = 1024  # given-up requests remembered, so that a late reply is counted stale, not unexpected
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
@@ -135,7 +135,6 @@ class DraftClient:
         self.refusal: HandshakeError | None = None  # why the last HELLO was answered with an ERROR
         self._delay = backoff.initial_s
         self._retry_at = 0.0  # the first HELLO goes at once
-        self.rtt = RttEstimator(rtt_floor_s)  # a request to its reply (drafting included)
         # a request to its acknowledgement, and a HELLO to its WELCOME: the wire and the daemon's
         # socket thread, which answers while its model computes
         self.ack_rtt = RttEstimator(max(rtt_floor_s, ACK_FLOOR_S))
@@ -349,19 +348,17 @@ class DraftClient:
         return self._open_refusals.pop(session, None)
 
     def _reply(self, key: Key, reply: DraftReply | RemoteError) -> None:
-        now = time.monotonic()
         self._acks.pop(key, None)
         if key in self._pending:
-            sent = self._pending.pop(key)
+            del self._pending[key]
             self._replies[key] = reply
         elif key in self._abandoned:
-            sent = self._abandoned.pop(key)
+            del self._abandoned[key]
             self.stale_replies += 1
         else:
             self.unexpected += 1
             return
         if isinstance(reply, DraftReply):
-            self.rtt.observe(now - sent)  # late or not, it measures the round trip
             self.misses = 0  # the daemon answers
 
     def _on_welcome(self, h: dict) -> None:
