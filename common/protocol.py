@@ -46,7 +46,9 @@ Conversation between a target (DEALER) and the draft daemon (ROUTER)::
     STATS   -> STATS_REPLY          counters of the draft daemon
     PING    -> PONG                 application-level lease: keeps the peer known, tells
                                      the target whether the daemon is alive and draining
-    GOODBYE <-                      the daemon is stopping: draft without it until it is back
+    GOODBYE <-                      the daemon is stopping: with `draining`, it serves the
+                                     sessions it holds until their targets move them to another
+                                     daemon; without, it is gone: draft without it until it is back
 
 A target daemon also takes generation jobs on a local control socket:
 
@@ -81,6 +83,8 @@ PROTOCOL_VERSION = 5  # 2: ERROR names the request it answers (re); WELCOME says
 # message without them is valid. (The version is compared for equality: a bump would cut every
 # older peer off.) DRAFTED: queued_us, draft_us. DRAFT: min_survival, with WELCOME: stops_drafts
 # (a daemon that predates them drafts `depth`; a target that predates them never asks it to stop).
+# WELCOME and PONG: queue, wait_us, sessions (its load). GOODBYE: draining (a target that
+# predates it stops drafting there at once, as it did).
 
 
 class MsgType(bytes, enum.Enum):
@@ -179,6 +183,14 @@ _U31 = (1 << 31) - 1
 # in a daemon can be longer: a target gives up waiting long before).
 MAX_REPORTED_US = 3600 * 1_000_000
 
+# What a draft daemon reports of its load in WELCOME and PONG (optional): targets with several
+# draft daemons place new sessions by it.
+LOAD_FIELDS = {
+    "queue": ("uint", False),  # draft requests queued
+    "wait_us": ("us", False),  # when a request sent now would begin to be drafted, by its estimate
+    "sessions": ("uint", False),  # sessions it holds
+}
+
 SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
     # name: (kind, required)
     MsgType.HELLO: {
@@ -202,6 +214,7 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "tree_topk": ("uint", False),  # branching of the trees it drafts (absent or 1: chains only)
         "max_tree_tokens": ("uint", False),  # the most tree_tokens a DRAFT may ask for (absent: no trees)
         "stops_drafts": ("bool", False),  # greedy chains stop early on DRAFT.min_survival (absent: never)
+        **LOAD_FIELDS,
     },
     MsgType.OPEN: {"session": ("uint", True), "prompt": ("ids", True), "sampling": ("map", True)},
     MsgType.DRAFT: {
@@ -254,8 +267,10 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
     },
     MsgType.RESULT: {"id": ("uint", True), "text": ("str", True), "token_ids": ("ids", True), "stats": ("map", True)},
     MsgType.PING: {},
-    MsgType.PONG: {"instance": ("str", True), "draining": ("bool", True)},
-    MsgType.GOODBYE: {"instance": ("str", True)},
+    MsgType.PONG: {"instance": ("str", True), "draining": ("bool", True), **LOAD_FIELDS},
+    # draining: the daemon serves the sessions it holds until their targets move them (absent or
+    # false: it is gone now)
+    MsgType.GOODBYE: {"instance": ("str", True), "draining": ("bool", False)},
 }
 
 SAMPLING_SCHEMA: dict[str, tuple[str, bool]] = {

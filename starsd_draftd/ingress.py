@@ -38,7 +38,7 @@ from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend
 from starsd_draftd.eta import ServiceEstimate
-from starsd_draftd.records import PeerBacklog, QueuedRequest
+from starsd_draftd.records import PeerBacklog, QueuedRequest, drafted
 from starsd_draftd.sessions import Session, SessionTable
 from starsd_draftd.stats import Stats
 
@@ -111,6 +111,7 @@ class Ingress:
         self.queue_bytes = 0
         self.queued_fed = 0  # prompt tokens the queued requests feed (their ``fed``)
         self._peer_queue: dict[bytes, PeerBacklog] = {}  # principal -> what it has queued
+        self._queued_keys: collections.Counter = collections.Counter()  # session key -> its requests queued
         self.q_out: collections.deque[list] = collections.deque()
         self.draining = False  # HELLO and OPEN refused: the daemon is leaving
         self.sock: zmq.Socket | None = None
@@ -209,14 +210,30 @@ class Ingress:
             self.allow.reload()
             self.stats.key_reloads += 1
 
-    def say_goodbye(self) -> None:
-        """Refuse new handshakes and sessions from now on and tell every peer this daemon is leaving."""
+    def say_goodbye(self, final: bool = False) -> None:
+        """Refuse new handshakes and sessions from now on and tell every peer this daemon is
+        leaving: draining (its sessions are served until their targets move them), or, ``final``,
+        gone now."""
         self.draining = True
         with self.lock:
-            log.info("draining: telling %d target(s) this daemon is leaving", len(self.sessions.conns))
+            n = len(self.sessions.conns)
+            if final:
+                log.info("telling %d target(s) this daemon is gone", n)
+            else:
+                log.info("draining: telling %d target(s) to move their %d session(s) elsewhere", n,
+                         len(self.sessions.sessions))
             for identity in self.sessions.conns:
-                self.send(identity, Message(MsgType.GOODBYE, {"instance": self.instance}))
+                self.send(identity, Message(MsgType.GOODBYE, {"instance": self.instance, "draining": not final}))
         self.flush()
+
+    def load(self) -> dict:
+        """What WELCOME and PONG report of this daemon's load, for targets to place sessions by:
+        requests queued, when a request sent now would begin to be drafted (the batch computing
+        and those queued before it, by the estimate), and the sessions it holds."""
+        d = self.config.max_depth
+        wait = self.estimate.eta_s(len(self.q_in), self.queued_fed, d, 0) - self.estimate.cost_s(d, 0)
+        return {"queue": len(self.q_in), "wait_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, wait))),
+                "sessions": len(self.sessions.sessions)}
 
     def _drain_monitor(self) -> list:
         """The connections the socket monitor says have closed since the last look."""
@@ -347,6 +364,8 @@ class Ingress:
                 raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h["session"], h["seq"])
             session = self.sessions.get(principal, h["session"], h["seq"])  # fail fast on unknown sessions
             self._check_draft(session, msg)
+            if self._repeat(identity, session, msg):
+                return
             # what the draft model feeds beyond a token: a new session's prompt, then the newly verified
             fed = len(h["new"]) + (len(session.verified) if session.state is None else 0)
             # without CURVE a host can open many connections: fair service is counted per address
@@ -366,7 +385,8 @@ class Ingress:
         if conn is None:
             raise ProtocolError(ErrorCode.NO_HANDSHAKE, "send HELLO first", h.get("session"), h.get("seq"))
         if mtype is MsgType.PING:
-            self.send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining}))
+            self.send(identity, Message(MsgType.PONG, {"instance": self.instance, "draining": self.draining,
+                                                       **self.load()}))
         elif mtype is MsgType.OPEN:
             self._open(principal, h, conn.address)
         elif mtype is MsgType.CLOSE:
@@ -375,6 +395,28 @@ class Ingress:
                 self._release(s)
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{mtype.name} is not a request")
+
+    def _repeat(self, identity: bytes, session: Session, msg: Message) -> bool:
+        """Answer a DRAFT that brings nothing new (no verified tokens, nothing accepted) and asks
+        what the session's last chain was drafted for, while nothing else of it is queued or being
+        drafted, with that chain again: it costs no batch slot (and its seeded sampling draws
+        nothing). False: the request is queued as any other."""
+        h = msg.header
+        last = session.last_reply
+        if (last is None or last.seq != session.last_seq or h["accepted"] or h["new"]
+                or h["pos"] != len(session.verified) or self._queued_keys.get(session.key)
+                or last.ask != (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0))):
+            return False
+        f = msg.tensors.get("features")
+        if f is not None and f.shape[0]:
+            return False
+        session.check(0, [], h["pos"], h["seq"])  # a stale sequence number is refused as ever
+        session.last_seq = h["seq"]
+        session.touched = time.monotonic()
+        session.last_reply = dataclasses.replace(last, seq=h["seq"])
+        self.stats.repeats += 1
+        self.send(identity, drafted(h["session"], h["seq"], last.draft, 0.0, 0.0))
+        return True
 
     def _check_draft(self, session: Session, msg: Message) -> None:
         """What a DRAFT request can be checked for on arrival, before it is queued: depth, token
@@ -433,7 +475,7 @@ class Ingress:
             "feature_size": need, "instance": self.instance, "server": self.config.name,
             "max_len": self.backend.max_len or 0, "tree_topk": self.backend.tree_topk,
             "max_tree_tokens": self.config.max_tree_tokens if self.backend.tree_topk > 1 else 0,
-            "stops_drafts": self.backend.stops_drafts,
+            "stops_drafts": self.backend.stops_drafts, **self.load(),
             **({"feature_layers": list(self.backend.feature_layers)} if self.backend.feature_layers else {})}))
 
     def _feature_refusal(self, h: dict) -> str | None:
@@ -511,6 +553,7 @@ class Ingress:
         now = time.perf_counter()
         eta = self.estimate.eta_s(len(self.q_in), self.queued_fed, h["depth"], fed, now)
         self.q_in.append(QueuedRequest(identity, principal, msg, cost, share, self._read_at, now, fed))
+        self._queued_keys[(principal, h["session"])] += 1
         self.queued_fed += fed
         self._wake_batcher = True  # once this pass's acknowledgements are out (``_run``)
         self.send(identity, Message(MsgType.ACK, {"session": h["session"], "seq": h["seq"], "ahead": len(self.q_in) - 1,
@@ -520,6 +563,10 @@ class Ingress:
     def dequeued(self, item: QueuedRequest) -> None:
         self.queue_bytes -= item.cost
         self.queued_fed -= item.fed
+        key = item.key
+        self._queued_keys[key] -= 1
+        if not self._queued_keys[key]:
+            del self._queued_keys[key]
         mine = self._peer_queue[item.principal]
         mine.requests -= 1
         mine.nbytes -= item.cost

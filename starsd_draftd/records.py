@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import Message
-from starsd_draftd.backends.base import DraftRequest
+import numpy as np
+
+from common import protocol as P
+from common.protocol import Message, MsgType
+from starsd_draftd.backends.base import Draft, DraftRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +50,26 @@ class PeerBacklog:
 
     requests: int = 0  # requests queued
     nbytes: int = 0  # their cost (queue_cost) in all
+
+
+@dataclass(frozen=True, slots=True)
+class LastReply:
+    """A session's last chain of drafts and what it was asked for: a DRAFT that brings nothing
+    new (no verified tokens, nothing accepted) and asks the same again is answered with it by the
+    socket's thread, without a batch slot."""
+
+    seq: int  # the request it answered (or, once repeated, the last repeat)
+    ask: tuple  # (depth, tree_tokens, min_survival) it was drafted for
+    draft: Draft
+
+
+def drafted(session: int, seq: int, draft: Draft, queued_s: float, draft_s: float) -> Message:
+    """A DRAFTED reply: the drafts (with their q where sampled, their parents where a tree), the
+    request's wait in the queue and the drafting time it reports."""
+    header = {"session": session, "seq": seq, "tokens": draft.tokens,
+              "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, queued_s))),
+              "draft_us": min(P.MAX_REPORTED_US, round(1e6 * draft_s))}
+    tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
+    if draft.parents is not None:
+        tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
+    return Message(MsgType.DRAFTED, header, tensors)

@@ -23,10 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import zmq
 
-from common import protocol as P
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.memory import memory_report
 from common.metrics import serve_metrics
@@ -37,7 +35,7 @@ from starsd_draftd.eta import ServiceEstimate
 from starsd_draftd.ingress import Ingress
 from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.records import AdmittedRequest, QueuedRequest
+from starsd_draftd.records import AdmittedRequest, LastReply, QueuedRequest, drafted
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
@@ -91,6 +89,9 @@ class ServerConfig:
     max_queue_bytes: int = 256 << 20
     max_peer_queue: int = 64  # requests of one peer waiting at once (one per session is the norm)
     max_peer_queue_bytes: int = 64 << 20
+    # SIGTERM drains: targets are told (GOODBYE, draining) and move their sessions to another
+    # draft daemon at their next round, or go on here; the daemon exits once it holds no session
+    # and no request, or after this many seconds.
     drain_s: float = 5.0
     curve_secret: Path | None = None  # this daemon's .key_secret file
     curve_allow: Path | None = None  # directory of allowed target public keys (.key files)
@@ -125,6 +126,9 @@ class DraftServer:
         self.instance = secrets.token_hex(8)
         self._stop = threading.Event()
         self._reload = threading.Event()
+        self._http = None  # the metrics port's server, when one is asked for
+        self.last_pass = time.monotonic()  # when the batcher last began a pass (health)
+        self._serving = False
         # the socket, what arrives on it and the queue's budgets; this class takes the queue's requests
         self.estimate = ServiceEstimate(config.batch_max)  # what a batch costs: the ACKs' estimates
         self.ingress = Ingress(backend, config, self.sessions, self.stats, self.ctx, self.instance, self.snapshot,
@@ -168,7 +172,8 @@ class DraftServer:
     def bind(self) -> str:
         endpoint = self.ingress.bind()
         if self.config.metrics_port is not None:
-            serve_metrics(self.metrics.registry, self.config.metrics_port)
+            self._http = serve_metrics(self.metrics.registry, self.config.metrics_port,
+                                       probes={"/health": self.health, "/ready": self.readiness})
         log.info("draft daemon listening on %s (backend %s, max depth %d, %s)", endpoint, self.backend.name,
                  self.config.max_depth, "CURVE" if self.ingress.allow else "plaintext")
         return endpoint
@@ -188,14 +193,16 @@ class DraftServer:
         failures = 0
         watchdog = Watchdog()
         notify("READY=1", f"STATUS=serving drafts on {self.endpoint}")
+        self._serving = True
         try:
             while True:
                 if watchdog.due():
                     watchdog.tick()
+                self.last_pass = time.monotonic()
                 if self._stop.is_set() and not self.draining:
                     drain_deadline = time.monotonic() + self.config.drain_s
                     self._start_draining()
-                if self.draining and (not self.q_in or time.monotonic() >= drain_deadline):
+                if self.draining and (self._drained() or time.monotonic() >= drain_deadline):
                     break
                 if self.ingress.failure is not None:
                     raise LoopFailed("the socket thread failed") from self.ingress.failure
@@ -210,10 +217,42 @@ class DraftServer:
                         raise LoopFailed(f"the serving loop failed {failures} passes in a row") from exc
                     time.sleep(0.01)
         finally:
+            self._serving = False
             if self.q_in:
                 log.warning("stopping with %d draft requests unanswered", len(self.q_in))
+            with self.lock:
+                held = len(self.sessions.sessions)
+            if held:
+                log.warning("stopping with %d session(s) still open: their targets draft elsewhere or alone", held)
+            if self.ingress.sock is not None and self.ingress.failure is None:
+                self.ingress.say_goodbye(final=True)
             self.ingress.stop()
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
             log.info("draft daemon stopped")
+
+    def _drained(self) -> bool:
+        """Draining is done: no request queued and no session open (its targets moved them)."""
+        with self.lock:
+            return not self.q_in and not self.sessions.sessions
+
+    STALL_S = 120.0  # a batcher pass this late: /health fails (a hung loop; systemd's watchdog covers it too)
+
+    def health(self) -> tuple[int, dict]:
+        """Liveness, for the metrics port's /health: the batcher makes passes and the socket's
+        thread runs. Draining is alive (its sessions are still served)."""
+        behind = time.monotonic() - self.last_pass
+        ok = self._serving and self.ingress.failure is None and behind < self.STALL_S
+        return (200 if ok else 503), {"status": ("draining" if self.draining else "ok") if ok else "unhealthy",
+                                      "instance": self.instance, "last_pass_s": round(behind, 3)}
+
+    def readiness(self) -> tuple[int, dict]:
+        """Readiness, for /ready: alive and taking new targets and sessions (not draining)."""
+        code, body = self.health()
+        if code == 200 and self.draining:
+            code = 503
+        return code, body
 
     MAX_FAILED_PASSES = 50  # passes in a row that fail outside any request: then the daemon exits non-zero
 
@@ -570,6 +609,9 @@ class DraftServer:
             if session is not None:
                 # a tree's kept path is no prefix of its tokens: the target reports it as new tokens
                 session.last_draft = list(draft.tokens) if draft.parents is None else []
+                h = admitted[i].header
+                session.last_reply = None if draft.parents is not None else LastReply(
+                    h["seq"], (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0)), draft)
                 if self.config.lookahead and not self.draining and draft.parents is None:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
                                          admitted[i].header["seq"])
@@ -578,19 +620,14 @@ class DraftServer:
         """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its
         batch began) and the drafting time it reports."""
         h = item.header
-        reply = {"session": h["session"], "seq": h["seq"], "tokens": draft.tokens,
-                 "queued_us": min(P.MAX_REPORTED_US, round(1e6 * max(0.0, start - item.queued_at))),
-                 "draft_us": min(P.MAX_REPORTED_US, round(1e6 * seconds))}
-        tensors = {} if draft.q_ids is None else {"q_ids": draft.q_ids, "q_probs": draft.q_probs}
-        if draft.parents is not None:
-            tensors["parents"] = np.asarray(draft.parents, dtype=np.int16)
+        reply = drafted(h["session"], h["seq"], draft, start - item.queued_at, seconds)
         if self.config.batch_window_s > 0:  # before it leaves: the session's next request may come at once
             with self.lock:
                 session = self.sessions.sessions.get(item.key)
                 if session is not None and session.state is item.request.state:
                     session.replied_at = time.monotonic()
                     self._awaited[item.key] = session
-        self.ingress.send(item.identity, Message(MsgType.DRAFTED, reply, tensors))
+        self.ingress.send(item.identity, reply)
 
     def _release(self, session: Session) -> None:
         """Free a session's backend state, dropping any work done ahead for it first."""

@@ -29,6 +29,7 @@ class Session:
     address: str = ""  # the remote address that opened it (per-address accounting)
     reserved: int = 0  # positions of cache memory reserved for it (verified tokens plus drafts)
     last_draft: list[int] = field(default_factory=list)
+    last_reply: object | None = None  # its last chain drafted (a records.LastReply), which a repeat gets again
     features: int = 0  # target features held (feature backends): one per verified token but the last
     last_seq: int = -1
     touched: float = field(default_factory=time.monotonic)

@@ -29,6 +29,7 @@ class Stats:
         self.queue_bytes_peak = 0
         self.loop_errors = 0
         self.acks = 0  # DRAFT requests acknowledged on arrival (ACK: queued, with an estimate)
+        self.repeats = 0  # DRAFT requests that brought and asked nothing new, answered with the last drafts
         self.prefill_chunks = 0  # chunks of long prompts fed apart from their requests (batch_prefill_tokens)
         # Where the draft requests served went, summed over them (seconds): "queue" from being
         # queued to the start of its batch, "draft_forward" its batch's backend call, "rest" the
@@ -75,6 +76,7 @@ class Stats:
             "queue_bytes_peak": self.queue_bytes_peak,
             "loop_errors": self.loop_errors,
             "acks": self.acks,
+            "repeats": self.repeats,
             "prefill_chunks": self.prefill_chunks,
             "errors": dict(self.errors),
             "request_profile": {"requests": self.profiled, "seconds": dict(self.request_s)},

@@ -17,16 +17,21 @@ from common.verify import SamplingParams
 from starsd_target import app
 from starsd_target.client import HandshakeRefused
 from starsd_target.jobs import ServiceFailed
+from starsd_target.pool import parse_endpoints
 from starsd_target.profile import describe as describe_profile
 from starsd_target.scheduler import ADMIT_WINDOWS_AT_MOST
 
 option = env_options("STARSD_TARGET")
 AUTO = Unit(lambda n: n, lambda n: "auto" if n is None else n)  # the option says auto where the field has None
+# --draft may be given more than once, each time one or more endpoints; the field holds them all
+ENDPOINTS = Unit(lambda values: ",".join(parse_endpoints(values)) or None,
+                 lambda spec: tuple(parse_endpoints(spec)))
 # the options that set TargetConfig's fields, each showing its field's default
 CONFIG_OPTIONS = ConfigOptions(app.TargetConfig, {
     "draft_timeout": "draft_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
     "compile_": "compile", "stall_timeout": "stall_timeout_s", "admit_window_ms": ("admit_window_s", MS),
-    "draft_max_active": ("draft_max_active", AUTO)})
+    "draft_max_active": ("draft_max_active", AUTO), "draft": ("draft", ENDPOINTS),
+    "draft_resolve_interval": "draft_resolve_interval_s"})
 _d = CONFIG_OPTIONS.default
 
 
@@ -52,7 +57,14 @@ class _AutoOrCount(click.ParamType):
 def model_options(f):
     decorators = [
         option("--model", default=_d("model"), help="Target checkpoint directory, or 'demo' for the built-in target."),
-        option("--draft", default=_d("draft"), help="Endpoint of the draft daemon."),
+        option("--draft", multiple=True, default=_d("draft"),
+               help="Endpoint of a draft daemon; give it more than once (or several in one value, separated by "
+                    "commas or spaces) for a pool: each generation drafts on one daemon and moves to another when "
+                    "that one fails or drains. A host name that resolves to several addresses (a Kubernetes "
+                    "headless Service) is one daemon per address."),
+        option("--draft-resolve-interval", type=click.FloatRange(1), default=_d("draft_resolve_interval"),
+               help="Seconds between resolving --draft's host names again: new addresses join the pool, "
+                    "vanished ones take no new sessions."),
         option("--device", default=_d("device"), help="cpu, cuda or cuda:N."),
         option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_d("dtype"), help=DTYPE_HELP),
         option("--depth", type=click.IntRange(1, 64), default=_d("depth"),
@@ -222,6 +234,14 @@ def _describe(connect: str, s: dict) -> list[str]:
     lines = [f"target daemon at {connect}: model {s['model']}" + (f" ({s['dtype']})" if "dtype" in s else ""),
              f"  draft link {'up' if s['draft_connected'] else 'DOWN'}; active {s.get('active', 0)}, "
              f"queued {s.get('queued', 0)}, completed {s.get('completed', 0)}, failed {s.get('failed', 0)}"]
+    link = s.get("draft_link") or {}
+    for ep, e in (link.get("endpoints") or {}).items():
+        state = e["state"] + (", draining" if e.get("draining") else "") + (", suspect" if e.get("suspect") else "")
+        lines.append(f"  draft {ep}: {state}; sessions {e.get('sessions', 0)}, round trip {e.get('rtt_ms', 0):.1f} ms, "
+                     f"wait {e.get('wait_ms', 0):.1f} ms, missed {e.get('missed', 0)}")
+    if link.get("endpoints") is not None:
+        lines.append(f"  placements {link.get('placements', 0)}, failovers {link.get('failovers', 0)}, "
+                     f"moved off draining daemons {link.get('drained', 0)}")
     if "round_profile" in s:  # an older daemon has none
         lines.append(f"  {describe_profile(s['round_profile'])}")
     return lines + memory_status_line(s)

@@ -128,6 +128,8 @@ class DraftClient:
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.DEALER, SocketOptions(immediate=True, curve=curve))
+        if endpoint.startswith("tcp://["):  # an IPv6 address (a name that resolved to one)
+            self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.connect(endpoint)
         self.welcome: Welcome | None = None  # the latest WELCOME (its instance tells sessions to re-open)
         self.backoff = backoff
@@ -156,13 +158,20 @@ class DraftClient:
         self.reconnects = 0  # times the link came up
         self.errors: dict[str, int] = {}
         self._session_ids = itertools.count(1)
+        # In a pool of draft daemons (starsd_target.pool): sessions move off a draining link at
+        # their next round, and new ones go where the reported wait is least
+        self.draining = False  # the daemon said it is draining (GOODBYE, PONG): it serves what it holds
+        self.retired = False  # the pool no longer resolves this address: no new sessions
+        self.sessions = 0  # this target's draft sessions living on this link
+        self.wait_s = 0.0  # smoothed wait before its requests begin to be drafted, as the daemon reports it
+        self.probation = False  # back after failing: one session probes it until a draft comes
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
     def counters(self) -> dict:
         """The link's counts, for the target's STATS (read from another thread: plain numbers)."""
-        return {"state": self.state.value, "reconnects": self.reconnects, "hellos": self.hellos,
+        return {"endpoint": self.endpoint, "state": self.state.value, "reconnects": self.reconnects, "hellos": self.hellos,
                 "missed": self.missed, "unacked": self.unacked, "suspect": self.suspect,
                 "stale_replies": self.stale_replies,
                 "unexpected": self.unexpected, "open_refusals": self.open_refusals, "errors": dict(self.errors)}
@@ -171,6 +180,15 @@ class DraftClient:
         """A session id not used before on this link: ids are never reused, so a late reply to a
         closed session cannot reach a new one."""
         return next(self._session_ids)
+
+    def place(self, tokens, current: DraftClient | None = None) -> DraftClient | None:
+        """A link of its own: itself while up (``starsd_target.pool.DraftPool.place`` chooses among several)."""
+        return self if self.up else None
+
+    WAIT_GAIN = 0.3  # weight of each new report of the daemon's wait
+
+    def _waited(self, seconds: float) -> None:
+        self.wait_s += self.WAIT_GAIN * (seconds - self.wait_s)
 
     # ------------------------------------------------------------ plumbing
     def _send(self, msg: Message) -> bool:
@@ -303,6 +321,9 @@ class DraftClient:
         h = msg.header
         if msg.type is MsgType.DRAFTED:
             queued, draft = h.get("queued_us"), h.get("draft_us")
+            if queued is not None:
+                self._waited(queued / 1e6)
+            self.probation = False  # it drafts: the probe passed
             self._reply((h["session"], h["seq"]),
                         DraftReply(h["tokens"], msg.tensors.get("q_ids"), msg.tensors.get("q_probs"),
                                    _wire_parents(msg.tensors.get("parents")),
@@ -321,11 +342,30 @@ class DraftClient:
         elif msg.type is MsgType.PONG:
             if self.welcome is not None and h["instance"] != self.welcome.instance and self.up:
                 self._set_state(LinkState.DOWN, "draft daemon restarted", retry_in=0.0)
+                return
+            self._on_load(h)
+            if h["draining"] and not self.draining:
+                self._drains()
         elif msg.type is MsgType.GOODBYE:
-            log.info("draft daemon at %s is stopping; generating without drafts until it is back", self.endpoint)
-            self._set_state(LinkState.DOWN, "goodbye")
+            if h.get("draining") and self.up and (self.welcome is None or h["instance"] == self.welcome.instance):
+                self._drains()
+            else:
+                log.info("draft daemon at %s is stopping; its sessions draft elsewhere, or without drafts until "
+                         "it is back", self.endpoint)
+                self._set_state(LinkState.DOWN, "goodbye")
         else:
             self.unexpected += 1
+
+    def _drains(self) -> None:
+        self.draining = True
+        log.info("draft daemon at %s is draining: its %d session(s) of this target move to another daemon at their "
+                 "next round (where there is one)", self.endpoint, self.sessions)
+
+    def _on_load(self, h: dict) -> None:
+        """A WELCOME's or PONG's report of the daemon's load."""
+        wait = h.get("wait_us")
+        if wait is not None:
+            self._waited(wait / 1e6)
 
     def _on_error(self, err: RemoteError) -> None:
         """Route an ERROR: to the draft request it answers, to the session whose OPEN it refuses,
@@ -380,7 +420,11 @@ class DraftClient:
             return
         if self.up and self.welcome is not None and self.welcome.instance == w.instance:
             return  # the answer to an earlier HELLO
+        self.probation = self.reconnects > 0  # a daemon back after failing takes one session before more
         self.welcome = w
+        self.draining = False  # a new instance (one that drains refuses HELLO)
+        self.wait_s = 0.0
+        self._on_load(h)
         self._set_state(LinkState.UP, "WELCOME")
 
     def _feature_refusal(self, w: Welcome) -> str | None:
@@ -526,21 +570,25 @@ def _wire_parents(arr: np.ndarray | None) -> list[int] | None:
 
 
 class RemoteDraftSession:
-    """One generation's drafts from the draft daemon, as the scheduler drives them.
+    """One generation's drafts from a draft daemon, as the scheduler drives them.
 
     Tracks what the daemon has verified, so each request carries only the tokens (and, for
     feature backends, the features) verified since the previous one. A round that got no drafts
     reports 0 accepted next time; an error about the session (unknown after a restart, out of
     sync), or a different daemon instance after a reconnect, re-opens it with the full verified
-    prefix.
+    prefix. ``pool`` (a ``starsd_target.pool.DraftPool``, or one ``DraftClient``) says at each
+    round which link the session asks (``client``): where it lives while that daemon is healthy;
+    another once it fails or drains, where the session re-opens with its verified tokens.
 
     ``send()`` puts a request in flight; ``expired()`` says when to stop waiting for it:
     adaptive (``DraftClient.expired``: the RTT estimate, a PING probe), capped by ``timeout_s``;
     the request that opens the session waits up to the cap, as it carries the prompt's prefill. ``resolve()`` turns what came (None: nothing in time)
     into drafts, giving the request up when nothing came."""
 
-    def __init__(self, client: DraftClient, session: int, params: SamplingParams, timeout_s: float):
-        self.client = client
+    def __init__(self, pool, session: int, params: SamplingParams, timeout_s: float):
+        self.pool = pool
+        self.client: DraftClient | None = None  # the link it lives on (placed at its first request)
+        self.moves = 0  # times it moved to another daemon
         self.session = session
         self.params = params
         self.timeout_s = timeout_s
@@ -556,27 +604,55 @@ class RemoteDraftSession:
         self.open_refusals = 0  # OPENs of this session the daemon refused
         self._before = (0, 0, 0)  # (synced, accepted, features_sent) before the request in flight
         self.tree = False  # the last reply was a tree: what it kept is reported as new tokens
-        self._retry_delay = client.backoff.initial_s  # after a refusal (BUSY), the next request waits this
+        self._retry_delay = pool.backoff.initial_s  # after a refusal (BUSY), the next request waits this
         self._retry_at = 0.0  # long, until then; doubling up to the backoff's cap
 
     @property
+    def welcome(self) -> Welcome | None:
+        """What its daemon said (before it is placed, what the pool's daemons said)."""
+        return (self.client or self.pool).welcome
+
+    @property
     def feature_size(self) -> int:
-        return self.client.welcome.feature_size if self.client.welcome is not None else 0
+        w = self.welcome
+        return w.feature_size if w is not None else 0
 
     @property
     def feature_layers(self) -> tuple[int, ...] | None:
         """The hidden states the daemon's head fuses per feature (None: the final one)."""
-        return self.client.welcome.feature_layers if self.client.welcome is not None else None
+        w = self.welcome
+        return w.feature_layers if w is not None else None
 
     @property
     def trees(self) -> bool:
         """The draft daemon drafts trees (a request's tree_tokens is then heeded)."""
-        return self.client.welcome is not None and self.client.welcome.trees
+        w = self.welcome
+        return w is not None and w.trees
 
     @property
     def stops_drafts(self) -> bool:
         """The draft daemon stops greedy chains early (a request's min_survival is then heeded)."""
-        return self.client.welcome is not None and self.client.welcome.stops_drafts
+        w = self.welcome
+        return w is not None and w.stops_drafts
+
+    def _link(self, tokens: list[int]) -> DraftClient | None:
+        """The link to ask this round (``pool.place``), moving the session when it changes: closed
+        on the old daemon where that one still answers, re-opened on the new one with the verified
+        tokens. None: no daemon is up."""
+        link = self.pool.place(tokens, self.client)
+        old = self.client
+        if link is None or link is old:
+            return link
+        if old is not None:
+            if self.instance is not None and old.up:
+                old.close_session(self.session)
+            old.take_open_refusal(self.session)
+            old.sessions -= 1
+            self.moves += 1
+        link.sessions += 1
+        self.client, self.instance = link, None
+        self._retry_delay, self._retry_at = self.pool.backoff.initial_s, 0.0
+        return link
 
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
              tree_tokens: int = 0, feature_layers: tuple[int, ...] | None = None,
@@ -589,8 +665,10 @@ class RemoteDraftSession:
         does not read (another head since the generation started) end its drafting, logged.
         ``min_survival``: where the daemon stops greedy chains early (``stops_drafts``), the
         chance of all drafts kept below which it stops."""
-        client = self.client
-        if self.disabled or not client.ready() or time.monotonic() < self._retry_at:
+        if self.disabled or not self.pool.ready():
+            return None
+        client = self._link(tokens)
+        if client is None or time.monotonic() < self._retry_at:
             return None
         welcome = client.welcome
         if welcome.max_len and len(tokens) + min(depth, welcome.max_depth) > welcome.max_len:
@@ -729,7 +807,12 @@ class RemoteDraftSession:
         self.accepted = 0 if self.tree else n
 
     def close(self) -> None:
-        self.client.abandon(self.session, self.seq)  # a reply still in flight is nobody's now
-        self.client.take_open_refusal(self.session)
+        client = self.client
+        if client is None:
+            return
+        client.abandon(self.session, self.seq)  # a reply still in flight is nobody's now
+        client.take_open_refusal(self.session)
         if self.instance is not None:
-            self.client.close_session(self.session)
+            client.close_session(self.session)
+        client.sessions -= 1
+        self.client = None

@@ -12,7 +12,11 @@ from pathlib import Path
 @dataclass
 class TargetConfig:
     model: str = "demo"
-    draft: str | None = "tcp://127.0.0.1:5555"  # None: generate with the target alone
+    # the draft daemons' endpoints, separated by commas or spaces (None: the target alone); a host
+    # name that resolves to several addresses is one daemon per address, resolved again every
+    # draft_resolve_interval_s
+    draft: str | None = "tcp://127.0.0.1:5555"
+    draft_resolve_interval_s: float = 30.0
     device: str = "cpu"
     dtype: str = "auto"
     depth: int = 5

@@ -15,11 +15,12 @@ from common.runner import ModelRunner
 from common.security import optional_client_keys
 from common.sockets import check_server_endpoint
 from common.verify import SamplingParams
-from starsd_target.client import DraftClient, HandshakeTimeout
+from starsd_target.client import HandshakeTimeout
 from starsd_target.config import TargetConfig
 from starsd_target.engine import GenerationResult, TargetEngine
 from starsd_target.jobs import JobSocket, ServiceFailed
 from starsd_target.metrics import TargetMetrics
+from starsd_target.pool import DraftPool
 from starsd_target.profile import RoundProfile
 from starsd_target.scheduler import Job, Overloaded, Scheduler, ShuttingDown
 
@@ -51,17 +52,19 @@ class TargetDaemon:
                                    runner=ModelRunner(self.loaded, compile=config.compile, lean=config.lean),
                                    max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
                                    draft_tokens=config.draft_tokens)
-        self.client: DraftClient | None = None
+        self.client: DraftPool | None = None  # the draft daemons' links
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
+        self.metrics.watch_links(lambda: self.client.counters() if self.client is not None else None)
         self.jobs = JobSocket(self)
 
     # ------------------------------------------------------------ draft link
-    def _link(self) -> DraftClient:
+    def _link(self) -> DraftPool:
         if self.client is None:
-            self.client = DraftClient(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
-                                      self.config.name, self.ctx, feature_size=self.loaded.feature_size,
-                                      curve=self.curve, num_layers=self.loaded.num_layers)
+            self.client = DraftPool(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
+                                    self.config.name, self.ctx, feature_size=self.loaded.feature_size,
+                                    curve=self.curve, num_layers=self.loaded.num_layers,
+                                    resolve_interval_s=self.config.draft_resolve_interval_s)
         return self.client
 
     def connect(self) -> bool:
@@ -140,7 +143,7 @@ class TargetDaemon:
             self.metrics.requests.labels(outcome="refused").inc()
             raise
 
-    def _scheduler_link(self) -> DraftClient | None:
+    def _scheduler_link(self) -> DraftPool | None:
         return None if self.config.draft is None else self._link()
 
     def job(self, prompt: str | list[int], max_tokens: int, params: SamplingParams, stop=(), no_draft: bool = False,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from starsd_target.profile import RoundProfile
 
@@ -29,6 +29,45 @@ class _ProfileCollector:
         yield parts
         yield CounterMetricFamily("starsd_target_rounds", "Rounds verified (the round profile's count)",
                                   value=p["rounds"])
+
+
+class _LinkCollector:
+    """The draft daemons' links as the pool counts them (``DraftPool.counters``), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.counters = None  # () -> the pool's counters, or None (no draft daemon)
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters() if self.counters is not None else None
+        if c is None:
+            return
+        for name, key, text in (("starsd_target_draft_placements", "placements", "Draft sessions placed on a draft "
+                                 "daemon (new ones, and those moved)"),
+                                ("starsd_target_draft_failovers", "failovers", "Draft sessions moved off a draft "
+                                 "daemon that failed (down, not answering)"),
+                                ("starsd_target_draft_drained", "drained", "Draft sessions moved off a draft daemon "
+                                 "that drained or whose address went away")):
+            yield CounterMetricFamily(name, text, value=c.get(key, 0))
+        per = c.get("endpoints", {})
+        for name, text, value in (
+                ("starsd_target_draft_endpoint_up", "1 while the link to this draft daemon is up",
+                 lambda e: float(e["state"] == "up")),
+                ("starsd_target_draft_endpoint_draining", "1 while this draft daemon drains", lambda e: float(e["draining"])),
+                ("starsd_target_draft_endpoint_sessions", "This target's draft sessions on this draft daemon",
+                 lambda e: e["sessions"]),
+                ("starsd_target_draft_endpoint_round_trip_seconds", "Smoothed round trip of an acknowledgement",
+                 lambda e: e["rtt_ms"] / 1000),
+                ("starsd_target_draft_endpoint_wait_seconds", "The wait before drafting this draft daemon reports, "
+                 "smoothed", lambda e: e["wait_ms"] / 1000)):
+            g = GaugeMetricFamily(name, text, labels=["endpoint"])
+            for ep, e in per.items():
+                g.add_metric([ep], value(e))
+            yield g
+        missed = CounterMetricFamily("starsd_target_draft_endpoint_missed", "Draft requests not answered in time",
+                                     labels=["endpoint"])
+        for ep, e in per.items():
+            missed.add_metric([ep], e["missed"])
+        yield missed
 
 
 class TargetMetrics:
@@ -70,12 +109,18 @@ class TargetMetrics:
             self.accepted_per_pos.labels(position=str(i))
         self._profile = _ProfileCollector()
         r.register(self._profile)
+        self._links = _LinkCollector()
+        r.register(self._links)
         self._rounds = 0
         self._tokens = 0
 
     def watch(self, profile: RoundProfile) -> None:
         """Expose ``profile`` (the scheduler's) as starsd_target_round_seconds_total and _rounds_total."""
         self._profile.profile = profile
+
+    def watch_links(self, counters) -> None:
+        """Expose the draft daemons' links: ``counters()`` gives ``DraftPool.counters()`` or None."""
+        self._links.counters = counters
 
     def on_forward(self, generations: int, verify_s: float) -> None:
         """One verification forward (over one generation's round, or several batched)."""

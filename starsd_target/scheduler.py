@@ -26,6 +26,7 @@ from typing import Callable
 
 from common.verify import SamplingParams
 from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
+from starsd_target.pool import DraftPool
 from starsd_target.config import TargetConfig
 from starsd_target.depth import AdaptiveDepth
 from starsd_target.engine import BatchFailed, Generation, GenerationResult, TargetEngine
@@ -108,7 +109,7 @@ class _Active:
 
 
 class Scheduler:
-    def __init__(self, engine: TargetEngine, link: Callable[[], DraftClient | None], draft_timeout_s: float,
+    def __init__(self, engine: TargetEngine, link: Callable[[], DraftPool | DraftClient | None], draft_timeout_s: float,
                  max_active: int = TargetConfig.max_active, max_queue: int = TargetConfig.max_queue,
                  heartbeat_s: float = TargetConfig.heartbeat_s, stall_s: float = TargetConfig.stall_timeout_s,
                  adaptive_depth: bool = TargetConfig.adaptive_depth,
@@ -382,7 +383,7 @@ class Scheduler:
         if client is not None:
             self._beat(client)
 
-    def _beat(self, client: DraftClient) -> bool:
+    def _beat(self, client: DraftPool | DraftClient) -> bool:
         """The link's heartbeat, if one is due; whether it went."""
         if time.monotonic() < self._next_beat:
             return False
@@ -401,14 +402,13 @@ class Scheduler:
         waiting = [a for a in self.active if a.seq is not None]
         if not waiting:
             return
-        client = waiting[0].drafts.client
         now = time.monotonic()
         timeout = 0.0 if self._busy() else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
-        client.poll(timeout)
+        self.link().poll(timeout)  # every draft daemon's link: replies are routed to each request's
         left = []
         for a in waiting:
             with self._confined(a):
-                reply = client.take(a.drafts.session, a.seq)
+                reply = a.drafts.client.take(a.drafts.session, a.seq)
                 if reply is None:
                     left.append(a)
                     continue
@@ -420,7 +420,7 @@ class Scheduler:
         idle = not self._busy()
         for a in left:
             with self._confined(a):
-                if not client.up or a.drafts.expired(idle):
+                if not a.drafts.client.up or a.drafts.expired(idle):
                     self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
 
     @staticmethod

@@ -115,13 +115,15 @@ def test_sigterm_draftd_says_goodbye_and_exits(tiny_target, near_draft, engine, 
         assert not errors, errors
         for i, res in enumerate(results):
             assert res["token_ids"] == reference_greedy(tiny_target, engine.encode(PROMPTS[i]), 400)
-        assert sum(r["stats"]["fallback_rounds"] for r in results) > 0
-        assert "draining" in d.log("draftd") and exited_s < 10
+        # with no other draft daemon to move to, the targets' sessions stay while it drains (up
+        # to --drain-timeout), then their rounds run alone
+        assert "draining" in d.log("draftd") and exited_s < 2 + 5
         for t in ("t0", "t1"):  # each target noticed: the GOODBYE, the closed connection, or (when the
             # draining daemon was slower than its deadline) the missing draft; GOODBYE delivery itself
             # is tested deterministically in test_server
             log = d.log(t)
-            assert "is stopping" in log or "down (not connected)" in log or "down (no draft within" in log
+            assert ("is draining" in log or "is stopping" in log or "down (not connected)" in log
+                    or "down (no draft within" in log)
     finally:
         d.close()
 

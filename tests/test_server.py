@@ -31,6 +31,29 @@ def test_handshake_and_draft():
         assert r.header["tokens"] == [41, 42]
 
 
+def test_a_draft_that_brings_and_asks_nothing_new_is_answered_without_a_batch():
+    """A DRAFT with no verified tokens and nothing accepted, asking what the last chain was
+    drafted for, gets that chain again from the socket's thread: no batch, no backend call.
+    Asking anything else, or with a stale sequence number, it goes the usual way."""
+    with running_server() as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        peer.open(1, [10, 11, 12])
+        assert peer.draft(1, 1, 0, [], 3, depth=3).header["tokens"] == [13, 14, 15]
+        r = peer.draft(1, 2, 0, [], 3, depth=3)
+        assert r.type is MsgType.DRAFTED and r.header["tokens"] == [13, 14, 15] and r.header["seq"] == 2
+        snap = server.snapshot()
+        assert snap["repeats"] == 1 and snap["batches"] == 1 and snap["requests"] == 1
+        assert peer.draft(1, 3, 0, [], 3, depth=3).header["seq"] == 3  # repeated again
+        assert peer.draft(1, 4, 0, [], 3, depth=2).header["tokens"] == [13, 14]  # asks less: drafted
+        assert server.snapshot()["batches"] == 2
+        assert code_of(peer.draft(1, 4, 0, [], 3, depth=2)) == "BAD_REQUEST"  # stale, as ever
+        # the session goes on from its last drafts: two of [13, 14] kept, then the target's 40
+        assert peer.draft(1, 5, 2, [40], 6, depth=2).header["tokens"] == [41, 42]
+        snap = server.snapshot()
+        assert snap["repeats"] == 2 and snap["batches"] == 3
+
+
 def test_mismatched_model_is_refused_with_both_values():
     with running_server() as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
@@ -281,7 +304,7 @@ def test_stop_says_goodbye_to_every_peer_and_refuses_new_sessions():
         server.stop()
         for p in (a, b):
             bye = p.recv()
-            assert bye.type is MsgType.GOODBYE and bye.header["instance"] == server.instance
+            assert bye.type is MsgType.GOODBYE and bye.header["instance"] == server.instance and bye.header["draining"]
 
 
 def test_full_table_evicts_the_least_recently_used_idle_session():
