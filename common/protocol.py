@@ -84,7 +84,8 @@ PROTOCOL_VERSION = 5  # 2: ERROR names the request it answers (re); WELCOME says
 # older peer off.) DRAFTED: queued_us, draft_us. DRAFT: min_survival, with WELCOME: stops_drafts
 # (a daemon that predates them drafts `depth`; a target that predates them never asks it to stop).
 # WELCOME and PONG: queue, wait_us, sessions (its load). GOODBYE: draining (a target that
-# predates it stops drafting there at once, as it did).
+# predates it stops drafting there at once, as it did). ErrorCode NOT_ALLOWED (a target's job
+# socket only; the draft link never sends it).
 
 
 class MsgType(bytes, enum.Enum):
@@ -119,6 +120,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 11
     GENERATION_FAILED = 12
     SHUTTING_DOWN = 13
+    NOT_ALLOWED = 14  # the request needs credentials this connection does not have (a job socket's GENERATE)
 
 
 @dataclass(frozen=True)

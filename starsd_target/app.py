@@ -25,6 +25,14 @@ def run(config: TargetConfig) -> None:
     """Serve jobs (and HTTP with ``config.http``) until SIGTERM; raises ServiceFailed when the
     scheduler failed or stalled, for the process to exit non-zero and be restarted."""
     check_listen(config)  # before the model loads
+    if config.api_key is not None and config.http is None:
+        raise ValueError("--api-key guards the HTTP API: give --http too")
+    if config.api_key is not None and not config.api_key.strip():
+        raise ValueError("--api-key is empty")
+    if config.http is not None:
+        from starsd_target.http_api import parse_paths
+
+        parse_paths(config.api_open_paths)  # a bad path fails here, before the model loads
     ctx = zmq.Context()
     daemon = build_daemon(config, ctx)
     daemon.scheduler()

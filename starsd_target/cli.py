@@ -174,8 +174,10 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @main.command()
 @model_options
 @option("--listen", default=_d("listen"),
-        help="ZeroMQ endpoint that takes generation jobs: loopback or ipc, unless CURVE is configured "
-             "(--listen-curve-secret, --listen-curve-allow) or --insecure-listen is given.")
+        help="ZeroMQ endpoint of the job socket (GENERATE, and STATS for `status`): loopback or ipc, unless CURVE is "
+             "configured (--listen-curve-secret, --listen-curve-allow) or --insecure-listen is given. It takes "
+             "GENERATE over CURVE, or over an ipc:// endpoint (e.g. ipc:///run/starsd/target.sock), whose file it "
+             "makes this user's alone; a plaintext TCP endpoint answers STATS only, unless --insecure-listen.")
 @option("--listen-curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path),
         default=_d("listen_curve_secret"),
         help="The job socket's CURVE secret key file (from `starsd-draftd keygen`); needs --listen-curve-allow.")
@@ -183,7 +185,8 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
         default=_d("listen_curve_allow"),
         help="Directory of client public keys (*.key) the job socket admits; re-read on SIGHUP.")
 @option("--insecure-listen", is_flag=True, default=_d("insecure_listen"),
-        help="Allow a non-loopback --listen without encryption.")
+        help="Take jobs in plaintext over TCP from anyone who can reach --listen (any user of this machine, on "
+             "loopback), and allow a non-loopback --listen without encryption.")
 @option("--max-active", type=click.IntRange(1), default=_d("max_active"),
         help="Generations interleaved on the model at once (one verifies while others wait for drafts).")
 @option("--max-batch", type=click.IntRange(1), default=_d("max_batch"),
@@ -209,6 +212,13 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--http", default=_d("http"), metavar="HOST:PORT", callback=_host_port,
         help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health) on this address.")
+@option("--api-key", default=_d("api_key"), show_default=False,
+        help="The HTTP API takes only requests that bear this key (Authorization: Bearer KEY, as OpenAI's clients "
+             "send it), compared in constant time; others get 401. Prefer the environment variable (a systemd "
+             "EnvironmentFile, a Kubernetes Secret) to the command line, which other users can read.")
+@option("--api-open-paths", default=_d("api_open_paths"), metavar="PATHS",
+        help="With --api-key, the HTTP paths served without it, separated by commas (e.g. /health for a load "
+             "balancer's or Kubernetes' probes). None by default.")
 @option("--served-model-name", default=_d("served_model_name"),
         help="Model name in the HTTP API (default: the model directory's name).")
 @option("--metrics-port", type=click.IntRange(1, 65535), default=_d("metrics_port"),

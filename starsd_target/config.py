@@ -40,7 +40,7 @@ class TargetConfig:
     prefill_chunk: int = 256
     listen_curve_secret: Path | None = None  # the job socket's .key_secret file
     listen_curve_allow: Path | None = None  # directory of client public keys the job socket admits
-    insecure_listen: bool = False  # bind a routable --listen in plaintext, on purpose
+    insecure_listen: bool = False  # take plaintext TCP jobs from anyone who reaches --listen (a routable one too), on purpose
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     lean: bool = True  # eager forwards through common.lean where the model allows
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
@@ -54,4 +54,6 @@ class TargetConfig:
     # 2 ms in 6 of 6. A lone request's first token comes this much later.
     admit_window_s: float = 0.002
     http: str | None = None  # HOST:PORT: also serve the OpenAI-compatible HTTP API there
+    api_key: str | None = None  # the HTTP API takes only requests bearing this key (None: any)
+    api_open_paths: str = ""  # paths the HTTP API serves without the key (commas or spaces), e.g. /health
     served_model_name: str | None = None  # the model's name in the HTTP API (None: its directory's name)

@@ -7,7 +7,9 @@ client that hangs up cancels its job."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -494,7 +496,11 @@ def create_app(daemon, model_name: str) -> "BodyLimit":
         return await _run(request, await run_in_threadpool(encode), req, "chat")
 
     install_openapi(app, daemon.loaded.logits_size, daemon.engine.context, MAX_NEW_TOKENS, daemon.engine.round_tokens)
-    return BodyLimit(app, max_body_bytes(daemon.engine.context))
+    limited = BodyLimit(app, max_body_bytes(daemon.engine.context))
+    key = getattr(daemon.config, "api_key", None)
+    if not key:
+        return limited
+    return ApiKey(limited, key, parse_paths(getattr(daemon.config, "api_open_paths", None)))
 
 
 def max_body_bytes(context: int | None) -> int:
@@ -540,3 +546,37 @@ class BodyLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def parse_paths(spec: str | None) -> frozenset[str]:
+    """The paths named in ``spec``, separated by commas or spaces (each starting with /)."""
+    paths = frozenset(p for p in re.split(r"[,\s]+", spec or "") if p)
+    bad = [p for p in paths if not p.startswith("/")]
+    if bad:
+        raise ValueError(f"API paths start with '/': {', '.join(sorted(bad))}")
+    return paths
+
+
+class ApiKey:
+    """ASGI middleware: every request but those to ``open_paths`` carries ``Authorization: Bearer
+    <key>``, as OpenAI's clients send it; without it, or with another key (compared in constant
+    time), 401 in OpenAI's error shape. The key itself is never logged or echoed."""
+
+    def __init__(self, app, key: str, open_paths: frozenset[str] = frozenset()):
+        self.app = app
+        self._key = ("Bearer " + key).encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._key):
+            return await self.app(scope, receive, send)
+        message = ("You didn't provide an API key: send it as 'Authorization: Bearer <key>'" if not given
+                   else "Incorrect API key provided")
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,14 +1,18 @@
 """The target's job socket: GENERATE and STATS over the wire protocol, served beside the HTTP API.
 
 It serves the demo, the bench, `starsd-target status` and scripts that speak the wire protocol.
-It takes jobs from anyone who can reach it, so it binds loopback or ipc only, unless CURVE admits
-just the listed client keys (or --insecure-listen says plaintext on purpose), as the draft daemon
-refuses a routable bind without CURVE. Its loop is also the daemon's heartbeat: each pass checks
+It binds loopback or ipc only, unless CURVE admits just the listed client keys (or
+--insecure-listen says plaintext on purpose), as the draft daemon refuses a routable bind without
+CURVE. It answers STATS to whoever reaches it, but takes GENERATE only from a client it can tell
+is allowed: over CURVE, or over an ipc:// endpoint whose socket file only this service's user may
+open (it is made so); on a plaintext TCP endpoint, any user of the machine could submit jobs, so
+GENERATE there needs --insecure-listen. Its loop is also the daemon's heartbeat: each pass checks
 the scheduler's health, ticks systemd's watchdog and re-reads the allow-list after a SIGHUP."""
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -52,6 +56,8 @@ class JobSocket:
         self.endpoint: str | None = None  # the bound endpoint, once serving
         self.failure: ServiceFailed | None = None  # set when serving ended because the scheduler failed
         self.served = 0  # results sent
+        self.jobs_refused: str | None = None  # why GENERATE is refused here (None: it is taken)
+        self.refused_jobs = 0  # GENERATE requests refused for that
 
     def stop(self) -> None:
         self._stop.set()
@@ -71,10 +77,23 @@ class JobSocket:
         sched.start()
         if config.metrics_port is not None:
             serve_metrics(self.daemon.metrics.registry, config.metrics_port)
-        sock, self.allow = bind_server(self.daemon.ctx, config.listen, config.listen_curve_secret,
-                                       config.listen_curve_allow)
+        private = config.listen.startswith("ipc://") and config.listen_curve_secret is None
+        mask = os.umask(0o077) if private else None  # the socket file is this user's from the start
+        try:
+            sock, self.allow = bind_server(self.daemon.ctx, config.listen, config.listen_curve_secret,
+                                           config.listen_curve_allow)
+        finally:
+            if mask is not None:
+                os.umask(mask)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("target daemon taking jobs on %s (%s)", self.endpoint, "CURVE" if self.allow else "plaintext")
+        if private:
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        self.jobs_refused = None if self.allow is not None or private or config.insecure_listen else (
+            f"this job socket ({self.endpoint}) takes GENERATE only over CURVE (--listen-curve-secret and "
+            "--listen-curve-allow) or an ipc:// endpoint (its file is this service's user's alone); "
+            "--insecure-listen takes them from anyone who can reach it")
+        log.info("target daemon taking %s on %s (%s)", "status requests only" if self.jobs_refused else "jobs",
+                 self.endpoint, "CURVE" if self.allow else "ipc, this user only" if private else "plaintext")
         if ready is not None:
             ready.set()
         if notify_ready:
@@ -151,6 +170,9 @@ class JobSocket:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type.name} is not a target request")
             h = msg.header
             rid = h["id"]
+            if self.jobs_refused is not None:
+                self.refused_jobs += 1
+                raise ProtocolError(ErrorCode.NOT_ALLOWED, self.jobs_refused, rid)
             prompt = h.get("prompt_ids") if "prompt_ids" in h else h.get("prompt")
             if prompt is None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "GENERATE needs prompt or prompt_ids", rid)

@@ -90,7 +90,7 @@ class Star(ProcessSet):
     def targets(self, model, draft_ep: str, n: int, *extra: str, depth: int = 4, prefix: str = "t") -> list[str]:
         """Start ``n`` target daemons (named t0, t1, ...) linked to ``draft_ep``; their job endpoints,
         once they answer (and any draft daemon started without waiting, before them)."""
-        eps = [free_tcp_endpoint() for _ in range(n)]
+        eps = [self.job_endpoint(f"{prefix}{i}") for i in range(n)]
         for i, ep in enumerate(eps):
             self.start(f"{prefix}{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep,
                        "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}", *extra)

@@ -9,7 +9,6 @@ import torch
 
 from common.control import ControlClient
 from common.models import ModelLoadError, load_causal_lm
-from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
 from fakes import assert_follows, exact_joint, run_concurrently, running_server, samples_for, speculate
 from starsd_draftd.backends.eagle3 import Eagle3Backend, load_eagle3_head
@@ -48,7 +47,7 @@ def head3(deep_target, tmp_path_factory):
 def test_eagle3_daemon_serves_three_targets_exactly(deep_target, head3, loaded_deep, star):
     draft_ep = star.serve_drafts(["--backend", "eagle3", "--eagle-head", str(head3), "--base-model", str(deep_target),
                                   "--depth", "4", "--dtype", "float32"], ready=False)
-    eps = [free_tcp_endpoint() for _ in PROMPTS]
+    eps = [star.job_endpoint(f"t{i}") for i in range(len(PROMPTS))]
     for i, ep in enumerate(eps):
         # the second target verifies trees, the others chains
         extra = ["--draft-tokens", "10"] if i == 1 else []

@@ -133,7 +133,7 @@ def test_sigterm_target_finishes_current_job_and_refuses_queued(tmp_path, star):
     # a context long enough for a job that outlasts the signal (prompt plus max_tokens must fit it)
     long_target = make_tiny_checkpoint(tmp_path / "long", "llama", seed=1, hidden=48, layers=2, context=2048)
     try:
-        ep = free_tcp_endpoint()
+        ep = d.job_endpoint("t")
         d.start("t", "starsd_target", "serve", "--model", str(long_target), "--listen", ep, "--draft",
                 free_tcp_endpoint(), "--connect-timeout", "0", "--max-active", "1")
         d.wait_ready("t", ep)
@@ -224,7 +224,7 @@ def test_a_target_served_with_no_draft_generates_alone_and_never_dials_a_draft_d
     listener.listen(1)
     listener.settimeout(0.5)
     try:
-        ep = free_tcp_endpoint()
+        ep = star.job_endpoint("t")
         star.start("t", "starsd_target", "serve", "--model", str(tiny_target), "--listen", ep, "--no-draft",
                    "--draft", f"tcp://127.0.0.1:{listener.getsockname()[1]}", "--connect-timeout", "5")
         star.wait_ready("t", ep)

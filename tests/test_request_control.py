@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM
 from common.control import ControlClient
 from common.models import load_causal_lm
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
-from common.sockets import free_tcp_endpoint
 from common.token_bytes import token_bytes
 from common.verify import SamplingParams
 from fakes import LocalDrafts, running_server
@@ -196,12 +195,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_target, loaded_target, near_draft):
+def served(tiny_target, loaded_target, near_draft, tmp_path_factory):
     """A target daemon linked to an in-process draft server (a real draft model), its job socket
     served in a thread, and its HTTP app."""
     backend = CountingModelBackend(load_causal_lm(str(near_draft)))
     with running_server(backend) as (server, ctx):
-        cfg = TargetConfig(model=str(tiny_target), draft=server.endpoint, listen=free_tcp_endpoint(), depth=DEPTH,
+        cfg = TargetConfig(model=str(tiny_target), draft=server.endpoint,
+                           listen=f"ipc://{tmp_path_factory.mktemp('jobs')}/t.sock", depth=DEPTH,
                            draft_timeout_s=10)
         d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
         assert d.connect()

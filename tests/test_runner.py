@@ -209,7 +209,7 @@ def test_daemons_with_compile_stay_exact(star, one_layer_pair, compile_cache):
     from common.sockets import free_tcp_endpoint
 
     tiny_target, near_draft = one_layer_pair
-    draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
+    draft_ep, target_ep = free_tcp_endpoint(), star.job_endpoint("t0")
     star.start("draftd", "starsd_draftd", "serve", "--model", str(near_draft), "--bind", draft_ep, "--depth", "4")
     star.wait_ready("draftd", draft_ep, timeout_s=600)
     star.start("t0", "starsd_target", "serve", "--model", str(tiny_target), "--draft", draft_ep, "--listen",

@@ -94,7 +94,7 @@ def free_port() -> int:
 def test_daemons_notify_ready_watchdog_stopping(tiny_target, tiny_draft, star):
     d = star
     draft_l, target_l = NotifyListener(), NotifyListener()
-    draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
+    draft_ep, target_ep = free_tcp_endpoint(), d.job_endpoint("target")
     try:
         d.start("draftd", "starsd_draftd", "serve", "--model", str(tiny_draft), "--bind", draft_ep,
                 env=draft_l.env)
@@ -133,7 +133,7 @@ def test_target_with_http_api_notifies_once(tiny_target, tiny_draft, star):
     STOPPING=1 after SIGTERM, then a clean exit."""
     d = star
     draft_l, target_l = NotifyListener(), NotifyListener()
-    draft_ep, target_ep, http_port = free_tcp_endpoint(), free_tcp_endpoint(), free_port()
+    draft_ep, target_ep, http_port = free_tcp_endpoint(), d.job_endpoint("target"), free_port()
     try:
         d.start("draftd", "starsd_draftd", "serve", "--model", str(tiny_draft), "--bind", draft_ep,
                 env=draft_l.env)

@@ -259,10 +259,11 @@ def test_a_streaming_callback_that_raises_fails_its_job_alone(loaded_target, tin
 
 # ---------------------------------------------------------------- both front ends, in process
 @pytest.fixture(scope="module")
-def daemon(tiny_target, loaded_target):
+def daemon(tiny_target, loaded_target, tmp_path_factory):
     """A target daemon with no draft link, its job socket served in a thread; its HTTP app below."""
     ctx = zmq.Context()
-    cfg = TargetConfig(model=str(tiny_target), draft=None, listen=free_tcp_endpoint(), depth=4)
+    cfg = TargetConfig(model=str(tiny_target), draft=None, listen=f"ipc://{tmp_path_factory.mktemp('jobs')}/t.sock",
+                       depth=4)
     d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
     ready = threading.Event()
     thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
@@ -275,7 +276,7 @@ def daemon(tiny_target, loaded_target):
     ctx.destroy(linger=0)
 
 
-def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_target, monkeypatch):
+def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_target, monkeypatch, tmp_path):
     """The job socket's loop sends a job's reply when the job ends and sees a stop when it comes,
     not at its poll's timeout: with that timeout made 10 minutes, a GENERATE is still answered
     (exactly) and a stop still ends serving, each well within a minute."""
@@ -283,7 +284,7 @@ def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_targ
 
     monkeypatch.setattr(jobs_module, "CONTROL_POLL_MS", 600_000)
     ctx = zmq.Context()
-    d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=free_tcp_endpoint(), depth=4),
+    d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=f"ipc://{tmp_path}/t.sock", depth=4),
                      loaded=loaded_target, ctx=ctx)
     ready = threading.Event()
     thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
@@ -447,7 +448,7 @@ def _wait_http(base: str, proc: subprocess.Popen, log) -> None:
 
 @pytest.mark.parametrize("mode", ["jobs", "http"])
 def test_a_crashing_scheduler_makes_serve_exit_non_zero(tiny_target, tmp_path, mode):
-    listen, port = free_tcp_endpoint(), free_tcp_port()
+    listen, port = f"ipc://{tmp_path}/jobs.sock", free_tcp_port()
     args = ["serve", "--model", str(tiny_target), "--draft", free_tcp_endpoint(), "--connect-timeout", "0",
             "--listen", listen]
     if mode == "http":

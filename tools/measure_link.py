@@ -13,7 +13,7 @@ Logs one JSON line: the wall times, rounds, rounds without drafts and drafts kep
 (and what the other clients were served and refused, or the times' ratios).
 
 Usage, from a checkout: .venv/bin/python tools/measure_link.py .venv/bin stopped|backlog|neighbours [starsd-draftd serve options]"""
-import json, logging, os, random, signal, subprocess, sys, threading, time
+import json, logging, os, random, signal, subprocess, sys, tempfile, threading, time
 sys.path.insert(0, os.getcwd())
 import zmq
 from common import protocol as P
@@ -129,6 +129,13 @@ def six(t_ep, max_tokens=32):
     return out
 
 
+JOBS = tempfile.mkdtemp(prefix="starsd-jobs-")  # the targets' job sockets: ipc, this user's alone
+
+
+def job_endpoint(name):
+    return f"ipc://{JOBS}/{name}.sock"
+
+
 def target(ep, draft=None):
     """A target daemon on core 1: drafting from ``draft``, or with none (--no-draft)."""
     return start([f"{BIN}/starsd-target", "serve", "--model", TARGET, "--listen", ep, "--depth", "4",
@@ -136,7 +143,7 @@ def target(ep, draft=None):
 
 
 def crowd(procs, d_ep):
-    t_ep = free_tcp_endpoint()
+    t_ep = job_endpoint("crowd")
     procs.append(target(t_ep, d_ep))
     wait_ready(t_ep)
     time.sleep(2)
@@ -152,7 +159,7 @@ def crowd(procs, d_ep):
 
 
 def stopped(procs, d_ep):
-    eps = {"drafted": free_tcp_endpoint(), "alone": free_tcp_endpoint(), "unreachable": free_tcp_endpoint()}
+    eps = {name: job_endpoint(name) for name in ("drafted", "alone", "unreachable")}
     drafts = {"drafted": d_ep, "alone": None, "unreachable": free_tcp_endpoint()}
     procs += [target(eps[k], drafts[k]) for k in eps]
     for ep in eps.values():

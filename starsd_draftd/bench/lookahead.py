@@ -55,7 +55,7 @@ def start_lookahead(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> 
             "--adaptive-depth" if ad else "--no-adaptive-depth", "--max-active", str(max(STREAMS)),
             "--draft-max-active", "0",  # two streams draft too: this section compares ways of drafting
             "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
-            "--log-level", "warning"], cpus=topo.targets[0])
+            "--log-level", "warning"], cpus=topo.targets[0], jobs=True)
     eps["draftd-on"], eps["draftd-off"] = drafts[True], drafts[False]
     return eps
 

@@ -60,11 +60,13 @@ class Pool:
         self._starting: set[str] = set()
         self.state: dict = {}  # what a section's start-up decided (endpoints of helper processes)
 
-    def start(self, name: str, args_for, traced: bool = False, stats: bool = True, cpus=None) -> str:
-        """Start ``python -m *args_for(endpoint)`` unless running; returns its endpoint."""
+    def start(self, name: str, args_for, traced: bool = False, stats: bool = True, cpus=None,
+              jobs: bool = False) -> str:
+        """Start ``python -m *args_for(endpoint)`` unless running; returns its endpoint: a free
+        loopback one, or, for a target daemon's job socket (``jobs``), a private ipc one."""
         if name in self.endpoints:
             return self.endpoints[name]
-        ep = free_tcp_endpoint()
+        ep = self.procs.job_endpoint(name) if jobs else free_tcp_endpoint()
         args = list(args_for(ep))
         if traced:
             self._traces[name] = self.workdir / f"{name}-trace.json"

@@ -8,8 +8,10 @@ drain on it), then SIGKILL after a timeout.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,6 +40,14 @@ class ProcessSet:
         self.procs: dict[str, subprocess.Popen] = {}
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
+        self._ipc_dir: str | None = None  # a private directory for job sockets (``job_endpoint``)
+
+    def job_endpoint(self, name: str) -> str:
+        """An ipc:// endpoint for the target daemon ``name``'s job socket, in a directory of this
+        user's alone: a target takes GENERATE over ipc (or CURVE), not over plaintext TCP."""
+        if self._ipc_dir is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="starsd-jobs-")  # short: a socket path has ~100 bytes
+        return f"ipc://{self._ipc_dir}/{name}.sock"
 
     def start(self, name: str, *args: str, env: dict | None = None,
               cpus: Iterable[int] | None = None) -> subprocess.Popen:
@@ -108,6 +118,9 @@ class ProcessSet:
         self.procs.clear()
         if self._own_ctx and not self.ctx.closed:
             self.ctx.destroy(linger=0)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def __enter__(self) -> "ProcessSet":
         return self

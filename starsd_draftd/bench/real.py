@@ -248,7 +248,7 @@ def start_real(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> tuple
         # every round drafts, however many generations (this section measures speculation interleaved)
         "--draft-max-active", "0",
         "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
-        "--log-level", "warning"], cpus=topo.targets[i])
+        "--log-level", "warning"], cpus=topo.targets[i], jobs=True)
         for i, name in enumerate(names)]
     return target_eps, names
 

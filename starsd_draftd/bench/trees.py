@@ -62,7 +62,7 @@ def start_trees(cfg: BenchConfig, pool, models: tuple[Path, Path]) -> dict[str, 
             "--depth", str(cfg.depth), "--draft-tokens", str(most), "--threads", "1", "--dtype", dtype,
             "--name", f"tree-{b}", "--no-adaptive-depth", "--max-active", "1",
             "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30", "--heartbeat", "0.5",
-            "--log-level", "warning"], cpus=topo.targets[0])
+            "--log-level", "warning"], cpus=topo.targets[0], jobs=True)
     return eps
 
 

@@ -43,7 +43,8 @@ def start_verify(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> dic
             "--depth", str(cfg.depth), "--threads", "1", "--dtype", dtype, "--name", f"verify-b{b}",
             "--max-active", str(active), "--max-batch", str(b), "--draft-max-active", "0",
             "--connect-timeout", str(cfg.startup_timeout_s),
-            "--draft-timeout", "30", "--heartbeat", "0.5", "--log-level", "warning"], cpus=topo.targets[0])
+            "--draft-timeout", "30", "--heartbeat", "0.5", "--log-level", "warning"], cpus=topo.targets[0],
+            jobs=True)
     return eps
 
 

@@ -197,7 +197,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     topo = topology(cfg)
     try:
         draft_ep = free_tcp_endpoint()
-        target_eps = [free_tcp_endpoint() for _ in range(cfg.targets)]
+        target_eps = [procs.job_endpoint(f"target{i + 1}") for i in range(cfg.targets)]
         for n, backend in enumerate(backends):
             name = f"draftd-{backend}"
             if n:  # replace the previous draft daemon on the same endpoint; targets reconnect by themselves

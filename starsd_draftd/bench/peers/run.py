@@ -470,7 +470,6 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
                    workdir: Path, progress) -> dict:
     """The alternated target-alone comparison (see the module docstring): both engines up on the
     target's core, ``cfg.alternate`` rounds of passes in turns; the rounds and both starts."""
-    from common.sockets import free_tcp_endpoint
     from starsd_draftd.bench.procs import ProcessSet
 
     block = alternated_block(cfg)
@@ -492,7 +491,7 @@ def run_alternated(cfg: PeersConfig, prompts: list[list[int]], dtype: str, targe
             engine_s = vllm.ready.get("start", {}).get("engine_init_s", 0)
             progress(f"  vLLM up in {vllm_up:.1f}s (engine start {engine_s:.1f}s, log {log_path}); "
                      "starting StarSD's target daemon")
-            endpoint = free_tcp_endpoint()
+            endpoint = procs.job_endpoint("alternated-target")
             t1 = time.perf_counter()
             proc = procs.start("alternated-target", *alternated_target_args(cfg, dtype, endpoint), cpus=block["cores"])
             procs.wait_ready("alternated-target", endpoint, cfg.startup_timeout_s)
@@ -577,7 +576,7 @@ def run_starsd(cfg: PeersConfig, prompts: list[list[int]], dtype: str, workdir: 
     draft_core, target_core = cfg.two_cores()
     out: dict = {"alone": {}, "spec": {}, "start": {"warmup_tokens": cfg.warmup_tokens}}
     try:
-        draft_ep, target_ep = free_tcp_endpoint(), free_tcp_endpoint()
+        draft_ep, target_ep = free_tcp_endpoint(), procs.job_endpoint("target")
         d_args, t_args = daemon_args(cfg, dtype, draft_ep, target_ep)
         progress(f"StarSD: starting the draft daemon (core {draft_core}) and the target daemon (core {target_core}), "
                  f"logs in {workdir}")
