@@ -15,7 +15,7 @@ from starsd_draftd.bench import plan as plan_mod
 
 
 SCHEMA = "starsd-bench/1"
-SECTIONS = ("wire", "emulation", "real", "batched", "verify", "lookahead", "trees", "rows")
+SECTIONS = ("wire", "emulation", "pool", "real", "batched", "verify", "lookahead", "trees", "rows")
 GAP_EDGES_MS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 TORCH_SAVE_LABEL = ("reference only: the same payload as a torch.save/torch.load (pickle) blob, as the paper's "
                     "research code sends it; StarSD never unpickles network input")

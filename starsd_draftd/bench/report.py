@@ -203,6 +203,10 @@ def format_report(report: dict) -> str:
         from starsd_draftd.bench.verify_batch import format_verify
 
         lines += format_verify(report["verify"])
+    if "pool" in report:
+        from starsd_draftd.bench.draft_pool import format_pool
+
+        lines += format_pool(report["pool"])
     if "batched" in report:
         b = report["batched"]
         lines += ["## Batched drafting (draft service capacity)", ""]

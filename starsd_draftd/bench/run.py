@@ -44,6 +44,7 @@ import zmq
 
 from starsd_draftd.bench.emulation import EMULATION_LABEL
 from starsd_draftd.bench.batched import batched_section, start_batched
+from starsd_draftd.bench.draft_pool import pool_daemons, pool_section
 from starsd_draftd.bench.config import BenchConfig, SCHEMA, TORCH_SAVE_LABEL, batch_max_supported, describe_machine
 from starsd_draftd.bench.pool import Pool
 from starsd_draftd.bench.real import (INTERLEAVE_STREAMS, make_tiny_pair, quiet_transformers, real_finish,
@@ -77,7 +78,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
                "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,
-               "trees": len(tree_backends(cfg)), "rows": len(row_formats())}
+               "trees": len(tree_backends(cfg)), "rows": len(row_formats()), "pool": len(pool_daemons(cfg)) + 1}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -141,6 +142,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["wire"] = timed("wire", lambda: wire_section(cfg, pool, step))
         if "emulation" in cfg.sections:
             report["emulation"] = timed("emulation", lambda: emulation_section(cfg, pool, step))
+        if "pool" in cfg.sections:
+            report["pool"] = timed("pool", lambda: pool_section(cfg, pool, step))
         real_raw = None
         if "real" in cfg.sections:
             real_raw = timed("real", lambda: real_measure(cfg, pool, step, models))
