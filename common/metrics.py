@@ -25,13 +25,17 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0",
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
             path = self.path.split("?", 1)[0]
-            if path in ("/metrics", "/"):
-                body, code, ctype = generate_latest(registry), 200, CONTENT_TYPE_LATEST
-            elif path in probes:
-                code, content = probes[path]()
-                body, ctype = json.dumps(content).encode(), "application/json"
-            else:
-                body, code, ctype = b'{"error": "not found"}', 404, "application/json"
+            try:
+                if path in ("/metrics", "/"):
+                    body, code, ctype = generate_latest(registry), 200, CONTENT_TYPE_LATEST
+                elif path in probes:
+                    code, content = probes[path]()
+                    body, ctype = json.dumps(content).encode(), "application/json"
+                else:
+                    body, code, ctype = b'{"error": "not found"}', 404, "application/json"
+            except Exception as exc:  # a failing collector or probe answers 500, and is logged
+                log.exception("answering %s failed", path)
+                body, code, ctype = json.dumps({"error": str(exc)}).encode(), 500, "application/json"
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))

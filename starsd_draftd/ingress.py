@@ -403,6 +403,9 @@ class Ingress:
         nothing). False: the request is queued as any other."""
         h = msg.header
         last = session.last_reply
+        params = session.params
+        if not params.greedy and params.seed is not None:
+            return False  # a seeded session's draws stay a function of its requests, not of their timing
         if (last is None or last.seq != session.last_seq or h["accepted"] or h["new"]
                 or h["pos"] != len(session.verified) or self._queued_keys.get(session.key)
                 or last.ask != (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0))):

@@ -28,7 +28,7 @@ def run(config: TargetConfig) -> None:
     if config.api_key is not None and config.http is None:
         raise ValueError("--api-key guards the HTTP API: give --http too")
     if config.api_key is not None and not config.api_key.strip():
-        raise ValueError("--api-key is empty")
+        raise ValueError("--api-key is empty")  # (a key read from a file keeps no trailing newline: it is stripped)
     if config.http is not None:
         from starsd_target.http_api import parse_paths
 

@@ -212,7 +212,7 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
 @option("--http", default=_d("http"), metavar="HOST:PORT", callback=_host_port,
         help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health) on this address.")
-@option("--api-key", default=_d("api_key"), show_default=False,
+@option("--api-key", default=_d("api_key"),
         help="The HTTP API takes only requests that bear this key (Authorization: Bearer KEY, as OpenAI's clients "
              "send it), compared in constant time; others get 401. Prefer the environment variable (a systemd "
              "EnvironmentFile, a Kubernetes Secret) to the command line, which other users can read.")

@@ -64,7 +64,8 @@ class TargetDaemon:
             self.client = DraftPool(self.config.draft, self.loaded.vocab_size, self.loaded.fingerprint,
                                     self.config.name, self.ctx, feature_size=self.loaded.feature_size,
                                     curve=self.curve, num_layers=self.loaded.num_layers,
-                                    resolve_interval_s=self.config.draft_resolve_interval_s)
+                                    resolve_interval_s=self.config.draft_resolve_interval_s,
+                                    heartbeat_s=self.config.heartbeat_s)
         return self.client
 
     def connect(self) -> bool:

@@ -564,15 +564,18 @@ class ApiKey:
 
     def __init__(self, app, key: str, open_paths: frozenset[str] = frozenset()):
         self.app = app
-        self._key = ("Bearer " + key).encode()
+        self._key = key.strip().encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in self.open_paths:
-            return await self.app(scope, receive, send)
+        if scope["type"] not in ("http", "websocket") or scope.get("path") in self.open_paths:
+            return await self.app(scope, receive, send)  # lifespan events, and the open paths
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._key):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
         message = ("You didn't provide an API key: send it as 'Authorization: Bearer <key>'" if not given
                    else "Incorrect API key provided")
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,

@@ -77,7 +77,9 @@ class JobSocket:
         sched.start()
         if config.metrics_port is not None:
             serve_metrics(self.daemon.metrics.registry, config.metrics_port)
-        private = config.listen.startswith("ipc://") and config.listen_curve_secret is None
+        # an ipc file (not an abstract socket, ipc://@name, which has no permissions to keep others out)
+        private = (config.listen.startswith("ipc://") and not config.listen.startswith("ipc://@")
+                   and config.listen_curve_secret is None)
         mask = os.umask(0o077) if private else None  # the socket file is this user's from the start
         try:
             sock, self.allow = bind_server(self.daemon.ctx, config.listen, config.listen_curve_secret,

@@ -23,6 +23,7 @@ import logging
 import random
 import re
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
@@ -70,21 +71,23 @@ def _split_tcp(endpoint: str) -> tuple[str, str] | None:
         return host, m.group(2)
 
 
-def resolve(endpoint: str) -> list[str]:
+def resolve(endpoint: str) -> list[str] | None:
     """The addresses ``endpoint`` stands for: one tcp:// endpoint per address of its host name
-    (sorted), or the endpoint itself (an address, ipc://, a name that does not resolve now:
-    ZeroMQ then retries it on its own)."""
+    (sorted; its IPv4 addresses, or its IPv6 ones where it has none: a dual-stack name is one
+    daemon, not two), or the endpoint itself (an address, ipc://). None: the name does not
+    resolve now."""
     split = _split_tcp(endpoint)
     if split is None:
         return [endpoint]
     host, port = split
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError, ValueError) as exc:
-        log.warning("cannot resolve draft endpoint %s now (%s); connecting by name", endpoint, exc)
-        return [endpoint]
-    addrs = sorted({info[4][0] for info in infos})
-    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addrs] or [endpoint]
+    except (OSError, UnicodeError, ValueError) as exc:
+        log.warning("cannot resolve draft endpoint %s now: %s", endpoint, exc)
+        return None
+    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+    addrs = v4 or sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addrs] or None
 
 
 def healthy(link: DraftClient) -> bool:
@@ -103,7 +106,7 @@ class DraftPool:
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
                  num_layers: int = 0, backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S,
                  resolve_interval_s: float = RESOLVE_INTERVAL_S, rng: random.Random | None = None,
-                 resolver=resolve):
+                 resolver=resolve, heartbeat_s: float = 5.0):
         self.specs = parse_endpoints(endpoints)
         if not self.specs:
             raise ValueError("no draft endpoint given")
@@ -119,25 +122,66 @@ class DraftPool:
         self.failovers = 0  # sessions moved off a link that failed (down, not answering)
         self.drained = 0  # sessions moved off a draining or retired link
         self._session_ids = iter(range(1, 1 << 62))
+        self.heartbeat_s = heartbeat_s
+        self._pinged: dict[str, float] = {}  # endpoint -> when a keep-alive PING last went
+        self._known: dict[str, list[str]] = {}  # spec -> its addresses as last resolved
+        self._resolved: dict[str, list[str] | None] | None = None  # a background resolution's answer
+        self._resolving: threading.Thread | None = None
         self._next_resolve = 0.0
         self._poller = zmq.Poller()
-        self.resolve_now()
+        self._apply(self._lookup())
 
     # ------------------------------------------------------------ the links
+    def _lookup(self) -> dict[str, list[str] | None]:
+        """Each endpoint's addresses now (None: its name did not resolve)."""
+        out = {}
+        for spec in self.specs:
+            try:
+                out[spec] = self._resolver(spec)
+            except Exception:  # a resolver's failure costs this lookup, never the caller's thread
+                log.exception("resolving draft endpoint %s failed", spec)
+                out[spec] = None
+        return out
+
+    def _resolve_in_background(self) -> None:
+        """Look the names up again on a thread of its own (a lookup may take seconds: never on the
+        scheduler's); ``poll`` applies the answer."""
+        self._next_resolve = time.monotonic() + self.resolve_interval_s
+        if self._resolving is not None and self._resolving.is_alive():
+            return
+
+        def run() -> None:
+            self._resolved = self._lookup()
+
+        self._resolving = threading.Thread(target=run, name="starsd-draft-resolve", daemon=True)
+        self._resolving.start()
+
     def resolve_now(self) -> None:
-        """Resolve every endpoint again: links for new addresses, and links whose address is gone
-        retired (no new sessions; closed once none uses them)."""
+        """Resolve every endpoint again, here and now (``poll`` does it in the background)."""
+        self._apply(self._lookup())
+
+    def _apply(self, answers: dict[str, list[str] | None]) -> None:
+        """Links for new addresses, and links whose address is gone retired (no new sessions;
+        closed once none uses them). A name that does not resolve keeps its last addresses (a DNS
+        hiccup moves nothing); one that never did is connected by name (ZeroMQ resolves it then)."""
         self._next_resolve = time.monotonic() + self.resolve_interval_s
         wanted: list[str] = []
         for spec in self.specs:
-            for ep in self._resolver(spec):
+            addrs = answers.get(spec)
+            if addrs:
+                self._known[spec] = addrs
+            for ep in self._known.get(spec) or [spec]:
                 if ep not in wanted:
                     wanted.append(ep)
         for ep in wanted:
             link = self.links.get(ep)
             if link is None:
-                link = DraftClient(ep, **self._make)
-                self.links[ep] = link
+                try:
+                    link = DraftClient(ep, **self._make)
+                except zmq.ZMQError as exc:  # out of sockets, say: the other links serve meanwhile
+                    log.error("cannot connect to draft endpoint %s: %s", ep, exc)
+                    continue
+                self.links = {**self.links, ep: link}  # a new dict: other threads read the links
                 self._poller.register(link.sock, zmq.POLLIN)
                 if len(self.links) > 1 or len(wanted) > 1:
                     log.info("draft endpoint %s joins the pool (%d link(s))", ep, len(self.links))
@@ -151,12 +195,16 @@ class DraftPool:
         self._close_retired()
 
     def _close_retired(self) -> None:
-        for ep, link in list(self.links.items()):
-            if link.retired and link.sessions <= 0:
-                self._poller.unregister(link.sock)
-                link.close()
-                del self.links[ep]
-                log.info("draft endpoint %s left the pool", ep)
+        gone = [ep for ep, link in list(self.links.items()) if link.retired and link.sessions <= 0]
+        if not gone:
+            return
+        links = dict(self.links)  # a new dict: other threads read the links (counters)
+        for ep in gone:
+            link = links.pop(ep)
+            self._poller.unregister(link.sock)
+            link.close()
+            log.info("draft endpoint %s left the pool", ep)
+        self.links = links
 
     def close(self) -> None:
         for link in self.links.values():
@@ -165,11 +213,11 @@ class DraftPool:
     # ------------------------------------------------------------ the face of one link
     @property
     def up(self) -> bool:
-        return any(link.up for link in self.links.values())
+        return any(link.up for link in list(self.links.values()))
 
     @property
     def state(self) -> LinkState:
-        states = {link.state for link in self.links.values()}
+        states = {link.state for link in list(self.links.values())}
         for s in (LinkState.UP, LinkState.CONNECTING):
             if s in states:
                 return s
@@ -179,8 +227,9 @@ class DraftPool:
     def welcome(self) -> Welcome | None:
         """What the daemons said (the first up link's WELCOME; with none up, any taken): what a
         generation starting now prepares for (features, their layers)."""
-        taken = [link.welcome for link in self.links.values() if link.welcome is not None]
-        ups = [link.welcome for link in self.links.values() if link.up]
+        links = list(self.links.values())
+        taken = [link.welcome for link in links if link.welcome is not None]
+        ups = [link.welcome for link in links if link.up]
         return ups[0] if ups else (taken[0] if taken else None)
 
     @property
@@ -193,19 +242,36 @@ class DraftPool:
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for a message on any link, then read and route what every link
-        has (each link also sends a HELLO that is due); names are resolved again when due."""
-        if time.monotonic() >= self._next_resolve:
-            self.resolve_now()
+        has (each link also sends a HELLO that is due); names are looked up again when due (in
+        the background), and a link not heard from in a heartbeat is pinged, so a daemon that
+        holds none of this target's sessions keeps it as a peer and its load stays known."""
+        now = time.monotonic()
+        if self._resolved is not None:
+            answers, self._resolved = self._resolved, None
+            self._apply(answers)
+        elif now >= self._next_resolve and any(_split_tcp(spec) for spec in self.specs):
+            self._resolve_in_background()
         if timeout_s > 0:
             self._poller.poll(max(0, int(timeout_s * 1000)))
-        return sum(link.poll(0) for link in list(self.links.values()))
+        n = sum(link.poll(0) for link in list(self.links.values()))
+        if len(self.links) > 1:
+            self._keep_alive(now)
+        return n
+
+    def _keep_alive(self, now: float) -> None:
+        for ep, link in list(self.links.items()):
+            if link.up and now - max(link.heard_at, self._pinged.get(ep, 0.0)) >= self.heartbeat_s:
+                self._pinged[ep] = now
+                link.heartbeat()
 
     def ready(self) -> bool:
         self.poll(0)
         return self.up
 
     def heartbeat(self) -> None:
-        for link in list(self.links.values()):
+        now = time.monotonic()
+        for ep, link in list(self.links.items()):
+            self._pinged[ep] = now
             link.heartbeat()
 
     def handshake(self, timeout_s: float) -> Welcome:
@@ -217,7 +283,8 @@ class DraftPool:
             self.poll(0.01)
             if self.up:
                 return self.welcome
-            refused = [link.refusal for link in self.links.values() if isinstance(link.refusal, HandshakeRefused)]
+            refused = [link.refusal for link in list(self.links.values())
+                       if isinstance(link.refusal, HandshakeRefused)]
             if refused and len(refused) == len(self.links):
                 raise HandshakeRefused("; ".join(str(r) for r in refused))
             if time.monotonic() >= deadline:
@@ -232,9 +299,9 @@ class DraftPool:
         when no link is up."""
         if current is not None and healthy(current):
             return current
-        ok = [link for link in self.links.values() if healthy(link) and link is not current]
+        ok = [link for link in list(self.links.values()) if healthy(link) and link is not current]
         if ok:
-            choice = self._choose(ok, tokens) if current is None else min(ok, key=_expected_wait)
+            choice = self._choose(ok, tokens) if current is None else self._better_of_two(ok)
             self.placements += 1
             if current is not None:
                 if current.up and not current.suspect and (current.draining or current.retired):
@@ -246,12 +313,20 @@ class DraftPool:
             return choice
         if current is not None and current.up:
             return current
-        ups = [link for link in self.links.values() if link.up]
+        ups = [link for link in list(self.links.values()) if link.up]
         if not ups:
             return None
         if current is None:
             self.placements += 1
         return min(ups, key=_expected_wait)
+
+    def _better_of_two(self, ok: list[DraftClient]) -> DraftClient:
+        """Of two healthy links chosen at random, the one with less expected wait (fewer of this
+        target's sessions among equals): sessions leaving a failed daemon spread over the rest
+        rather than all landing, each with its prefill, on the one that looked least busy."""
+        if len(ok) == 1:
+            return ok[0]
+        return min(self._rng.sample(ok, 2), key=lambda link: (_expected_wait(link), link.sessions))
 
     def _choose(self, ok: list[DraftClient], tokens: Sequence[int]) -> DraftClient:
         """A new session's link: its prompt's preferred link (rendezvous hashing over the healthy
@@ -260,8 +335,7 @@ class DraftPool:
             return ok[0]
         key = repr(list(tokens[:AFFINITY_TOKENS])).encode()
         preferred = max(ok, key=lambda link: hashlib.blake2b(key + link.endpoint.encode(), digest_size=8).digest())
-        two = self._rng.sample(ok, 2)
-        other = min(two, key=_expected_wait)
+        other = self._better_of_two(ok)
         if other is not preferred and _expected_wait(preferred) > BUSIER_FACTOR * _expected_wait(other) + BUSIER_MARGIN_S:
             return other
         return preferred

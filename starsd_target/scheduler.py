@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common.verify import SamplingParams
-from starsd_target.client import DraftClient, DraftReply, RemoteDraftSession
+from starsd_target.client import DraftClient, DraftReply
+from starsd_target.drafts import RemoteDraftSession
 from starsd_target.pool import DraftPool
 from starsd_target.config import TargetConfig
 from starsd_target.depth import AdaptiveDepth

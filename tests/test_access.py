@@ -41,6 +41,9 @@ def test_only_requests_bearing_the_key_are_served_and_open_paths_need_none():
     assert wrong.status_code == 401 and "s3cret" not in wrong.text  # never echoed
     assert app.get("/v1/models", headers={"Authorization": "Basic s3cret-key"}).status_code == 401
     assert app.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"}).text == "served"
+    assert app.get("/v1/models", headers={"Authorization": "bearer s3cret-key"}).text == "served"  # any case
+    assert TestClient(ApiKey(_ok, "s3cret-key\n")).get("/", headers={"Authorization": "Bearer s3cret-key"}).text \
+        == "served"  # a key read from a file: its newline is not part of it
     assert app.get("/health").text == "served"  # open
     assert app.get("/health/x").status_code == 401  # only the path named
 

@@ -522,6 +522,9 @@ def test_the_alternated_run_keeps_its_engines_on_the_target_core_and_restores_it
         def wait_ready(self, *a):
             pass
 
+        def job_endpoint(self, name):
+            return f"ipc:///nonexistent/{name}.sock"
+
         def close(self):
             events.append(("starsd-closed",))
 

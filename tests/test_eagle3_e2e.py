@@ -220,11 +220,13 @@ def test_a_generation_whose_features_the_head_does_not_read_stops_drafting(caplo
     import numpy as np
 
     from common.verify import SamplingParams
-    from starsd_target.client import RemoteDraftSession
+    from starsd_target.client import LinkState
+    from starsd_target.drafts import RemoteDraftSession
 
     c = DraftClient.__new__(DraftClient)
     c.welcome = Welcome(259, "tok", "eagle3", 4, 32, 96, "i", "s", feature_layers=(2, 4, 5))
     c.ready = lambda: True
+    c.state, c.sessions = LinkState.UP, 0
     c.backoff = type("B", (), {"initial_s": 0.1})()
     c.take_open_refusal = lambda session: None
     opened = []

@@ -15,7 +15,8 @@ from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
 from fakes import CountingBackend, RawPeer, running_server
 from starsd_draftd.sessions import SessionTable, TableLimits
-from starsd_target.client import Backoff, DraftClient, DraftReply, RemoteDraftSession
+from starsd_target.client import Backoff, DraftClient, DraftReply
+from starsd_target.drafts import RemoteDraftSession
 
 
 def _client(server, ctx, backoff=Backoff(0.2, 0.4)) -> DraftClient:

@@ -19,7 +19,8 @@ from common.sockets import SocketOptions, free_tcp_endpoint, make_socket
 from common.verify import SamplingParams
 from starsd_draftd.backends.model import ModelBackend
 from starsd_draftd.server import DraftServer, ServerConfig
-from starsd_target.client import Backoff, DraftClient, DraftReply, HandshakeRefused, LinkState, RemoteDraftSession
+from starsd_target.client import Backoff, DraftClient, DraftReply, HandshakeRefused, LinkState
+from starsd_target.drafts import RemoteDraftSession
 from starsd_target.engine import TargetEngine
 from starsd_target.rtt import ACK_FLOOR_S, RttEstimator
 from starsd_target.scheduler import Job, Scheduler

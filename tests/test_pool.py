@@ -15,7 +15,8 @@ from common.sockets import free_tcp_endpoint
 from common.verify import SamplingParams
 from common.protocol import Message, MsgType
 from fakes import CountingBackend, RawPeer, running_server
-from starsd_target.client import HandshakeRefused, RemoteDraftSession
+from starsd_target.client import HandshakeRefused
+from starsd_target.drafts import RemoteDraftSession
 from starsd_target.pool import DraftPool, healthy, parse_endpoints, resolve
 
 VOCAB, TOK = 259, "fake-tok"
@@ -69,7 +70,12 @@ def test_a_name_is_one_link_per_address_and_addresses_stay_as_they_are():
     assert resolve("tcp://127.0.0.1:5555") == ["tcp://127.0.0.1:5555"]
     assert resolve("ipc:///tmp/x.sock") == ["ipc:///tmp/x.sock"]
     assert "tcp://127.0.0.1:5555" in resolve("tcp://localhost:5555")
-    assert resolve("tcp://no-such-host.invalid:5555") == ["tcp://no-such-host.invalid:5555"]  # ZeroMQ retries it
+    assert resolve("tcp://no-such-host.invalid:5555") is None  # not now
+    pool = _pool("tcp://no-such-host.invalid:5555")  # never resolved: connected by name (ZeroMQ retries it)
+    try:
+        assert list(pool.links) == ["tcp://no-such-host.invalid:5555"]
+    finally:
+        pool.close()
 
 
 def test_the_cli_takes_draft_endpoints_from_several_options_and_the_environment(monkeypatch):
@@ -99,6 +105,10 @@ def test_re_resolving_adds_new_addresses_and_retires_vanished_ones():
         held.sessions = 0
         pool.resolve_now()
         assert list(pool.links) == ["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"]
+        answers["tcp://draft.svc:5555"] = None  # a DNS hiccup: the links stay as they are
+        pool.resolve_now()
+        assert list(pool.links) == ["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"]
+        assert not any(link.retired for link in pool.links.values())
         counters = pool.counters()
         assert set(counters["endpoints"]) == {"tcp://127.0.0.1:2", "tcp://127.0.0.1:3"}
     finally:

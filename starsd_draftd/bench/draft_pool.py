@@ -54,7 +54,8 @@ class PooledTarget:
         self._sleep = PacedSleep()
 
     def run(self, stop: threading.Event) -> None:
-        from starsd_target.client import DraftReply, RemoteDraftSession
+        from starsd_target.client import DraftReply
+        from starsd_target.drafts import RemoteDraftSession
         from starsd_target.pool import DraftPool
 
         pool = DraftPool(self.endpoints, EMU_VOCAB, EMU_FINGERPRINT, self.name, self.ctx)
