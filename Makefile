@@ -125,7 +125,7 @@ install-systemd:
 	echo "  3. each target NAME:  /opt/starsd/venv/bin/starsd-draftd keygen $(STARSD_ETC)/keys --name target-NAME"; \
 	echo "     copy target-NAME.key to the draft host's $(STARSD_ETC)/allow/ (then: systemctl reload starsd-draftd),"; \
 	echo "     and the draft host's draftd.key to this host's $(STARSD_ETC)/keys/"; \
-	echo "     cp $(STARSD_ETC)/target.env.example $(STARSD_ETC)/target-NAME.env, give it its own port, then:"; \
+	echo "     cp $(STARSD_ETC)/target.env.example $(STARSD_ETC)/target-NAME.env, set its model and device, then:"; \
 	echo "     systemctl enable --now starsd-target@NAME"; \
 	echo "  4. systemctl status starsd-draftd 'starsd-target@*'; journalctl -u starsd-draftd -f"
 

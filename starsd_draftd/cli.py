@@ -124,7 +124,8 @@ def main() -> None:
         help="When the sessions, the connections or the cache memory are at their limit, the least recently "
              "used session (or connection) idle this long makes room.")
 @option("--drain-timeout", type=click.FloatRange(0), default=_server("drain_timeout"),
-        help="On SIGTERM, seconds to keep answering queued requests before exiting.")
+        help="On SIGTERM, the most seconds to keep serving the sessions it holds while their targets move them "
+             "to other draft daemons; it exits as soon as it holds none.")
 @option("--curve-secret", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_server("curve_secret"),
         help="This daemon's CURVE secret key file (from `starsd-draftd keygen`); enables encryption.")
 @option("--curve-allow", type=click.Path(exists=True, file_okay=False, path_type=Path), default=_server("curve_allow"),
@@ -145,8 +146,9 @@ def main() -> None:
 def serve(log_level, log_format, **params) -> None:
     """Load the draft model and serve draft requests until SIGTERM.
 
-    SIGTERM drains: targets are told the daemon is leaving, queued requests are answered for up
-    to --drain-timeout seconds, then the daemon exits. SIGHUP re-reads --curve-allow."""
+    SIGTERM drains: targets are told the daemon is draining and move their sessions to other draft
+    daemons at their next round while it serves them; it exits 0 once it holds no session, or
+    after --drain-timeout seconds. SIGHUP re-reads --curve-allow."""
     setup_logging(log_level, log_format)
     server = ServerConfig(**SERVER_OPTIONS.values(params))
     app.run(app.ServeConfig(server=server, **SERVE_OPTIONS.values(params)))
