@@ -8,7 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_TARGETS ?= 2
 
-.PHONY: install demo test test-fast bench bench-peers clean ensure-systemd-analyze ensure-tcmalloc install-systemd
+.PHONY: install demo test test-fast bench bench-peers clean ensure-systemd-analyze ensure-tcmalloc install-systemd \
+	edge-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +129,13 @@ install-systemd:
 	echo "     cp $(STARSD_ETC)/target.env.example $(STARSD_ETC)/target-NAME.env, set its model and device, then:"; \
 	echo "     systemctl enable --now starsd-target@NAME"; \
 	echo "  4. systemctl status starsd-draftd 'starsd-target@*'; journalctl -u starsd-draftd -f"
+
+# A target on ARM64, proven under emulation (tools/edge_check.py): an arm64 Debian root (debootstrap,
+# kept in ~/.cache/starsd/edge between runs) running the target-only install under qemu-user-static,
+# against a native draft daemon. Needs root; installs debootstrap and qemu-user-static with apt-get
+# where missing. The first run takes tens of minutes (the root, torch under emulation): not in CI.
+edge-check: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/edge_check.py $(EDGE_ARGS)
 
 # docs/configuration.md from the command lines' own --help (tests/test_docs.py fails while it is stale).
 .PHONY: docs

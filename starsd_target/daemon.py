@@ -4,6 +4,7 @@ the jobs its front ends (the job socket in jobs.py, the HTTP API in http_api.py)
 from __future__ import annotations
 
 import logging
+import platform
 import signal
 import threading
 
@@ -203,6 +204,7 @@ class TargetDaemon:
         runner = self.engine.runner
         profile = self._scheduler.profile.to_dict() if self._scheduler is not None else RoundProfile().to_dict()
         return {"served": self.served, "model": str(self.loaded.path), "dtype": self.loaded.dtype_name,
+                "machine": platform.machine(),
                 "memory": memory_report(self.loaded.weights_bytes), "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3), "forward": runner.forward_kind,
                 "max_batch": self.engine.max_batch, "batching_off": self.engine.batch_off,
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,

