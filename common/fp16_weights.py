@@ -1,6 +1,7 @@
-"""``--dtype fp16-weights``: a CPU weight format for x86 CPUs (the demo's first choice there).
+"""``--dtype fp16-weights``: a CPU weight format where PyTorch has fbgemm (x86 builds, and PyPI's
+aarch64 ones; the demo's first choice there).
 
-Every linear layer's weight is held in float16, packed once for fbgemm (PyTorch's x86 GEMM
+Every linear layer's weight is held in float16, packed once for fbgemm (PyTorch's CPU GEMM
 library), and multiplied in float32 (``torch.ops.quantized.linear_dynamic_fp16``). No activation is
 quantized, so a row's result differs between a one-row and a five-row forward only by float
 rounding (about 1e-4 relative, from the kernel's blocking), as float32 GEMMs already do. Weights cross the
@@ -45,7 +46,8 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def fp16_weights_available() -> bool:
-    """Whether this PyTorch build has fbgemm (x86 CPUs); ARM builds (Jetson) do not."""
+    """Whether this PyTorch build has fbgemm: x86 builds do, and so do PyPI's aarch64 builds of
+    2.13 (`make edge-check` ran it under emulation); builds without it (older ARM ones) do not."""
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
@@ -169,7 +171,7 @@ def pack_linears(module: torch.nn.Module, done=None) -> int:
     time, and dropped with the layer it replaces. ``done(weight)``: called with each weight once
     its layer is replaced."""
     if not fp16_weights_available():
-        raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels (x86 CPUs); this build has "
+        raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels; this build has "
                            f"{torch.backends.quantized.supported_engines}: use --dtype float32")
     packed = 0
     for parent in list(module.modules()):

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,9 +57,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp16-weights")
-DTYPE_HELP = ("Model dtype. auto: on a CPU the fastest exact format, fp16-weights on x86 (float32 where a "
-              "linear weight exceeds float16's range) and float32 elsewhere; on CUDA bfloat16 or float16 (not "
-              "token-exact at near-ties); the log says what it picked and why. fp16-weights (x86 CPUs): "
+DTYPE_HELP = ("Model dtype. auto: on a CPU the fastest exact format, fp16-weights where PyTorch has fbgemm "
+              "(x86, and PyPI's aarch64 builds; float32 where a linear weight exceeds float16's range) and "
+              "float32 elsewhere; on CUDA bfloat16 or float16 (not token-exact at near-ties); the log says what "
+              "it picked and why. fp16-weights (CPUs, with fbgemm): "
               "linear weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over "
               "a few tokens costs about one token's (what speculation needs); the model is then the checkpoint "
               "with its linear weights rounded to float16. bfloat16 on a CPU is not token-exact at near-ties.")
@@ -76,7 +78,7 @@ def choose_dtype(name: str, device: torch.device) -> DtypeChoice:
     """What ``--dtype NAME`` means on ``device``: an explicit choice stands; ``auto`` on a CPU is
     the fastest format whose greedy outputs are the target alone's, and on CUDA the 16-bit format
     the GPU computes natively (bfloat16's near-ties are the known exception to exactness there).
-    On an x86 CPU that is fp16-weights: it
+    Where PyTorch has fbgemm (x86 builds, and PyPI's aarch64 ones) that is fp16-weights: it
     computes in float32 (a many-row verification and a one-row step round alike) and moves half the
     weight bytes; bfloat16 is not, as its coarse logits break near-ties differently at different row
     counts. A checkpoint whose linear weights overflow float16 is taken back to float32 at load
@@ -90,10 +92,10 @@ def choose_dtype(name: str, device: torch.device) -> DtypeChoice:
             return DtypeChoice("bfloat16", "auto on CUDA with bfloat16 support")
         return DtypeChoice("float16", "auto on CUDA without bfloat16 support")
     if device.type == "cpu" and fp16_weights_available():
-        return DtypeChoice(FP16_WEIGHTS, "auto on an x86 CPU with fbgemm: float16 weights, float32 arithmetic, "
-                                         "exact and about twice float32's speed")
-    return DtypeChoice("float32", f"auto on {device.type} without fbgemm (fp16-weights needs x86): float32 "
-                                  "is exact where bfloat16 is not")
+        return DtypeChoice(FP16_WEIGHTS, f"auto on a {platform.machine()} CPU with fbgemm: float16 weights, float32 "
+                                         "arithmetic, exact and about twice float32's speed on x86")
+    return DtypeChoice("float32", f"auto on {device.type} without fbgemm (fp16-weights needs PyTorch's fbgemm "
+                                  "kernels): float32 is exact where bfloat16 is not")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -105,7 +107,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type != "cpu":
             raise ModelLoadError(f"--dtype {FP16_WEIGHTS} is a CPU format; on {device} use bfloat16 or float16")
         if not fp16_weights_available():
-            raise ModelLoadError(f"--dtype {FP16_WEIGHTS} needs PyTorch's fbgemm kernels (x86 CPUs), which this "
+            raise ModelLoadError(f"--dtype {FP16_WEIGHTS} needs PyTorch's fbgemm kernels (x86 builds, PyPI's aarch64 "
+                                 "ones), which this "
                                  f"build lacks ({torch.backends.quantized.supported_engines}); use float32")
         return torch.float32
     try:

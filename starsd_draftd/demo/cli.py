@@ -73,7 +73,8 @@ def train_eagle(base_model, out, kind, ttt_steps, draft_vocab, time_budget, thre
              "training time), then the EAGLE head, then the draft model.")
 @option("--device", default="cpu", help="Device for every daemon.")
 @option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto",
-        help="Model dtype for every daemon (auto, on a CPU: fp16-weights where fbgemm is available (x86), "
+        help="Model dtype for every daemon (auto, on a CPU: fp16-weights where fbgemm is available (x86, PyPI's aarch64 "
+             "builds), "
              "else float32, which is exact where bfloat16 is not; see `starsd-target serve --help`).")
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "

@@ -114,7 +114,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def demo_dtype(cfg: DemoConfig) -> str:
-    """What ``auto`` means for the demo's daemons on a CPU: float16 weights through fbgemm (x86),
+    """What ``auto`` means for the demo's daemons on a CPU: float16 weights through fbgemm (x86, PyPI's aarch64 builds),
     else bfloat16 where the CPU computes it natively, else float32. In each, a forward over a few
     tokens costs about what one does, so verifying drafts is nearly free. fp16-weights comes first
     because it computes in float32: a 5-token verification and a 1-token step round alike, so
