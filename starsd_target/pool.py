@@ -7,12 +7,13 @@ address is gone stops taking sessions and is closed once none uses it.
 
 A generation's draft session lives on one link (``RemoteDraftSession.client``). It asks the pool
 where to go at each round (``place``): where it is while that link is healthy (up, answering,
-not draining); otherwise the healthy link with the least expected wait, so a daemon that died,
-hung or is draining loses its sessions at their next round, which re-open elsewhere with their
-verified tokens. A new session goes to the better of two healthy links chosen at random, judged
-by the wait each daemon reports (its acknowledgements' estimates, its WELCOME and PONG), except
-that sessions whose prompts share their first tokens prefer one daemon (rendezvous hashing), so
-its caches see their common prefix, unless that daemon is clearly busier.
+not draining); otherwise the better of two healthy links chosen at random (by the wait each
+daemon reports: its replies' queue time, its WELCOME and PONG), so a daemon that died, hung or
+is draining loses its sessions at their next round, which re-open elsewhere with their verified
+tokens, spread over the rest. A new session goes to the daemon its prompt's first tokens name
+(rendezvous hashing: sessions that share a prefix share a daemon, and its caches) unless that
+one is clearly busier than the better of two others chosen at random. A daemon that drains or
+fails makes the pool look its names up again at once: its replacement may already answer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ipaddress
 import logging
 import random
 import re
+import secrets
 import socket
 import threading
 import time
@@ -121,13 +123,18 @@ class DraftPool:
         self.placements = 0  # sessions placed (new, and moved)
         self.failovers = 0  # sessions moved off a link that failed (down, not answering)
         self.drained = 0  # sessions moved off a draining or retired link
-        self._session_ids = iter(range(1, 1 << 62))
+        # Session ids start at a random point: targets that share a CURVE key (replicas of one
+        # Deployment given one Secret) are one principal to a draft daemon, and must not name the
+        # same sessions (2**40 starting points: a collision is a one-in-a-trillion event).
+        start = secrets.randbits(40) << 20
+        self._session_ids = iter(range(start + 1, start + (1 << 20) * (1 << 20)))
         self.heartbeat_s = heartbeat_s
         self._pinged: dict[str, float] = {}  # endpoint -> when a keep-alive PING last went
         self._known: dict[str, list[str]] = {}  # spec -> its addresses as last resolved
         self._resolved: dict[str, list[str] | None] | None = None  # a background resolution's answer
         self._resolving: threading.Thread | None = None
         self._next_resolve = 0.0
+        self._looked_up = time.monotonic()  # when the last lookup began
         self._poller = zmq.Poller()
         self._apply(self._lookup())
 
@@ -146,15 +153,29 @@ class DraftPool:
     def _resolve_in_background(self) -> None:
         """Look the names up again on a thread of its own (a lookup may take seconds: never on the
         scheduler's); ``poll`` applies the answer."""
-        self._next_resolve = time.monotonic() + self.resolve_interval_s
+        now = time.monotonic()
+        self._next_resolve = now + self.resolve_interval_s
         if self._resolving is not None and self._resolving.is_alive():
             return
+        self._looked_up = now
 
         def run() -> None:
             self._resolved = self._lookup()
 
-        self._resolving = threading.Thread(target=run, name="starsd-draft-resolve", daemon=True)
-        self._resolving.start()
+        try:
+            thread = threading.Thread(target=run, name="starsd-draft-resolve", daemon=True)
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had now: the links stay as they are until the next try
+            log.warning("cannot look draft endpoints up now: %s", exc)
+            return
+        self._resolving = thread
+
+    RESOLVE_SOON_S = 1.0  # the shortest time between lookups that a failing daemon asks for
+
+    def resolve_soon(self) -> None:
+        """Look the names up again soon (at most once a RESOLVE_SOON_S): a daemon is draining or
+        gone, and its replacement (a new pod) may already answer under the same name."""
+        self._next_resolve = min(self._next_resolve, self._looked_up + self.RESOLVE_SOON_S)
 
     def resolve_now(self) -> None:
         """Resolve every endpoint again, here and now (``poll`` does it in the background)."""
@@ -201,6 +222,7 @@ class DraftPool:
         links = dict(self.links)  # a new dict: other threads read the links (counters)
         for ep in gone:
             link = links.pop(ep)
+            self._pinged.pop(ep, None)
             self._poller.unregister(link.sock)
             link.close()
             log.info("draft endpoint %s left the pool", ep)
@@ -299,6 +321,8 @@ class DraftPool:
         when no link is up."""
         if current is not None and healthy(current):
             return current
+        if current is not None or not any(healthy(link) for link in list(self.links.values())):
+            self.resolve_soon()  # a daemon drains or failed: a replacement may answer under the same name
         ok = [link for link in list(self.links.values()) if healthy(link) and link is not current]
         if ok:
             choice = self._choose(ok, tokens) if current is None else self._better_of_two(ok)

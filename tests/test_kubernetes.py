@@ -113,8 +113,11 @@ def test_probes_drain_and_keys_fit_together():
     draftd = next(d for d, c in _containers() if c["command"][0] == "starsd-draftd")
     target = next(d for d, c in _containers() if c["command"][0] == "starsd-target")
     pod = draftd["spec"]["template"]["spec"]
-    # the drain ends by itself before Kubernetes' SIGKILL
+    # the drain ends by itself before Kubernetes' SIGKILL; a rollout waits until every target has
+    # looked the new pod up before it drains the next old one
     assert pod["terminationGracePeriodSeconds"] > float(cm["STARSD_DRAFTD_DRAIN_TIMEOUT"])
+    assert draftd["spec"]["minReadySeconds"] > float(cm["STARSD_TARGET_DRAFT_RESOLVE_INTERVAL"])
+    assert draftd["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     c = pod["containers"][0]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert int(cm["STARSD_DRAFTD_METRICS_PORT"]) == next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")

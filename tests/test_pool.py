@@ -78,6 +78,19 @@ def test_a_name_is_one_link_per_address_and_addresses_stay_as_they_are():
         pool.close()
 
 
+def test_targets_sharing_a_key_name_different_sessions():
+    """Replicas given one CURVE key are one principal to a draft daemon: their session ids start at
+    random points, so they do not name (and re-open, and close) each other's sessions."""
+    pools = [_pool("tcp://127.0.0.1:1") for _ in range(8)]
+    try:
+        firsts = [p.next_session() for p in pools]
+        assert len(set(firsts)) == 8 and all(0 < f < 2**63 for f in firsts)
+        assert pools[0].next_session() == firsts[0] + 1
+    finally:
+        for p in pools:
+            p.close()
+
+
 def test_the_cli_takes_draft_endpoints_from_several_options_and_the_environment(monkeypatch):
     from starsd_target import cli
 

@@ -100,17 +100,32 @@ def ensure_tools() -> None:
 
 
 # ---------------------------------------------------------------- the arm64 root
+def mounts_under(root: Path) -> list[str]:
+    prefix = str(root.resolve()) + "/"
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(prefix)]
+
+
 def ensure_root(root: Path, steps: Steps) -> None:
+    """The arm64 root: reused when finished (``.starsd-root``); one this check began and did not
+    finish (``.starsd-root-partial``) is removed and made again; any other non-empty directory is
+    refused, never removed."""
     if (root / ".starsd-root").exists():
         log.info("reusing the arm64 root %s", root)
         return
-    if root.exists():
-        shutil.rmtree(root)  # an unfinished one
-    root.parent.mkdir(parents=True, exist_ok=True)
+    if root.exists() and any(root.iterdir()):
+        if not (root / ".starsd-root-partial").exists():
+            raise Failed(f"{root} is not empty and is no root this check made: give another --root")
+        if mounts_under(root):
+            raise Failed(f"something is still mounted under {root}: {mounts_under(root)}; unmount it first")
+        shutil.rmtree(root)  # an unfinished one of ours
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".starsd-root-partial").write_text("debootstrap under way or interrupted\n")
     with steps("debootstrap an arm64 Debian root"):
         run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
              SUITE, str(root), MIRROR], timeout=3 * 3600)
     (root / ".starsd-root").write_text(f"{SUITE} arm64 from {MIRROR}\n")
+    (root / ".starsd-root-partial").unlink()
 
 
 # What the root's /sys says of its CPUs. PyTorch's oneDNN (xbyak_aarch64) reads each core's MIDR_EL1
@@ -133,9 +148,9 @@ def fake_cpu_sysfs(root: Path) -> None:
 
 @contextlib.contextmanager
 def mounted(root: Path, keep: bool = False):
-    """/proc and /dev inside the root (Python and torch read them), a /sys of its own
-    (``fake_cpu_sysfs``), the host's resolver and CA bundle (pip reaches PyPI from there);
-    unmounted at the end."""
+    """/proc and /dev inside the root (Python and torch read them), bound as slaves of the
+    host's; a /sys of its own (``fake_cpu_sysfs``); the host's resolver and CA bundle (pip reaches
+    PyPI from there); unmounted at the end."""
     done = []
     try:
         fake_cpu_sysfs(root)
@@ -143,17 +158,28 @@ def mounted(root: Path, keep: bool = False):
             dst = root / src.lstrip("/")
             dst.mkdir(exist_ok=True)
             if not os.path.ismount(dst):
-                run(["mount", "--rbind" if src == "/dev" else "--bind", src, str(dst)])
+                run(["mount", "--rbind", src, str(dst)])
                 done.append(dst)
-        shutil.copyfile("/etc/resolv.conf", root / "etc/resolv.conf")
-        bundle = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
-        if Path(bundle).is_file():
-            shutil.copyfile(bundle, root / "etc/ssl/certs/starsd-host-bundle.crt")
+                # a slave of the host's: unmounting it here never propagates back to the host's
+                # /dev/pts, /dev/shm (on a host whose mounts are shared, as systemd makes them)
+                run(["mount", "--make-rslave", str(dst)])
+        for name, src in (("etc/resolv.conf", "/etc/resolv.conf"),
+                          ("etc/ssl/certs/starsd-host-bundle.crt",
+                           os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt")):
+            dst = root / name
+            if dst.is_symlink():  # never write through a link in the root to a host path
+                dst.unlink()
+            if Path(src).is_file():
+                shutil.copyfile(src, dst)
         yield
     finally:
         if not keep:
             for dst in reversed(done):
-                run(["umount", "-l", str(dst)], check=False)
+                if run(["umount", "-R", str(dst)], check=False).returncode:
+                    run(["umount", "-R", "-l", str(dst)], check=False)  # busy: detach it (a slave: the host's stay)
+            left = mounts_under(root)
+            if left:
+                log.warning("still mounted under the root: %s", left)
 
 
 def in_root(root: Path, *cmd: str, timeout: float = 3600, check: bool = True, env: dict | None = None,
@@ -315,7 +341,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=cache_root() / "edge" / f"arm64-{SUITE}",
                     help="the arm64 root, made once and reused")
-    ap.add_argument("--keep-mounts", action="store_true", help="leave /proc, /sys and /dev mounted in the root")
+    ap.add_argument("--keep-mounts", action="store_true", help="leave /proc and /dev mounted in the root")
     args = ap.parse_args()
     steps = Steps()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "starsd-edge-check"

@@ -51,6 +51,7 @@ class PooledTarget:
         self.rounds: list[Round] = []
         self.placed: list[str] = []  # the endpoint each round asked (empty: none)
         self.error: BaseException | None = None
+        self.drafting = threading.Event()  # set at its first round with drafts
         self._sleep = PacedSleep()
 
     def run(self, stop: threading.Event) -> None:
@@ -86,6 +87,7 @@ class PooledTarget:
                                              n, False))
                     verified += list(proposal.tokens[:n]) + [own]
                     d.kept(n)
+                    self.drafting.set()
                 else:
                     self._sleep((self.model.fallback_ms + self.model.rtt_ms) / 1000.0)
                     self.rounds.append(Round(t_send, t_reply, time.monotonic(), len(verified), 0, 0, True))
@@ -111,6 +113,12 @@ def _run(endpoints: list[str], n: int, model: TargetModel, ctx: zmq.Context, see
     threads = [threading.Thread(target=t.run, args=(stop,), daemon=True) for t in targets]
     for th in threads:
         th.start()
+    deadline = time.monotonic() + 120
+    for t in targets:  # every target drafting before the window opens (start-ups stay out of it)
+        while not t.drafting.wait(0.1) and t.error is None:
+            if time.monotonic() > deadline:
+                stop.set()
+                raise RuntimeError(f"pooled target {t.name} drafted nothing within 120 s")
     time.sleep(warmup_s)
     w0 = time.monotonic()
     if during is not None:
@@ -165,17 +173,21 @@ def pool_section(cfg: BenchConfig, pool: Pool, step) -> dict:
         pool.procs.procs[names[0]].send_signal(signal.SIGKILL)
 
     n = 2 * n_full
-    run = _run(eps[:2], n, model, ctx, cfg.seed + 60_000, warmup_s, max(window_s, 2.0), during=kill)
-    pool.procs.procs[names[0]].wait(10)
+    try:
+        run = _run(eps[:2], n, model, ctx, cfg.seed + 60_000, warmup_s, max(window_s, 2.0), during=kill)
+        pool.procs.procs[names[0]].wait(10)
+    finally:
+        for name in names:  # their cores are the later sections'
+            pool.stop(name)
+    # rounds without drafts from the round in flight at the kill to the window's end; recovery: from
+    # the kill to each target's first drafts that came after it
     per_target, recover = [], []
     for t in run["targets"]:
-        after = [r for r in t.rounds if r.t_send >= killed["at"] - 1.0]
+        after = [r for r in t.rounds if r.t_done >= killed["at"] and r.t_send <= run["w1"]]
         per_target.append(sum(r.fallback for r in after))
-        drafted = [r.t_done for r in after if not r.fallback and r.t_send >= killed["at"]]
+        drafted = [r.t_reply for r in after if not r.fallback and r.t_send >= killed["at"]]
         recover.append((drafted[0] - killed["at"]) if drafted else None)
     step("pool failover")
-    for name in names:  # their cores are the later sections'
-        pool.stop(name)
     return {"n_full": n_full, "sweep": sweep,
             "failover": {"targets": n, "daemons": 2, "fallback_rounds_per_target": per_target,
                          "max_fallback_rounds": max(per_target),
