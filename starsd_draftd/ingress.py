@@ -399,8 +399,9 @@ class Ingress:
     def _repeat(self, identity: bytes, session: Session, msg: Message) -> bool:
         """Answer a DRAFT that brings nothing new (no verified tokens, nothing accepted) and asks
         what the session's last chain was drafted for, while nothing else of it is queued or being
-        drafted, with that chain again: it costs no batch slot (and its seeded sampling draws
-        nothing). False: the request is queued as any other."""
+        drafted, with that chain again: it costs no batch slot. Not for seeded sampled sessions,
+        whose draws must follow their requests alone, not when each arrived. False: the request
+        is queued as any other."""
         h = msg.header
         last = session.last_reply
         params = session.params
