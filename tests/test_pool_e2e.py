@@ -35,12 +35,13 @@ def _streams(eps, stop: threading.Event, results: list, errors: list) -> list[th
                 n = 0
                 while not stop.is_set() or n < 2:
                     prompt = PROMPTS[(3 * t + n) % len(PROMPTS)]
+                    began = time.monotonic()
                     reply = cc.call(Message(MsgType.GENERATE, {"id": n + 1, "prompt": prompt, "max_tokens": TOKENS}),
                                     300)
                     if reply.type is not MsgType.RESULT:
                         errors.append((t, reply.header))
                         return
-                    results.append((t, prompt, reply.header, time.monotonic()))
+                    results.append((t, prompt, reply.header, began, time.monotonic()))
                     n += 1
         except Exception as exc:  # collected, asserted in the test thread
             errors.append((t, exc))
@@ -51,9 +52,13 @@ def _streams(eps, stop: threading.Event, results: list, errors: list) -> list[th
     return threads
 
 
-def _requests(ep: str) -> int:
+def _stats(ep: str) -> dict:
     with ControlClient(ep) as cc:
-        return cc.stats(5)["requests"]
+        return cc.stats(5)
+
+
+def _requests(ep: str) -> int:
+    return _stats(ep)["requests"]
 
 
 def _run(star, tiny_target, near_draft, engine, sig: int):
@@ -70,6 +75,9 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
         while min(_requests(a), _requests(b)) < 10 and time.monotonic() < deadline and not errors:
             time.sleep(0.05)
         assert min(_requests(a), _requests(b)) >= 10, "both draft daemons serve sessions before the fault"
+        while _stats(a)["live_sessions"] == 0 and time.monotonic() < deadline and not errors:
+            time.sleep(0.005)  # the fault must find a generation drafting there
+        assert _stats(a)["live_sessions"] > 0, "a generation drafts on the daemon at the fault"
         t0 = time.monotonic()
         os.kill(d.procs["draft_a"].pid, sig)
         code = d.procs["draft_a"].wait(30)
@@ -88,15 +96,21 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
         stop.set()
         for th in threads:
             th.join(300)
-    refs = {p: reference_greedy(tiny_target, engine.encode(p), TOKENS) for p in {p for _, p, _, _ in results}}
-    for t, prompt, res, _ in results:
+    refs = {p: reference_greedy(tiny_target, engine.encode(p), TOKENS) for p in {r[1] for r in results}}
+    for t, prompt, res, _, _ in results:
         assert res["token_ids"] == refs[prompt], (t, prompt)
-    fallback = {t: sum(r["stats"]["fallback_rounds"] for tt, _, r, _ in results if tt == t) for t in range(3)}
-    after = [r for _, _, r, at in results if at > t0 + gone_s + 0.5]
+    # rounds without drafts per target, in the generations running at the fault or after it (the
+    # fault's cost), and before it (what a loaded host costs anyway, reported)
+    fallback = {t: sum(r["stats"]["fallback_rounds"] for tt, _, r, _, end in results if tt == t and end >= t0)
+                for t in range(3)}
+    before = {t: sum(r["stats"]["fallback_rounds"] for tt, _, r, _, end in results if tt == t and end < t0)
+              for t in range(3)}
+    after = [r for _, _, r, began, _ in results if began > t0 + gone_s + 0.5]
     assert after and sum(r["stats"]["accepted"] for r in after) > 0, "drafts went on after the fault"
     assert _requests(b) > served_b
     print(f"signal {sig}: exit {code} after {gone_s:.2f}s; {len(results)} generations; rounds without drafts per "
-          f"target {fallback}; links {[{k: s['draft_link'][k] for k in ('placements', 'failovers', 'drained')} for s in statuses]}")
+          f"target from the fault on {fallback}, before it {before}; links "
+          f"{[{k: s['draft_link'][k] for k in ('placements', 'failovers', 'drained')} for s in statuses]}")
     return code, gone_s, fallback, statuses
 
 
