@@ -68,6 +68,39 @@ def running_server(backend: DraftBackend | None = None, **cfg):
         ctx.destroy(linger=0)
 
 
+@contextlib.contextmanager
+def serving(daemon, join_s: float = 30.0):
+    """A TargetDaemon's job socket served in a thread, ready; stopped at the end, and its thread
+    asserted gone."""
+    ready = threading.Event()
+    thread = threading.Thread(target=daemon.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30), "the job socket did not come up"
+        yield daemon
+    finally:
+        daemon.stop()
+        thread.join(join_s)
+    assert not thread.is_alive(), "the job socket's thread did not stop"
+
+
+def wait_http_health(base: str, why, alive=lambda: True, timeout_s: float = 60.0) -> None:
+    """Until GET ``base``/health answers 200; ``why()`` (a log's end, say) explains a failure, and
+    ``alive()`` false fails at once (the server's process died)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert alive(), why()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.2)
+
+
 class RawPeer:
     """A DEALER speaking raw frames, for protocol-level tests."""
 

@@ -5,8 +5,6 @@ service's user alone; over plaintext TCP only with --insecure-listen (STATS is a
 
 import os
 import stat
-import threading
-import time
 
 import httpx
 import openai
@@ -19,6 +17,7 @@ import zmq
 from common.control import ControlClient
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.sockets import free_tcp_endpoint, free_tcp_port
+from fakes import serving, wait_http_health
 from starsd_draftd.bench.procs import ProcessSet
 from starsd_target.config import TargetConfig
 from starsd_target.daemon import TargetDaemon
@@ -73,15 +72,7 @@ def test_the_served_api_takes_its_key_from_the_environment(tiny_target, loaded_t
                 env={"STARSD_TARGET_API_KEY": "a-key-from-a-secret"})
         d.wait_ready("target", listen)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # /health is open: no key
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, d.log("target")[-3000:]
-            time.sleep(0.2)
+        wait_http_health(base, lambda: d.log("target")[-3000:])  # /health is open: no key
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(base + "/v1/models").status_code == 401
@@ -102,24 +93,19 @@ def test_the_job_socket_takes_jobs_only_where_it_can_tell_who_sends_them(where, 
     ctx = zmq.Context()
     d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=listen, insecure_listen=insecure),
                      loaded=loaded_target, ctx=ctx)
-    ready = threading.Event()
-    thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-    thread.start()
     try:
-        assert ready.wait(30)
-        if where == "ipc":  # the socket file: this user's alone
-            assert stat.S_IMODE(os.stat(tmp_path / "jobs.sock").st_mode) == 0o600
-        with ControlClient(listen, ctx) as cc:
-            assert cc.stats(10)["model"] == str(loaded_target.path)  # status works everywhere
-            job = Message(MsgType.GENERATE, {"id": 7, "prompt": "x", "max_tokens": 3})
-            if takes_jobs:
-                assert len(cc.call(job, 60).header["token_ids"]) == 3
-            else:
-                with pytest.raises(RemoteError) as info:
-                    cc.call(job, 60)
-                assert info.value.code == ErrorCode.NOT_ALLOWED and "--insecure-listen" in info.value.message
-                assert d.jobs.refused_jobs == 1 and d.served == 0
+        with serving(d):
+            if where == "ipc":  # the socket file: this user's alone
+                assert stat.S_IMODE(os.stat(tmp_path / "jobs.sock").st_mode) == 0o600
+            with ControlClient(listen, ctx) as cc:
+                assert cc.stats(10)["model"] == str(loaded_target.path)  # status works everywhere
+                job = Message(MsgType.GENERATE, {"id": 7, "prompt": "x", "max_tokens": 3})
+                if takes_jobs:
+                    assert len(cc.call(job, 60).header["token_ids"]) == 3
+                else:
+                    with pytest.raises(RemoteError) as info:
+                        cc.call(job, 60)
+                    assert info.value.code == ErrorCode.NOT_ALLOWED and "--insecure-listen" in info.value.message
+                    assert d.jobs.refused_jobs == 1 and d.served == 0
     finally:
-        d.stop()
-        thread.join(30)
         ctx.destroy(linger=0)

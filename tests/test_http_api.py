@@ -1,13 +1,12 @@
 """The target's OpenAI-compatible HTTP API, driven by the official openai client against a real
 `starsd-target serve --http` process with a real draft daemon; and both daemons' metrics."""
 
-import time
-
 import httpx
 import openai
 import pytest
 
 from common.sockets import free_tcp_endpoint, free_tcp_port
+from fakes import wait_http_health
 from starsd_draftd.bench.procs import ProcessSet as Daemons
 from tiny_models import make_near_copy, reference_greedy
 
@@ -29,15 +28,7 @@ def server(tiny_target, tmp_path_factory):
         d.wait_ready("draftd", draft_ep)
         d.wait_ready("target", listen)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, d.log("target")[-3000:]
-            time.sleep(0.2)
+        wait_http_health(base, lambda: d.log("target")[-3000:])
         d.metrics = {"draftd": f"http://127.0.0.1:{draft_metrics}/metrics",
                      "target": f"http://127.0.0.1:{target_metrics}/metrics"}
         yield base, d

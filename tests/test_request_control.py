@@ -7,7 +7,6 @@ prompt and output: the log-softmax of its raw logits at each generated position.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import openai
@@ -22,7 +21,7 @@ from common.models import load_causal_lm
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.token_bytes import token_bytes
 from common.verify import SamplingParams
-from fakes import LocalDrafts, running_server
+from fakes import LocalDrafts, running_server, serving
 from starsd_draftd.backends.model import ModelBackend
 from starsd_target.daemon import TargetConfig, TargetDaemon
 from starsd_target.engine import MAX_LOGPROBS, InvalidRequest, TargetEngine
@@ -205,17 +204,8 @@ def served(tiny_target, loaded_target, near_draft, tmp_path_factory):
                            draft_timeout_s=10)
         d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
         assert d.connect()
-        ready = threading.Event()
-        thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-        thread.start()
-        assert ready.wait(30)
-        try:
-            with TestClient(create_app(d, "tiny")) as http:
-                yield Served(http, d, backend)
-        finally:
-            d.stop()
-            thread.join(30)
-    assert not thread.is_alive()
+        with serving(d), TestClient(create_app(d, "tiny")) as http:
+            yield Served(http, d, backend)
 
 
 @pytest.fixture(scope="module")

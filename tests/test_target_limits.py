@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.security import client_keys, keygen
 from common.sockets import free_tcp_endpoint, free_tcp_port
 from common.verify import SamplingParams
-from fakes import CountingBackend, running_server
+from fakes import CountingBackend, running_server, serving, wait_http_health
 from starsd_target.client import DraftClient
 from starsd_target.config import TargetConfig
 from starsd_target.daemon import TargetDaemon
@@ -265,14 +264,8 @@ def daemon(tiny_target, loaded_target, tmp_path_factory):
     cfg = TargetConfig(model=str(tiny_target), draft=None, listen=f"ipc://{tmp_path_factory.mktemp('jobs')}/t.sock",
                        depth=4)
     d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
-    ready = threading.Event()
-    thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield d
-    d.stop()
-    thread.join(30)
-    assert not thread.is_alive()
+    with serving(d):
+        yield d
     ctx.destroy(linger=0)
 
 
@@ -286,23 +279,16 @@ def test_a_reply_and_a_stop_wake_the_job_socket_at_once(tiny_target, loaded_targ
     ctx = zmq.Context()
     d = TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=f"ipc://{tmp_path}/t.sock", depth=4),
                      loaded=loaded_target, ctx=ctx)
-    ready = threading.Event()
-    thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-    thread.start()
     try:
-        assert ready.wait(30)
-        prompt = d.engine.encode(PROMPT)
-        with ControlClient(d.endpoint, ctx) as cc:
-            for i in range(2):  # the second after the first reply's wake-up was cleared
-                r = cc.call(Message(MsgType.GENERATE, {"id": i + 1, "prompt_ids": prompt, "max_tokens": 6,
-                                                       "temperature": 0.0}), timeout_s=60)
-                assert r.header["token_ids"] == reference_greedy(tiny_target, prompt, 6)
+        with serving(d, join_s=60):  # the stop ends serving within a minute, or this fails
+            prompt = d.engine.encode(PROMPT)
+            with ControlClient(d.endpoint, ctx) as cc:
+                for i in range(2):  # the second after the first reply's wake-up was cleared
+                    r = cc.call(Message(MsgType.GENERATE, {"id": i + 1, "prompt_ids": prompt, "max_tokens": 6,
+                                                           "temperature": 0.0}), timeout_s=60)
+                    assert r.header["token_ids"] == reference_greedy(tiny_target, prompt, 6)
     finally:
-        d.stop()
-        thread.join(60)
-        stopped = not thread.is_alive()
         ctx.destroy(linger=0)
-    assert stopped
 
 
 @pytest.fixture(scope="module")
@@ -434,16 +420,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _wait_http(base: str, proc: subprocess.Popen, log) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+    wait_http_health(base, log.read_text, alive=lambda: proc.poll() is None, timeout_s=120)
 
 
 @pytest.mark.parametrize("mode", ["jobs", "http"])
@@ -610,42 +587,36 @@ def test_a_curve_job_socket_admits_an_allowed_key_and_refuses_another(tiny_targe
     cfg = TargetConfig(model=str(tiny_target), draft=None, listen=f"tcp://0.0.0.0:{port}",
                        listen_curve_secret=server_secret, listen_curve_allow=allow)
     d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
-    ready = threading.Event()
-    thread = threading.Thread(target=d.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-    thread.start()
     try:
-        assert ready.wait(30)
-        ep = f"tcp://127.0.0.1:{port}"
-        with ControlClient(ep, ctx, curve=client_keys(good_secret, server_pub)) as cc:
-            assert cc.stats(10)["model"] == str(loaded_target.path)
-            reply = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt": "x", "max_tokens": 3}), 30)
-            assert len(reply.header["token_ids"]) == 3
-        with ControlClient(ep, ctx, curve=client_keys(bad_secret, server_pub)) as cc, pytest.raises(ControlTimeout):
-            cc.stats(1.5)
-        with ControlClient(ep, ctx) as cc, pytest.raises(ControlTimeout):  # plaintext
-            cc.stats(1.5)
-        assert d.served == 1
-        # what an operator runs: `status` with the client's key and the socket's public key
-        from starsd_target.cli import main as target_cli
+        with serving(d):
+            ep = f"tcp://127.0.0.1:{port}"
+            with ControlClient(ep, ctx, curve=client_keys(good_secret, server_pub)) as cc:
+                assert cc.stats(10)["model"] == str(loaded_target.path)
+                reply = cc.call(Message(MsgType.GENERATE, {"id": 1, "prompt": "x", "max_tokens": 3}), 30)
+                assert len(reply.header["token_ids"]) == 3
+            with ControlClient(ep, ctx, curve=client_keys(bad_secret, server_pub)) as cc, pytest.raises(ControlTimeout):
+                cc.stats(1.5)
+            with ControlClient(ep, ctx) as cc, pytest.raises(ControlTimeout):  # plaintext
+                cc.stats(1.5)
+            assert d.served == 1
+            # what an operator runs: `status` with the client's key and the socket's public key
+            from starsd_target.cli import main as target_cli
 
-        status = CliRunner().invoke(target_cli, ["status", "--connect", ep, "--json", "--curve-secret",
-                                                 str(good_secret), "--curve-server-key", str(server_pub)])
-        assert status.exit_code == 0 and json.loads(status.stdout)["served"] == 1, status.output
-        # SIGHUP re-reads the allow-list: the other key is admitted once it is listed
-        (allow / "bad.key").write_bytes((keys / "bad.key").read_bytes())
-        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-        try:
-            d.install_signal_handlers()
-            os.kill(os.getpid(), signal.SIGHUP)
-            assert _stats_once_admitted(ep, ctx, client_keys(bad_secret, server_pub))["served"] == 1
-        finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+            status = CliRunner().invoke(target_cli, ["status", "--connect", ep, "--json", "--curve-secret",
+                                                     str(good_secret), "--curve-server-key", str(server_pub)])
+            assert status.exit_code == 0 and json.loads(status.stdout)["served"] == 1, status.output
+            # SIGHUP re-reads the allow-list: the other key is admitted once it is listed
+            (allow / "bad.key").write_bytes((keys / "bad.key").read_bytes())
+            saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+            try:
+                d.install_signal_handlers()
+                os.kill(os.getpid(), signal.SIGHUP)
+                assert _stats_once_admitted(ep, ctx, client_keys(bad_secret, server_pub))["served"] == 1
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
     finally:
-        d.stop()
-        thread.join(30)
         ctx.destroy(linger=0)
-    assert not thread.is_alive()
 
 
 def test_a_request_body_beyond_the_limit_is_refused_before_it_is_parsed(loaded_target):
