@@ -21,7 +21,7 @@ import zmq
 
 from common.verify import SamplingParams
 from starsd_draftd.bench.config import BenchConfig
-from starsd_draftd.bench.emulated_target import Round, TargetModel, acceptance_chain
+from starsd_draftd.bench.emulated_target import Round, TargetModel, acceptance_chain, run_window
 from starsd_draftd.bench.emulation import EMU_FINGERPRINT, EMU_VOCAB, PacedSleep
 from starsd_draftd.bench.pool import Pool, _draftd_emulation_args
 
@@ -106,31 +106,18 @@ class PooledTarget:
 
 def _run(endpoints: list[str], n: int, model: TargetModel, ctx: zmq.Context, seed: int, warmup_s: float,
          window_s: float, during=None) -> dict:
-    """``n`` pooled targets for ``warmup_s`` then a window of ``window_s`` (``during(t0)`` is
-    called at the window's start); their rounds in the window."""
-    stop = threading.Event()
+    """``n`` pooled targets, each drafting, for ``warmup_s`` then a window of ``window_s``
+    (``during()`` is called as it opens); their rounds in the window."""
     targets = [PooledTarget(endpoints, model, seed + i, ctx) for i in range(n)]
-    threads = [threading.Thread(target=t.run, args=(stop,), daemon=True) for t in targets]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + 120
-    for t in targets:  # every target drafting before the window opens (start-ups stay out of it)
-        while not t.drafting.wait(0.1) and t.error is None:
-            if time.monotonic() > deadline:
-                stop.set()
-                raise RuntimeError(f"pooled target {t.name} drafted nothing within 120 s")
-    time.sleep(warmup_s)
-    w0 = time.monotonic()
-    if during is not None:
-        during(w0)
-    time.sleep(window_s)
-    w1 = time.monotonic()
-    stop.set()
-    for th in threads:
-        th.join(60)
-    failed = [t for t in targets if t.error is not None or not t.rounds]
-    if failed:
-        raise RuntimeError(f"pooled target {failed[0].name} failed: {failed[0].error}")
+
+    def drafting() -> None:  # every target drafting before the window opens (start-ups stay out of it)
+        deadline = time.monotonic() + 120
+        for t in targets:
+            while not t.drafting.wait(0.1) and t.error is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pooled target {t.name} drafted nothing within 120 s")
+
+    w0, w1 = run_window(targets, warmup_s, window_s, "pooled", ready=drafting, at_open=during)
     rounds = [[r for r in t.rounds if w0 <= r.t_done <= w1] for t in targets]
     tokens = sum(r.tokens for rs in rounds for r in rs)
     used = {ep for t in targets for ep in t.placed if ep}
@@ -168,8 +155,8 @@ def pool_section(cfg: BenchConfig, pool: Pool, step) -> dict:
     # failover: two daemons, 2 N_full targets; one daemon killed at the window's start
     killed = {}
 
-    def kill(t0: float) -> None:
-        killed["at"] = t0
+    def kill() -> None:
+        killed["at"] = time.monotonic()
         pool.procs.procs[names[0]].send_signal(signal.SIGKILL)
 
     n = 2 * n_full

@@ -157,3 +157,41 @@ class EmulatedTarget:
         return self.rounds
 
 
+
+
+def run_window(targets: list, warmup_s: float, window_s: float, kind: str, ready=None, at_open=None,
+               at_close=None) -> tuple[float, float]:
+    """Run each of ``targets`` (``run(stop)``) on a thread of its own: ``ready()`` once they are
+    started (it may raise), then ``warmup_s``, then the measured window of ``window_s``:
+    ``at_open()`` just before it opens, ``at_close()`` just after it closes; then stop and join them. A target that
+    failed, or ran no round, raises RuntimeError naming it (``kind``: what it is). (w0, w1)."""
+    stop = threading.Event()
+
+    def body(t) -> None:
+        try:
+            t.run(stop)
+        except Exception:  # recorded on the target, raised below in the caller's thread
+            log.exception("%s target %s failed", kind, t.name)
+
+    threads = [threading.Thread(target=body, args=(t,), daemon=True) for t in targets]
+    for th in threads:
+        th.start()
+    try:
+        if ready is not None:
+            ready()
+        time.sleep(warmup_s)
+        if at_open is not None:
+            at_open()
+        w0 = time.monotonic()
+        time.sleep(window_s)
+        w1 = time.monotonic()
+        if at_close is not None:
+            at_close()
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(60)
+    failed = [t for t in targets if t.error is not None or not t.rounds]
+    if failed:
+        raise RuntimeError(f"{kind} target {failed[0].name} failed: {failed[0].error}")
+    return w0, w1

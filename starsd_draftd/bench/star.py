@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
-import time
 
 import zmq
 
 from starsd_draftd.bench import plan as plan_mod
 from starsd_draftd.bench.emulation import EMULATION_LABEL, ServiceModel
-from starsd_draftd.bench.emulated_target import EmulatedTarget, TargetModel
+from starsd_draftd.bench.emulated_target import EmulatedTarget, TargetModel, run_window
 from starsd_draftd.bench.trace import BusyIndex, Trace, idle_gaps, services_between
 from starsd_draftd.bench.config import BenchConfig, GAP_EDGES_MS
 from starsd_draftd.bench.pool import Pool, _busy_fraction, _draftd_emulation_args, _stats, emulation_max_depth
@@ -24,31 +22,12 @@ log = logging.getLogger("starsd.bench")
 # ---------------------------------------------------------------- emulation
 def _run_emulated_targets(endpoint: str, n: int, model: TargetModel, warmup_s: float, window_s: float,
                           ctx: zmq.Context, seed: int) -> dict:
-    stop = threading.Event()
     targets = [EmulatedTarget(endpoint, model, seed=seed + i, name=f"emu-n{n}-t{i}", ctx=ctx) for i in range(n)]
-
-    def body(t: EmulatedTarget) -> None:
-        try:
-            t.run(stop)
-        except Exception:  # recorded on the target, re-raised below in the caller's thread
-            log.exception("emulated target %s failed", t.name)
-
-    threads = [threading.Thread(target=body, args=(t,), daemon=True) for t in targets]
-    for th in threads:
-        th.start()
-    time.sleep(warmup_s)
-    s0 = _stats(endpoint, ctx)
-    w0 = time.monotonic()
-    time.sleep(window_s)
-    w1 = time.monotonic()
-    s1 = _stats(endpoint, ctx)
-    stop.set()
-    for th in threads:
-        th.join(60)
-    failed = [t for t in targets if t.error is not None or not t.rounds]
-    if failed:
-        raise RuntimeError(f"emulated target {failed[0].name} failed: {failed[0].error}")
-    return {"n": n, "targets": targets, "w0": w0, "w1": w1, "s0": s0, "s1": s1}
+    stats = {}
+    w0, w1 = run_window(targets, warmup_s, window_s, "emulated",
+                        at_open=lambda: stats.__setitem__("s0", _stats(endpoint, ctx)),
+                        at_close=lambda: stats.__setitem__("s1", _stats(endpoint, ctx)))
+    return {"n": n, "targets": targets, "w0": w0, "w1": w1, **stats}
 
 
 def emulation_row(run: dict, trace: Trace, busy_idx: BusyIndex, model: plan_mod.Plan, nominal: plan_mod.Plan) -> dict:
