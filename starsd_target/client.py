@@ -159,7 +159,7 @@ class DraftClient:
         self.errors: dict[str, int] = {}
         self._session_ids = itertools.count(1)
         # In a pool of draft daemons (starsd_target.pool): sessions move off a draining link at
-        # their next round, and new ones go where the reported wait is least
+        # their next round, and new ones are placed by the load each daemon reports
         self.draining = False  # the daemon said it is draining (GOODBYE, PONG): it serves what it holds
         self.retired = False  # the pool no longer resolves this address: no new sessions
         self.sessions = 0  # this target's draft sessions living on this link
