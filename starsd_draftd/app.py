@@ -25,7 +25,6 @@ class ServeConfig:
     q_topk: int = 32
     tree_topk: int = 8  # most children a draft tree's node gets (1: chains only)
     threads: int = 0  # torch CPU threads (0: one per core this process may run on)
-    lookup: bool = True  # --backend model: greedy drafts from the context where it repeats (ContextLookup)
     compile: bool = False  # --backend model: compile the draft model's forward (common.runner)
     lean: bool = True  # --backend model: eager forwards through common.lean where the model allows
     draft_vocab: str = "auto"  # --backend model: auto, off or a vocabulary file (common.draft_vocab)
@@ -37,14 +36,12 @@ def build_backend(cfg: ServeConfig):
         from starsd_draftd.backends.model import ModelBackend
 
         from common.runner import ModelRunner
-        from starsd_draftd.backends.base import ContextLookup
-
         from common.draft_vocab import resolve_vocab
 
         vocab = resolve_vocab(cfg.draft_vocab, resolve_model_path(cfg.model))
         loaded = load_causal_lm(cfg.model, cfg.device, cfg.dtype, draft_vocab=vocab)
-        backend = ModelBackend(loaded, q_topk=cfg.q_topk, lookup=ContextLookup() if cfg.lookup else None,
-                               runner=ModelRunner(loaded, compile=cfg.compile, lean=cfg.lean), tree_topk=cfg.tree_topk)
+        backend = ModelBackend(loaded, q_topk=cfg.q_topk, runner=ModelRunner(loaded, compile=cfg.compile, lean=cfg.lean),
+                               tree_topk=cfg.tree_topk)
         backend.warm_up(cfg.server.batch_max)
         return backend
     if cfg.draft_vocab not in ("auto", "off"):

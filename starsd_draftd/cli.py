@@ -26,7 +26,7 @@ SERVER_OPTIONS = ConfigOptions(ServerConfig, {
     "max_peer_queue_mib": ("max_peer_queue_bytes", MIB), "max_kv_mib": ("max_kv_bytes", MIB),
     "max_peer_kv_mib": ("max_peer_kv_bytes", MIB), "max_session_kv_mib": ("max_session_kv_bytes", MIB),
     "session_ttl": "session_ttl_s", "peer_ttl": "peer_ttl_s", "evict_idle": "evict_idle_s",
-    "drain_timeout": "drain_s"})
+    "drain_timeout": "drain_s", "suffix_cache_mib": ("suffix_cache_bytes", MIB)})
 _serve, _server = SERVE_OPTIONS.default, SERVER_OPTIONS.default
 
 TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
@@ -135,9 +135,18 @@ def main() -> None:
 @option("--metrics-port", type=click.IntRange(1, 65535), default=_server("metrics_port"),
         help="Expose Prometheus metrics on this port (/metrics).")
 @option("--threads", type=click.IntRange(0), default=_serve("threads"), help="Torch CPU threads (0: one per core this process may run on; docs/bench.md, threads and placement).")
-@option("--lookup/--no-lookup", default=_serve("lookup"),
-        help="--backend model, greedy sessions: take a draft token from the context where the last few tokens "
-             "occurred before (what followed them then), else from the model. Lossless like every draft.")
+@option("--suffix/--no-suffix", default=_server("suffix"),
+        help="Draft from text already seen: where a session's last tokens occurred before, in its own text or "
+             "in recent sessions' outputs, draft what followed (a chain, or a tree when the target's budget "
+             "allows) whenever its expected tokens kept beat the model's measured ones; with --backend model, "
+             "greedy steps also take the index's next token where it has one. Lossless like every draft.")
+@option("--suffix-cache-mib", type=click.IntRange(0), default=_server("suffix_cache_mib"),
+        help="Memory for recent sessions' outputs in the suffix index (whole requests evicted oldest first; "
+             "0: each session drafts from its own text only).")
+@option("--suffix-share", type=click.Choice(["key", "all", "off"]), default=_server("suffix_share"),
+        help="Whose outputs a session's suffix drafts may come from: key: those of sessions of the same CURVE "
+             "key only, so one tenant's text never drafts for another (without CURVE all targets share one "
+             "index); all: every target's; off: its own text only.")
 @option("--compile/--no-compile", "compile_", default=_serve("compile_"), help=COMPILE_HELP)
 @option("--lean/--no-lean", default=_serve("lean"), help="--backend model: " + LEAN_HELP)
 @option("--draft-vocab", default=_serve("draft_vocab"), metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)
@@ -203,7 +212,17 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
             f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
-        _lookahead_line(s) + _trees_line(s) + _vocab_line(s) + memory_status_line(s)
+        _lookahead_line(s) + _trees_line(s) + _suffix_line(s) + _vocab_line(s) + memory_status_line(s)
+
+
+def _suffix_line(s: dict) -> list[str]:
+    """Suffix drafts and the shared index (none with --no-suffix, or from an older daemon)."""
+    x = s.get("suffix")
+    if not x or "bytes" not in x:
+        return []
+    return [f"  suffix drafts: {x['requests']} requests, {x['tokens']} tokens drafted, {x['kept']} kept; index "
+            f"{x['bytes'] / 2**20:.1f} of {x['max_bytes'] / 2**20:.0f} MiB ({x['requests_held']} outputs, "
+            f"share {x['share']}), query {x['query_us']:.0f} us"]
 
 
 def _vocab_line(s: dict) -> list[str]:

@@ -75,6 +75,24 @@ class DraftMetrics:
                                   "Idle time spent drafting ahead (forwards run with no request queued)",
                                   value=la["idle_s"])
 
+    @staticmethod
+    def _suffix(sx: dict | None) -> Iterator[Metric]:
+        if not sx or "bytes" not in sx:  # suffix drafts off
+            return
+        yield CounterMetricFamily("starsd_draftd_suffix_requests", "Draft requests answered with suffix drafts",
+                                  value=sx["requests"])
+        tokens = CounterMetricFamily("starsd_draftd_suffix_tokens",
+                                     "Suffix draft tokens, by outcome: drafted, or kept (reported at the "
+                                     "session's next request)", labels=["outcome"])
+        tokens.add_metric(["drafted"], sx["tokens"])
+        tokens.add_metric(["kept"], sx["kept"])
+        yield tokens
+        yield GaugeMetricFamily("starsd_draftd_suffix_index_bytes",
+                                "Memory the shared suffix index charges itself (bounded by --suffix-cache-mib)",
+                                value=sx["bytes"])
+        yield GaugeMetricFamily("starsd_draftd_suffix_index_requests", "Requests' outputs the shared index holds",
+                                value=sx["requests_held"])
+
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         yield GaugeMetricFamily("starsd_draftd_live_sessions", "Draft sessions held", value=s["live_sessions"])
@@ -104,6 +122,7 @@ class DraftMetrics:
             yield CounterMetricFamily("starsd_draftd_stopping_drafts_saved",
                                       "Drafts not made because a chain stopped early", value=stop["drafts_saved"])
         yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
+        yield from self._suffix(s.get("suffix"))
         parts = CounterMetricFamily("starsd_draftd_request_seconds",
                                     "Time of the draft requests served, by part: queue (waiting for its batch), "
                                     "draft_forward (its batch's backend call), rest (decode, checks, encode, send)",

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
@@ -37,6 +38,7 @@ from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.records import AdmittedRequest, LastReply, QueuedRequest, drafted
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
+from starsd_draftd.suffix import SuffixDraft, SuffixIndex, SuffixText
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
 log = logging.getLogger("starsd.draftd")
@@ -68,6 +70,13 @@ class ServerConfig:
     # drafted by backends with a tree_topk above 1, and with requests still queued after a batch
     # is taken, at half the size asked (at least the depth).
     max_tree_tokens: int = 64
+    # Drafts from text already seen (``starsd_draftd.suffix``): each session's own text and the
+    # outputs of recent sessions, bounded in bytes and shared per CURVE key ("key"), by all
+    # ("all") or not at all ("off"); without CURVE, "key" shares one index among all targets.
+    # Per request, a suffix draft goes where its score beats the backend's measured drafts kept.
+    suffix: bool = True
+    suffix_cache_bytes: int = 256 << 20
+    suffix_share: str = "key"
     # The session table's bounds (TableLimits, fields of the same names)
     max_sessions: int = _TABLE.max_sessions
     max_sessions_per_peer: int = _TABLE.max_sessions_per_peer
@@ -120,6 +129,9 @@ class DraftServer:
         self._turn = 0
         self._awaited: dict[tuple[bytes, int], Session] = {}  # replied to, not back yet (batch window)
         self.stats = Stats()
+        self.suffix = SuffixIndex(config.suffix_cache_bytes, config.suffix_share) if config.suffix else None
+        if self.suffix is not None:
+            backend.attach_suffix(self.suffix)
         self.lookahead = LookaheadServing(backend, self.sessions, self.stats)
         self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
@@ -470,6 +482,10 @@ class DraftServer:
                 f"{session.features + features.shape[0]}, but {h['pos'] - 1} are needed; re-open the session",
                 sid, seq)
         session.check(h["accepted"], h["new"], h["pos"], seq)
+        if features is not None:
+            held = features.shape[0]
+            if session.pending_features:  # those of rounds a suffix draft answered, not fed yet
+                features = np.concatenate([*session.pending_features, np.asarray(features)])
         tree = self._tree_budget(session, h)
         try:
             room = self.backend.tree_room(h["depth"], tree, session.params.greedy)
@@ -479,10 +495,71 @@ class DraftServer:
                 raise
             tree = 0  # no memory for the tree's drafting: a chain, if that fits
             self.sessions.reserve(session, h["pos"] + h["depth"], seq, keep)
+        before = len(session.verified)
         session.advance(h["accepted"], h["new"], h["pos"], seq)
         if features is not None:
-            session.features += features.shape[0]
+            session.features += held
+            session.pending_features = []
+        self._note_text(session, principal, before, h["accepted"])
         return DraftRequest(session.state, session.verified, h["depth"], features, tree, h.get("min_survival", 0.0))
+
+    def _note_text(self, session: Session, principal: bytes, before: int, accepted: int) -> None:
+        """The session's text in the suffix index takes its newly verified tokens (from
+        ``before``), and the outcome of its last round is learnt (``accepted`` drafts kept)."""
+        index = self.suffix
+        if index is None:
+            return
+        text: SuffixText | None = session.suffix
+        if text is None:
+            seeded = not session.params.greedy and session.params.seed is not None
+            # a seeded sampled session's drafts must follow its own requests alone: no shared text
+            text = session.suffix = index.open(principal if self.sessions.durable else b"",
+                                               session.verified[:before], shared=not seeded)
+            self.backend.bind_text(session.state, text)
+        else:
+            if text.last_source == "suffix":
+                self.stats.suffix["kept"] += accepted
+            elif text.last_source == "model" and text.shared:
+                index.note_model(accepted)
+            text.learn(accepted, self._model_prior(text))
+        index.extend(text, session.verified[before:])
+
+    def _model_prior(self, text: SuffixText) -> float:
+        """What a session expects of the backend's drafts before it has measured them: the
+        daemon's running figure, or a fixed one where a session's drafts must not depend on
+        other sessions (seeded sampling)."""
+        return self.suffix.prior_model if text.shared else 1.0
+
+    def _suffix_drafts(self, admitted: list[AdmittedRequest], todo: list[int]) -> dict[int, tuple[Draft, float]]:
+        """The requests a suffix draft answers, with the seconds each took: where one scores at
+        least what the backend's drafts keep for that session. A sampled session gets a chain,
+        each token's q one-hot."""
+        index = self.suffix
+        if index is None or not todo:
+            return {}
+        with self.lock:
+            sessions = [self.sessions.sessions.get(admitted[i].key) for i in todo]
+        won: dict[int, tuple[Draft, float]] = {}
+        for i, session in zip(todo, sessions):
+            item = admitted[i]
+            if session is None or session.state is not item.request.state or session.suffix is None:
+                continue
+            text: SuffixText = session.suffix
+            h = item.header
+            greedy = session.params.greedy
+            t0 = time.perf_counter()
+            found = index.propose(text, h["depth"], h.get("tree_tokens", 0) if greedy else 0,
+                                  h.get("min_survival", 0.0))
+            if found is None or not text.choose(found.score, self._model_prior(text)):
+                continue
+            text.last_source, text.last_score = "suffix", found.score
+            features = item.request.new_features
+            if features is not None and features.shape[0]:
+                session.pending_features = [np.array(features)]  # the backend takes them next time
+            won[i] = (_suffix_draft(found, greedy), time.perf_counter() - t0)
+            self.stats.suffix["requests"] += 1
+            self.stats.suffix["tokens"] += len(found.tokens)
+        return won
 
     def _tree_budget(self, session: Session, h: dict) -> int:
         """The tree tokens a DRAFT is drafted with (0: a chain): what it asks, where the backend
@@ -540,7 +617,16 @@ class DraftServer:
                 drafts[i], spent[i] = draft, seconds
                 self._reply(admitted[i], draft, start, seconds)
             self.ingress.flush()
-        todo = [i for i in range(len(admitted)) if i not in ahead]
+        # requests a suffix draft answers go out next: they cost no forward
+        suffixed = self._suffix_drafts(admitted, [i for i in range(len(admitted)) if i not in ahead])
+        if suffixed:
+            stats.requests += len(suffixed)
+            stats.drafted_tokens += sum(len(d.tokens) for d, _ in suffixed.values())
+            for i, (draft, seconds) in suffixed.items():
+                drafts[i], spent[i] = draft, seconds
+                self._reply(admitted[i], draft, start, seconds)
+            self.ingress.flush()
+        todo = [i for i in range(len(admitted)) if i not in ahead and i not in suffixed]
         steps = max((admitted[i].request.depth for i in todo), default=0)
         fed = sum(admitted[i].fed for i in todo)
         t0 = time.perf_counter()
@@ -598,10 +684,14 @@ class DraftServer:
             session = self.sessions.sessions.get(key)
             if session is not None and session.state is not req.state:
                 session = None  # closed or re-opened while it was drafted: the new one starts afresh
+            text = session.suffix if session is not None else None
+            from_suffix = text is not None and text.last_source == "suffix"
+            if text is not None and not from_suffix:
+                text.last_source = "model"
             if draft.parents is not None:
                 self.stats.trees["requests"] += 1
                 self.stats.trees["tokens"] += len(draft.tokens)
-            elif req.min_survival > 0.0 and self.backend.stops_drafts:
+            elif req.min_survival > 0.0 and self.backend.stops_drafts and not from_suffix:
                 stop = self.stats.stopping
                 stop["requests"] += 1
                 stop["stopped"] += len(draft.tokens) < req.depth
@@ -612,7 +702,7 @@ class DraftServer:
                 h = admitted[i].header
                 session.last_reply = None if draft.parents is not None else LastReply(
                     h["seq"], (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0)), draft)
-                if self.config.lookahead and not self.draining and draft.parents is None:
+                if self.config.lookahead and not self.draining and draft.parents is None and not from_suffix:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
                                          admitted[i].header["seq"])
 
@@ -654,6 +744,8 @@ class DraftServer:
         snap["estimate"] = {"step_s": self.estimate.step_s, "token_s": self.estimate.token_s}
         snap["limits"] = self.budgets()
         snap["memory"] = memory_report(self.backend.weights_bytes)
+        if self.suffix is not None:
+            snap["suffix"] = {**snap["suffix"], **self.suffix.snapshot()}
         return snap
 
     def budgets(self) -> dict:
@@ -663,3 +755,13 @@ class DraftServer:
         return {**dataclasses.asdict(self.sessions.limits), "max_queue": c.max_queue,
                 "max_queue_bytes": c.max_queue_bytes, "max_peer_queue": c.max_peer_queue,
                 "max_peer_queue_bytes": c.max_peer_queue_bytes}
+
+
+def _suffix_draft(found: SuffixDraft, greedy: bool) -> Draft:
+    """A suffix draft as a reply's Draft: a sampled one with q one-hot at each drafted token
+    (speculative sampling then keeps a token with the target's probability of it)."""
+    if greedy:
+        return Draft(list(found.tokens), parents=found.parents)
+    k = len(found.tokens)
+    return Draft(list(found.tokens), np.asarray(found.tokens, dtype=np.int32).reshape(k, 1),
+                 np.ones((k, 1), dtype=np.float32))

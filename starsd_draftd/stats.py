@@ -49,6 +49,9 @@ class Stats:
         # Adaptive draft length on this side: chain requests that asked it to stop early
         # (min_survival), those answered with fewer drafts than their depth, and the drafts not made
         self.stopping = {"requests": 0, "stopped": 0, "drafts_saved": 0}
+        # Suffix drafts (starsd_draftd.suffix): requests they answered, their tokens, and the
+        # drafts of theirs kept (learnt at each session's next request)
+        self.suffix = {"requests": 0, "tokens": 0, "kept": 0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -83,4 +86,5 @@ class Stats:
             "lookahead": dict(self.lookahead),
             "trees": dict(self.trees),
             "stopping": dict(self.stopping),
+            "suffix": dict(self.suffix),
         }

@@ -54,6 +54,7 @@ class CountingBackend(DraftBackend):
 def running_server(backend: DraftBackend | None = None, **cfg):
     backend = backend or CountingBackend()
     cfg.setdefault("drain_s", 0.0)  # a test's sessions are left open: stop at once unless a test drains
+    cfg.setdefault("suffix", False)  # the backend's drafts are what a test checks, unless it asks for suffix drafts
     ctx = zmq.Context()
     server = DraftServer(backend, ServerConfig(bind="tcp://127.0.0.1:0", **cfg), ctx)
     server.bind()

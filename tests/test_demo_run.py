@@ -30,6 +30,6 @@ def test_the_draft_daemon_gets_the_demo_vocabulary_unless_the_full_head_is_asked
     from starsd_draftd.demo.run import _draftd_args
 
     cut = _draftd_args(DemoConfig(), "model", "tcp://127.0.0.1:1")
-    full = _draftd_args(DemoConfig(draft_vocab=False, lookup=False), "model", "tcp://127.0.0.1:1")
+    full = _draftd_args(DemoConfig(draft_vocab=False, suffix=False), "model", "tcp://127.0.0.1:1")
     assert cut[-2:] == ["--draft-vocab", "auto"]  # the demo draft's own file, whatever the environment says
-    assert full[-3:] == ["--no-lookup", "--draft-vocab", "off"]
+    assert full[-3:] == ["--no-suffix", "--draft-vocab", "off"]

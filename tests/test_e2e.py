@@ -55,6 +55,31 @@ def test_four_targets_greedy_equal_generate(star4, tiny_target):
     assert la["started"] > 0 and la["hits"] + la["late_hits"] + la["misses"] > 0
 
 
+def test_a_repeated_request_is_drafted_from_the_first_ones_output(star4, tiny_target):
+    """The second of two identical greedy requests (to another target) is drafted from the
+    first one's output through the draft daemon's suffix index: exact, no fallback round, its
+    suffix drafts kept, and fewer rounds than the first."""
+    d, draft_ep, target_eps = star4
+    from common.models import load_causal_lm
+    from starsd_target.engine import TargetEngine
+
+    prompt = "def repeat(text):\n    "
+    ref = reference_greedy(tiny_target, TargetEngine(load_causal_lm(str(tiny_target))).encode(prompt), MAX_TOKENS)
+    with ControlClient(draft_ep) as cc:
+        before = cc.stats()["suffix"]
+    first = run_concurrently(target_eps[:1], [{"id": 30, "prompt": prompt, "max_tokens": MAX_TOKENS}])[0]
+    with ControlClient(draft_ep) as cc:
+        middle = cc.stats()["suffix"]
+    second = run_concurrently(target_eps[1:2], [{"id": 31, "prompt": prompt, "max_tokens": MAX_TOKENS}])[0]
+    with ControlClient(draft_ep) as cc:
+        after = cc.stats()["suffix"]
+    assert first["token_ids"] == second["token_ids"] == ref
+    assert first["stats"]["fallback_rounds"] == second["stats"]["fallback_rounds"] == 0
+    assert after["requests"] > middle["requests"] >= before["requests"]
+    assert after["kept"] - middle["kept"] >= MAX_TOKENS // 2, (middle, after)
+    assert second["stats"]["rounds"] < first["stats"]["rounds"]
+
+
 def test_sampled_runs_with_a_seed_repeat(star4):
     d, draft_ep, target_eps = star4
     reqs = [{"id": 10 + i, "prompt": PROMPTS[i], "max_tokens": 32, "temperature": 0.8, "top_k": 50,

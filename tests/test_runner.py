@@ -131,13 +131,13 @@ def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(one_la
     the warm-up's graphs, and greedy output equals generate(). (One test: each compiled runner
     costs tens of seconds of compilation here.)"""
     from fakes import LocalDrafts
-    from starsd_draftd.backends.base import ContextLookup
+    from starsd_draftd.suffix import SuffixIndex
 
     tiny_target, near_draft = one_layer_pair
     target = load_causal_lm(str(tiny_target))
     draft = load_causal_lm(str(near_draft))
     engine = TargetEngine(target, depth=4, prefill_chunk=8, runner=ModelRunner(target, compile=True))
-    backend = ModelBackend(draft, lookup=ContextLookup(), runner=ModelRunner(draft, compile=True))
+    backend = ModelBackend(draft, lookup=SuffixIndex(), runner=ModelRunner(draft, compile=True))
     # batch_max=1: the batched graphs (drafted the same way) would double this test's compile time
     assert engine.warm_up() > 0 and backend.warm_up(batch_max=1) > 0
     assert engine.runner.warm and backend.runner.warm

@@ -13,7 +13,8 @@ import torch
 from common.models import load_causal_lm
 from common.tree import ROOT, check_parents, children, path_to
 from common.verify import SamplingParams, logits_to_probs
-from starsd_draftd.backends.base import ContextLookup, DraftRequest
+from starsd_draftd.backends.base import DraftRequest
+from starsd_draftd.suffix import SuffixIndex
 from starsd_draftd.backends.eagle import EagleBackend
 from starsd_draftd.backends.eagle_compat import build_head
 from starsd_draftd.backends.model import ModelBackend
@@ -199,7 +200,7 @@ def test_greedy_trees_of_other_architectures(tmp_path, arch):
 def test_greedy_tree_keeps_the_lookup_chain(draft_model):
     """With lookup, the chain's copied tokens are its first children; the model's best others
     are their siblings."""
-    case = ModelCase(draft_model, lookup=ContextLookup())
+    case = ModelCase(draft_model, lookup=SuffixIndex())
     verified = _prompt(1, 10) * 2 + _prompt(1, 3)  # repeats: lookup copies what followed before
     chain = case.draft(case.backend.new_state(GREEDY), verified)
     hits = case.backend.lookup_hits

@@ -286,34 +286,6 @@ def clip_draft(draft: Draft, depth: int, stopping: Stopping | None = None) -> Dr
                  cut(draft.top_probs), draft.next_top if whole else None)
 
 
-class ContextLookup:
-    """Drafting from the context: the token that followed the latest earlier occurrence of the
-    sequence's last n tokens (n from ``n_max`` down to ``n_min``), or None when they never occurred.
-
-    Outputs repeat their prompts and themselves (code, lists, quoted text), and there a small draft
-    model is weakest: copying needs attention over the whole context. Lookup is tried first at
-    each greedy draft step, and the model picks where it finds nothing. It costs a vectorised scan
-    of the sequence per step and changes nothing in the output: the target verifies every draft."""
-
-    def __init__(self, n_max: int = 4, n_min: int = 2):
-        if not 1 <= n_min <= n_max:
-            raise ValueError("lookup needs 1 <= n_min <= n_max")
-        self.n_max, self.n_min = n_max, n_min
-
-    def __call__(self, seq: np.ndarray) -> int | None:
-        """``seq``: the session's tokens so far (verified, then drafted), as an int64 array."""
-        length = int(seq.shape[0])
-        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            starts = length - n  # candidate occurrences end before the last token: seq[i:i+n], i < length - n
-            hit = np.ones(starts, dtype=bool)
-            for j in range(n):
-                hit &= seq[j: j + starts] == seq[length - n + j]
-            found = np.flatnonzero(hit)
-            if found.size:
-                return int(seq[found[-1] + n])
-        return None
-
-
 class Lookahead:
     """A session's next round drafted ahead of its request, in small steps (one model forward
     each) while the draft daemon has nothing queued, for one or more guesses of the sequence
@@ -462,6 +434,13 @@ class DraftBackend(abc.ABC):
         """What a request answered from work done ahead gets of its drafts: by default the first
         ``request.depth`` (a backend that stops chains early cuts them as it would have)."""
         return clip_draft(draft, request.depth)
+
+    def attach_suffix(self, index: object) -> None:
+        """The draft daemon's suffix index (``starsd_draftd.suffix.SuffixIndex``, or None), for
+        backends that take draft tokens from it step by step (default: they do not)."""
+
+    def bind_text(self, state: object, text: object) -> None:
+        """A session's text in that index (``SuffixText``), for such backends (default: unused)."""
 
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""

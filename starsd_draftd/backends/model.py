@@ -15,11 +15,12 @@ from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_p
 from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
-from starsd_draftd.backends.base import (Calibration, ChainDrafter, ContextLookup, Draft, DraftBackend, DraftRequest,
-                                        Lookahead, Stopping, clip_draft, frontier_width, request_stopping,
-                                        session_seed, stopped_sent, top_probs)
+from starsd_draftd.backends.base import (Calibration, ChainDrafter, Draft, DraftBackend, DraftRequest, Lookahead,
+                                        Stopping, clip_draft, frontier_width, request_stopping, session_seed,
+                                        stopped_sent, top_probs)
 from starsd_draftd.backends.batching import BatchedCaches, CacheView
 from starsd_draftd.backends.trees import GreedyTree, chain_drafter
+from starsd_draftd.suffix import SuffixIndex
 
 log = logging.getLogger("starsd.draftd.model")
 
@@ -33,16 +34,19 @@ class ModelSession:
     seed: int = 0  # the base of its draws' position seeds (base.position_seed)
     calibration: Calibration = field(default_factory=Calibration)  # greedy stopping's chances (base.Stopping)
     min_survival: float = 0.0  # its last request's stopping threshold (its work ahead stops by it too)
+    text: object | None = None  # its text in the daemon's suffix index (a suffix.SuffixText; None: own tokens only)
 
 
 class ModelBackend(DraftBackend):
     name = "model"
     stops_drafts = True
 
-    def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: ContextLookup | None = None,
+    def __init__(self, loaded: LoadedModel, q_topk: int = 32, lookup: SuffixIndex | None = None,
                  runner: ModelRunner | None = None, tree_topk: int = 1):
-        """``lookup``: in greedy sessions, each draft token comes from the context where it holds
-        the continuation of the last few tokens (``ContextLookup``), else from the model.
+        """``lookup``: in greedy sessions, each draft token comes from the suffix index where the
+        last tokens occurred before (the session's own text, and what the index shares with it:
+        ``SuffixIndex.next_token``), else from the model; the draft daemon attaches its index
+        (``attach_suffix``).
         ``runner``: how the model runs (compiled or eager); eager by default. ``tree_topk``: the
         most children a draft tree's node gets (1: chains only; see ``_greedy_tree`` and
         ``trees.CaterpillarDrafter``); greedy trees need a model that takes custom 4-D masks."""
@@ -52,7 +56,7 @@ class ModelBackend(DraftBackend):
             raise ValueError("tree_topk must be >= 1")
         self.weights_bytes = loaded.weights_bytes
         self.lookup = lookup
-        self.lookup_hits = 0  # draft tokens taken from the context
+        self.lookup_hits = 0  # draft tokens taken from the suffix index
         self.model_picks = 0  # greedy draft tokens the model chose
         self.loaded = loaded
         self.runner = runner if runner is not None else ModelRunner(loaded)
@@ -98,6 +102,12 @@ class ModelBackend(DraftBackend):
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks,
                 "output_ids": self.output_ids, "logits_size": self.loaded.logits_size,
                 "forward": self.runner.forward_kind}
+
+    def attach_suffix(self, index: SuffixIndex | None) -> None:
+        self.lookup = index
+
+    def bind_text(self, state: object, text: object) -> None:
+        state.text = text  # type: ignore[attr-defined]
 
     def new_state(self, params: SamplingParams) -> ModelSession:
         return ModelSession(params, make_generator(params.seed), self.runner.new_cache(), seed=session_seed(params))
@@ -154,7 +164,7 @@ class ModelBackend(DraftBackend):
         # costs no forward, and is fed with the next one the model picks after it (or next time).
         pending, logits = list(verified[keep:]), None
         for j in range(depth):
-            found = self._look(seq, len(verified) + j, count=False)
+            found = self._look(st, seq, len(verified) + j, count=False)
             if found is None:
                 if pending:
                     logits, pending = self._forward(st, pending), []
@@ -193,7 +203,7 @@ class ModelBackend(DraftBackend):
         held = len(verified)
         seq = self._context(st.params, verified, depth)
         tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens))
-        tree.grow(ROOT, root, self._look(seq, held))
+        tree.grow(ROOT, root, self._look(st, seq, held))
         dtype = self.loaded.dtype
         try:
             for d in range(1, depth):
@@ -212,7 +222,7 @@ class ModelBackend(DraftBackend):
                     first = None
                     if tree.on_chain(n) and seq is not None:
                         seq[held + d - 1] = tree.token(n)
-                        first = self._look(seq, held + d)
+                        first = self._look(st, seq, held + d)
                     tree.grow(n, logits[r], first)
         finally:
             crop_cache(st.cache, held)
@@ -321,7 +331,7 @@ class ModelBackend(DraftBackend):
                     chain = chains[b]
                     if greedy:
                         n = len(task.guesses[b]) + len(chain.tokens)
-                        tok = self._take_greedy(chain, seqs[b], n, top[b], probs[b], stops[b], logits[b])
+                        tok = self._take_greedy(st, chain, seqs[b], n, top[b], probs[b], stops[b], logits[b])
                         live[b] = tok is not None
                         picks[b] = 0 if tok is None else tok
                     else:
@@ -345,12 +355,12 @@ class ModelBackend(DraftBackend):
         seq[: len(verified)] = verified
         return seq
 
-    def _look(self, seq: np.ndarray | None, n: int, count: bool = True) -> int | None:
-        """The lookup's draft for position ``n`` (None: let the model pick). ``count``: count the
-        position as drafted now (else ``_count`` does, once the chain takes it)."""
+    def _look(self, st: ModelSession, seq: np.ndarray | None, n: int, count: bool = True) -> int | None:
+        """The suffix index's draft for position ``n`` (None: let the model pick). ``count``:
+        count the position as drafted now (else ``_count`` does, once the chain takes it)."""
         if seq is None:
             return None
-        found = self.lookup(seq[:n])
+        found = self.lookup.next_token(st.text, seq[:n])
         if count:
             self._count(found)
         return found
@@ -361,7 +371,7 @@ class ModelBackend(DraftBackend):
         else:
             self.lookup_hits += 1
 
-    def _take_greedy(self, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int],
+    def _take_greedy(self, st: ModelSession, chain: ChainDrafter, seq: np.ndarray | None, n: int, top: list[int],
                      prob: float | None = None, stop: Stopping | None = None,
                      logits: torch.Tensor | None = None) -> int | None:
         """A greedy row's pick at position ``n`` in a batch: the context's token (lookup) or the
@@ -369,7 +379,7 @@ class ModelBackend(DraftBackend):
         row's best two, ``prob`` the model's probability of its best and ``logits`` the row's.
         None: ``stop`` ends the chain here (where the model picked, its likeliest tokens are the
         chain's ``next_top``)."""
-        found = self._look(seq, n, count=False)
+        found = self._look(st, seq, n, count=False)
         measured = prob if found is None else None
         if stop is not None and chain.stops(stop, measured, logits):
             return None
@@ -427,7 +437,7 @@ class ModelBackend(DraftBackend):
                 if j >= ends[b]:
                     pass
                 elif greedy[b]:
-                    tok = self._take_greedy(chain, seqs[b], len(r.verified) + j, top[b], probs[b], stops[b],
+                    tok = self._take_greedy(sessions[b], chain, seqs[b], len(r.verified) + j, top[b], probs[b], stops[b],
                                             logits[b])
                     if tok is None:
                         ends[b], tok = j, 0  # stopped: its drafts so far are its chain

@@ -20,12 +20,12 @@ def start_batched(cfg: BenchConfig, pool: Pool, draft_dir: Path) -> tuple[str, d
     """Draft daemons with the real draft model, all through the same traced launcher and
     DraftServer: one session at a time (the real section's when it runs), batch_max at a time
     strictly work-conserving, and batch_max at a time with a batch window. All three draft with the
-    model alone (--no-lookup), so that they do the same work per request: a request whose drafts
+    model alone (--no-suffix), so that they do the same work per request: a request whose drafts
     come from the context costs the one-at-a-time loop fewer forwards, the batched one no fewer."""
     def args(b: int, window_ms: float = 0.0):
         return lambda ep: ["starsd_draftd.bench.emulation_serve", "serve", "--backend", "model", "--model", str(draft_dir),
                            "--bind", ep, "--depth", str(cfg.depth), "--batch-max", str(b), "--batch-window-ms",
-                           str(window_ms), "--q-topk", str(cfg.q_topk), "--threads", "1", "--no-lookup",
+                           str(window_ms), "--q-topk", str(cfg.q_topk), "--threads", "1", "--no-suffix",
                            "--log-level", "warning"]
 
     one_name = "batch1-draftd"

@@ -29,7 +29,7 @@ def server_config(**kw):
 
 
 def run_traced_server(backend: DraftBackend, bind: str, depth: int, batch_max: int, trace_path: Path | None,
-                      name: str, batch_window_s: float = 0.0) -> None:
+                      name: str, batch_window_s: float = 0.0, suffix: bool = True) -> None:
     """Serve until SIGTERM, then write the trace. Without a trace path the backend is served as it
     is, as in production (the wire measurements want exactly that path)."""
     from starsd_draftd.server import DraftServer
@@ -37,7 +37,7 @@ def run_traced_server(backend: DraftBackend, bind: str, depth: int, batch_max: i
     traced = TracingBackend(backend) if trace_path is not None else None
     ctx = zmq.Context()
     server = DraftServer(traced or backend, server_config(bind=bind, max_depth=depth, batch_max=batch_max, name=name,
-                                               batch_window_s=batch_window_s), ctx)
+                                               batch_window_s=batch_window_s, suffix=suffix), ctx)
     server.install_signal_handlers()
     server.serve_forever()
     if traced is not None:
@@ -76,13 +76,15 @@ def main() -> None:
 @_option("--device", default="cpu", help="--backend model or eagle: device.")
 @_option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", help="--backend model or eagle: " + DTYPE_HELP)
 @_option("--threads", type=click.IntRange(0), default=1, help="Torch CPU threads.")
-@_option("--lookup/--no-lookup", default=True, help="--backend model: greedy drafts from the context (see starsd-draftd serve).")
+@_option("--suffix/--no-suffix", default=True,
+         help="--backend model or eagle: drafts from text already seen (see starsd-draftd serve). The emulated "
+              "backend's drafts are its service model's alone.")
 @_option("--lookahead/--no-lookahead", default=False,
          help="--backend emulated: draft greedy sessions' next rounds ahead in idle time (see EmulatedBackend).")
 @_option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="Write the service trace here on exit.")
 @_option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", help="Logging.")
 def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, batch_window_ms, q_topk, feature_size,
-          model, eagle_head, device, dtype, threads, lookup, lookahead, trace, log_level) -> None:
+          model, eagle_head, device, dtype, threads, suffix, lookahead, trace, log_level) -> None:
     """Run a draft daemon behind the service tracer until SIGTERM."""
     from common.logs import setup_logging
     from common.models import set_torch_threads
@@ -98,9 +100,10 @@ def serve(bind, backend, draft_base_ms, draft_per_token_ms, depth, batch_max, ba
 
         inner = build_backend(ServeConfig(server=server_config(), model=model, backend=backend, eagle_head=eagle_head,
                                           base_model=model, device=device, dtype=dtype, q_topk=q_topk,
-                                          threads=threads, lookup=lookup, tree_topk=1))  # chains, as traced so far
+                                          threads=threads, tree_topk=1))  # chains, as traced so far
         name = "starsd-draftd-traced"
-    run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000)
+    run_traced_server(inner, bind, depth, batch_max, trace, name, batch_window_ms / 1000,
+                      suffix and backend != "emulated")
 
 
 if __name__ == "__main__":

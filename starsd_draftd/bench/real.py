@@ -388,7 +388,7 @@ def real_finish(cfg: BenchConfig, pool: Pool, raw: dict, step) -> dict:
                    "training": _train_summary(Path(target_dir).parent / "build_report.json")},
         "config": {"jobs_per_target": cfg.jobs_per_target, "max_tokens": cfg.max_tokens, "depth": cfg.depth,
                    "temperature": 0.0, "draft_batch_max": cfg.real_batch_max, "threads_per_process": 1,
-                   "draft_lookup": True},
+                   "draft_suffix": True},
         "rows": rows,
         "interleaving": interleaving,
         "round_profile": profiles,

@@ -104,6 +104,12 @@ class TracingBackend(DraftBackend):
     def release(self, state: object) -> None:
         self.inner.release(state.inner)  # type: ignore[attr-defined]
 
+    def attach_suffix(self, index: object) -> None:
+        self.inner.attach_suffix(index)
+
+    def bind_text(self, state: object, text: object) -> None:
+        self.inner.bind_text(state.inner, text)  # type: ignore[attr-defined]
+
     def counters(self) -> dict:
         return self.inner.counters()
 

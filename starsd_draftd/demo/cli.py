@@ -79,8 +79,8 @@ def train_eagle(base_model, out, kind, ttt_steps, draft_vocab, time_budget, thre
 @option("--no-pin", is_flag=True,
         help="Let every daemon use every core (by default, with 2+ cores, the draft daemon and the targets "
              "are pinned to disjoint cores, as separate machines would be).")
-@option("--no-lookup", is_flag=True,
-        help="The draft model alone: no draft tokens copied from the context (see `starsd-draftd serve --help`).")
+@option("--no-suffix", is_flag=True,
+        help="The draft model alone: no drafts from text already seen (`starsd-draftd serve --no-suffix`).")
 @option("--full-vocab", is_flag=True,
         help=f"The draft model's full output layer: not cut to the demo's {DRAFT_VOCAB} most frequent token ids "
              "(`starsd-draftd serve --draft-vocab off`; greedy outputs are the same, drafting is slower).")
@@ -89,13 +89,13 @@ def train_eagle(base_model, out, kind, ttt_steps, draft_vocab, time_budget, thre
 @option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 @logging_options(option)
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, OSError, ImportError)
-def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, no_lookup,
+def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, device, dtype, no_pin, no_suffix,
          full_vocab, prepare, as_json, log_level, log_format) -> None:
     """Run one draft daemon and N target daemons on loopback, then compare with the targets alone."""
     setup_logging(log_level, log_format)
     cfg = DemoConfig(targets=targets, prompts_per_target=prompts_per_target, max_tokens=max_tokens, depth=depth,
                      temperature=temperature, backend=backend, device=device, dtype=dtype, pin=not no_pin,
-                     lookup=not no_lookup, draft_vocab=not full_vocab)
+                     suffix=not no_suffix, draft_vocab=not full_vocab)
     if prepare:
         for name, path in prepare_checkpoints(cfg).items():
             click.echo(f"{name}: {path}")
@@ -107,7 +107,7 @@ def demo(targets, prompts_per_target, max_tokens, depth, temperature, backend, d
         c = report["config"]
         click.echo(f"StarSD demo: 1 draft daemon, {targets} target daemon(s), {prompts_per_target} x "
                    f"{max_tokens} tokens each, depth {depth}, {device}, {c['dtype']}"
-                   + ("" if c["lookup"] else ", no context lookup")
+                   + ("" if c["suffix"] else ", no suffix drafts")
                    + ("" if c["draft_vocab"] else ", the draft's full output layer"))
         click.echo(f"topology: {c['topology']}")
         click.echo(format_table(report))

@@ -36,7 +36,7 @@ class DemoConfig:
     # "eagle3" the EAGLE-3 head, then the EAGLE-1 head, then the standalone draft
     dtype: str = "auto"  # auto: see demo_dtype
     pin: bool = True  # with 2+ cores: the draft daemon and the targets on disjoint cores, as separate machines
-    lookup: bool = True  # the draft model's greedy drafts may come from the context (starsd-draftd serve --lookup)
+    suffix: bool = True  # drafts may come from text already seen (starsd-draftd serve --suffix)
     draft_vocab: bool = True  # the draft's output layer cut to the demo's vocabulary file (serve --draft-vocab)
     startup_timeout_s: float = 300.0
     job_timeout_s: float = 300.0
@@ -48,7 +48,7 @@ class Phase:
     wall_s: float = 0.0
     per_target: list[dict] = field(default_factory=list)  # summed stats per target
     draft_busy: float | None = None
-    from_context: float | None = None  # share of the greedy drafts taken from the context (lookup)
+    from_context: float | None = None  # share of the draft tokens taken from text already seen (suffix)
 
 
 def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.Context,
@@ -96,10 +96,11 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
             busy1 = cc.stats()
         phase.draft_busy = (busy1["busy_s"] - busy0["busy_s"]) / max(1e-9, busy1["uptime_s"] - busy0["uptime_s"])
         b0, b1 = busy0.get("backend", {}), busy1.get("backend", {})
-        if b1.get("lookup"):
-            hits = b1["lookup_hits"] - b0["lookup_hits"]
-            picks = hits + b1["model_picks"] - b0["model_picks"]
-            phase.from_context = hits / picks if picks else None  # None: no greedy drafts (sampling)
+        if "suffix" in busy1:  # draft tokens from text already seen: whole suffix drafts and the model's steps
+            copied = busy1["suffix"]["tokens"] - busy0["suffix"]["tokens"]
+            copied += b1.get("lookup_hits", 0) - b0.get("lookup_hits", 0)
+            drafted = busy1["drafted_tokens"] - busy0["drafted_tokens"]
+            phase.from_context = copied / drafted if drafted else None
     return phase
 
 
@@ -163,7 +164,7 @@ def _draftd_args(cfg: DemoConfig, backend: str, endpoint: str) -> list[str]:
     if backend in ("eagle", "eagle3"):
         head = "demo-eagle" if backend == "eagle" else "demo-eagle3"
         return args + ["--backend", backend, "--eagle-head", head, "--base-model", cfg.target_model]
-    return (args + ["--model", cfg.draft_model] + ([] if cfg.lookup else ["--no-lookup"])
+    return (args + ["--model", cfg.draft_model] + ([] if cfg.suffix else ["--no-suffix"])
             + ["--draft-vocab", "auto" if cfg.draft_vocab else "off"])  # explicit: not the environment's
 
 
@@ -259,7 +260,7 @@ def _report(cfg: DemoConfig, phases: dict[str, Phase], workdir: Path, topo: Topo
     return {"config": {"targets": cfg.targets, "prompts_per_target": cfg.prompts_per_target,
                        "max_tokens": cfg.max_tokens, "depth": cfg.depth, "device": cfg.device,
                        "temperature": cfg.temperature, "backends": spec_names, "dtype": demo_dtype(cfg),
-                       "lookup": cfg.lookup, "draft_vocab": cfg.draft_vocab,
+                       "suffix": cfg.suffix, "draft_vocab": cfg.draft_vocab,
                        "topology": topo.describe(), "pinned": topo.draft is not None},
             "prompts": [DEMO_PROMPTS[(i * cfg.prompts_per_target + j) % len(DEMO_PROMPTS)]
                         for i in range(cfg.targets) for j in range(cfg.prompts_per_target)],
@@ -286,7 +287,7 @@ def format_table(report: dict) -> str:
                      f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f}"
                      + "".join(f"{', ' if i else '   '}{part}" for i, part in enumerate(
                          ([f"draft busy {100 * busy:.0f}%"] if busy is not None else [])
-                         + ([f"{100 * ctx_share:.0f}% of drafts from the context"] if ctx_share is not None else []))))
+                         + ([f"{100 * ctx_share:.0f}% of drafts from text already seen"] if ctx_share is not None else []))))
     same = [b["same_text_as_alone"] for r in report["targets"] for b in r["backends"].values()
             if b["same_text_as_alone"] is not None]
     if same:

@@ -1,0 +1,232 @@
+"""Suffix drafts in the draft daemon's loop, over real sockets with a fake backend: which requests
+they answer and how, what the backend is spared, sampled and seeded sessions, features, and one
+CURVE key's text kept from another."""
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common import protocol as P
+from common.protocol import Message, MsgType
+from common.security import client_keys, keygen
+from common.sockets import SocketOptions, make_socket
+from fakes import CountingBackend, RawPeer, running_server
+from starsd_draftd.server import DraftServer, ServerConfig
+from test_suffix import SECRET
+
+
+def _report(peer: RawPeer, sid: int, prompt: list[int], output: list[int], step: int = 4) -> None:
+    """A session that verified ``output`` after ``prompt``, reported a few tokens a round (the
+    target kept none of the drafts)."""
+    peer.open(sid, prompt)
+    pos, seq = len(prompt), 1
+    assert peer.draft(sid, seq, 0, [], pos, depth=2).type is MsgType.DRAFTED
+    for i in range(0, len(output), step):
+        chunk = output[i: i + step]
+        seq, pos = seq + 1, pos + len(chunk)
+        assert peer.draft(sid, seq, 0, chunk, pos, depth=2).type is MsgType.DRAFTED
+
+
+class Calls(CountingBackend):
+    """Counts the requests the backend drafted."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = 0
+
+    def draft(self, state, verified, depth, new_features=None):
+        self.calls += 1
+        return super().draft(state, verified, depth, new_features)
+
+
+def test_a_session_quoting_an_earlier_output_gets_it_as_drafts_without_the_backend():
+    backend = Calls()
+    with running_server(backend, suffix=True, max_depth=16) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        calls = backend.calls
+        peer.open(2, [6, *SECRET[:8]])
+        r = peer.draft(2, 1, 0, [], 9, depth=16)
+        assert r.header["tokens"] == SECRET[8:16] and backend.calls == calls  # its match is 8 long: 8 drafts
+        assert "q_ids" not in r.tensors and "parents" not in r.tensors  # a greedy chain
+        # all eight kept, then the target's own token: learnt, and drafted on
+        r = peer.draft(2, 2, 8, [7], 18, depth=4)
+        snap = server.snapshot()["suffix"]
+        assert snap["requests"] == 1 and snap["tokens"] == 8 and snap["kept"] == 8
+        assert snap["requests_held"] == 2 and snap["tokens_indexed"] == len(SECRET) + 9  # both outputs
+        assert r.header["tokens"] == [8, 9, 10, 11]  # nothing after "..., 90, 7" was seen: the backend's
+        registry = CollectorRegistry()
+        registry.register(server.metrics)
+        exposed = generate_latest(registry).decode()
+        assert "starsd_draftd_suffix_requests_total 1.0" in exposed
+        assert 'starsd_draftd_suffix_tokens_total{outcome="kept"} 8.0' in exposed
+
+
+def test_a_tree_where_the_target_asks_for_one_and_one_hot_q_for_sampled_sessions():
+    with running_server(suffix=True, max_depth=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET[:12])
+        _report(peer, 2, [1, 2], SECRET[:6] + [33, 34, 35, 36])
+        peer.open(3, [9, *SECRET[:6]])
+        peer.send(Message(MsgType.DRAFT, {"session": 3, "seq": 1, "accepted": 0, "new": [], "pos": 7, "depth": 6,
+                                          "tree_tokens": 12}))
+        r = peer.recv()
+        assert r.header["tokens"][0] in (SECRET[6], 33) and "parents" in r.tensors
+        assert set(r.header["tokens"]) == set(SECRET[6:12]) | {33, 34, 35, 36}  # both branches
+        assert r.tensors["parents"].tolist().count(-1) == 2
+        peer.open(4, [9, *SECRET[:8]], temperature=0.9)  # sampled: a chain, each q one-hot
+        r = peer.draft(4, 1, 0, [], 9, depth=6)
+        k = len(r.header["tokens"])
+        assert r.header["tokens"] == SECRET[8:8 + k] and k >= 2
+        assert r.tensors["q_ids"].reshape(-1).tolist() == r.header["tokens"]
+        assert np.all(r.tensors["q_probs"] == 1.0) and r.tensors["q_probs"].shape == (k, 1)
+
+
+def test_a_seeded_sampled_session_drafts_from_its_own_text_only():
+    with running_server(suffix=True) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        peer.send(Message(MsgType.OPEN, {"session": 2, "prompt": [9, *SECRET[:6]],
+                                         "sampling": {"temperature": 0.9, "seed": 7}}))
+        r = peer.draft(2, 1, 0, [], 7, depth=4)
+        assert r.header["tokens"] == [SECRET[5] + i for i in (1, 2, 3, 4)]  # the backend's, not SECRET's
+        assert server.snapshot()["suffix"]["requests"] == 0
+
+
+class FeatureCounting(CountingBackend):
+    """A backend that takes target features (EAGLE's contract: the session holds one per
+    verified token but the last) and records how many each call brought."""
+
+    feature_size = 4
+
+    def __init__(self):
+        super().__init__()
+        self.brought = []
+
+    def new_state(self, params):
+        return {"calls": 0, "features": 0}
+
+    def draft(self, state, verified, depth, new_features=None):
+        m = 0 if new_features is None else int(new_features.shape[0])
+        assert state["features"] + m == len(verified) - 1, "features lost or doubled"
+        state["features"] += m
+        self.brought.append(m)
+        return super().draft(state, verified, depth)
+
+
+def test_features_of_rounds_a_suffix_draft_answered_reach_the_backend_next_time():
+    backend = FeatureCounting()
+    with running_server(backend, suffix=True, max_depth=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.send(Message(MsgType.HELLO, {"vocab_size": 259, "tokenizer": "fake-tok", "feature_size": 4}))
+        assert peer.recv().type is MsgType.WELCOME
+
+        def draft(sid, seq, new, pos, feats, accepted=0, depth=2):
+            f = np.zeros((feats, 4), dtype=np.float32)
+            peer.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new,
+                                              "pos": pos, "depth": depth}, {"features": f}))
+            return peer.recv()
+
+        peer.open(1, [1, 2])
+        for seq, new, pos, feats in ((1, [], 2, 1), (2, SECRET[:8], 10, 8), (3, SECRET[8:], 18, 8)):
+            assert draft(1, seq, new, pos, feats).type is MsgType.DRAFTED
+        peer.open(2, [9, *SECRET[:6]])
+        r = draft(2, 1, [], 7, 6, depth=6)
+        assert r.header["tokens"] == SECRET[6:12]  # answered from the text: the backend got nothing
+        brought = len(backend.brought)
+        r = draft(2, 2, [42], 10, 3, accepted=2, depth=2)  # two kept, then the target's 42
+        assert backend.brought[brought:] == [9]  # the six held back and the three new, at once
+        assert r.header["tokens"] == [43, 44]
+
+
+@pytest.fixture
+def two_keys(tmp_path):
+    keygen(tmp_path / "server", "draftd")
+    allow = tmp_path / "allow"
+    for name in ("a", "b"):
+        keygen(tmp_path / "targets", name)
+        allow.mkdir(exist_ok=True)
+        shutil.copy(tmp_path / "targets" / f"{name}.key", allow / f"{name}.key")
+    return tmp_path, allow
+
+
+def _curve_server(root, allow, share):
+    ctx = zmq.Context()
+    server = DraftServer(CountingBackend(), ServerConfig(
+        bind="tcp://127.0.0.1:0", curve_secret=root / "server" / "draftd.key_secret", curve_allow=allow,
+        suffix=True, suffix_share=share, max_depth=8, drain_s=0.0), ctx)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, ctx, thread
+
+
+class CurvePeer(RawPeer):
+    def __init__(self, ctx, endpoint, curve):
+        self.sock = make_socket(ctx, zmq.DEALER, SocketOptions(curve=curve))
+        self.sock.connect(endpoint)
+        self.acks = []
+
+
+@pytest.mark.parametrize("share", ["key", "all"])
+def test_one_keys_outputs_never_draft_for_another_unless_shared_by_all(two_keys, share):
+    root, allow = two_keys
+    server, ctx, thread = _curve_server(root, allow, share)
+    try:
+        peers = {}
+        for name in ("a", "b"):
+            peers[name] = CurvePeer(ctx, server.endpoint, client_keys(root / "targets" / f"{name}.key_secret",
+                                                                       root / "server" / "draftd.key"))
+            assert peers[name].hello().type is MsgType.WELCOME
+        _report(peers["a"], 1, [1, 2], SECRET)  # A's output: SECRET
+        _report(peers["b"], 1, [3, 4], [70, 71, 72, 73])  # B's own output
+        b = peers["b"]
+        b.open(2, [9, *SECRET[:6]])  # B quotes the start of A's output
+        got = b.draft(2, 1, 0, [], 7, depth=6).header["tokens"]
+        only_a = set(SECRET[6:]) - set(range(SECRET[5] + 1, SECRET[5] + 7))
+        if share == "key":
+            assert not set(got) & only_a, got  # nothing of what only A produced
+            assert got == [SECRET[5] + i for i in range(1, 7)]  # the backend's drafts
+        else:
+            assert got == SECRET[6:12]
+        # A itself drafts from its own key's outputs either way
+        a = peers["a"]
+        a.open(2, [9, *SECRET[:6]])
+        assert a.draft(2, 1, 0, [], 7, depth=6).header["tokens"] == SECRET[6:12]
+    finally:
+        server.stop()
+        thread.join(10)
+        ctx.destroy(linger=0)
+
+
+def test_no_suffix_drafts_when_turned_off():
+    backend = Calls()
+    with running_server(backend, suffix=False) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        peer.open(2, [6, *SECRET[:8]])
+        assert peer.draft(2, 1, 0, [], 9, depth=4).header["tokens"] == [SECRET[7] + i for i in (1, 2, 3, 4)]
+        assert "suffix" not in server.snapshot() or server.snapshot()["suffix"]["requests"] == 0
+
+
+def test_protocol_frames_of_a_suffix_reply_decode_as_any_other():
+    """A suffix draft's reply is an ordinary DRAFTED message (nothing new on the wire)."""
+    with running_server(suffix=True, max_depth=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        peer.open(2, [6, *SECRET[:8]], temperature=0.7)
+        peer.send(Message(MsgType.DRAFT, {"session": 2, "seq": 1, "accepted": 0, "new": [], "pos": 9, "depth": 4}))
+        frames = peer.sock.recv_multipart()
+        while P.decode(frames).type is MsgType.ACK:
+            frames = peer.sock.recv_multipart()
+        msg = P.decode(frames)
+        assert msg.type is MsgType.DRAFTED and msg.tensors["q_ids"].dtype == np.int32
