@@ -11,7 +11,7 @@ import click
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import ModelLoadError
-from starsd_draftd.bench.config import SECTIONS, BenchConfig
+from starsd_draftd.bench.config import NOT_QUICK, SECTIONS, BenchConfig
 from starsd_draftd.bench.report import format_report
 from starsd_draftd.bench.run import run_bench
 from starsd_draftd.bench.plan import Plan, format_plan
@@ -24,7 +24,8 @@ _b = BenchConfig()
 @option("--quick", is_flag=True, help="A few seconds of measurement, N up to 3, tiny random models (CI).")
 @option("--out", type=click.Path(file_okay=False, path_type=Path), default=_b.out,
         help="Results folder: bench.json, bench.png, bench.md.")
-@option("--sections", default=",".join(SECTIONS), help="Comma-separated subset of: " + ", ".join(SECTIONS) + ".")
+@option("--sections", default="", help="Comma-separated subset of: " + ", ".join(SECTIONS) + " [default: all; with "
+        "--quick all but " + ", ".join(NOT_QUICK) + "].")
 @option("--n-max", type=click.IntRange(1, 64), default=None,
         help=f"Most targets in the emulation sweep [default: {_b.n_max}; quick: 3].")
 @option("--real-n-max", type=click.IntRange(1, 32), default=None,
@@ -83,6 +84,8 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
               plot=not no_plot,
               progress=not no_progress,
               sections=tuple(s.strip() for s in sections.split(",") if s.strip()))
+    if not kw["sections"]:
+        del kw["sections"]  # each kind of run's default
     cfg = BenchConfig.quick_config(**kw) if quick else BenchConfig(**kw)
     report = run_bench(cfg)
     if as_json:

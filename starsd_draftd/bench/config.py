@@ -15,7 +15,9 @@ from starsd_draftd.bench import plan as plan_mod
 
 
 SCHEMA = "starsd-bench/1"
-SECTIONS = ("wire", "emulation", "pool", "real", "batched", "verify", "lookahead", "trees", "rows")
+SECTIONS = ("wire", "emulation", "pool", "real", "batched", "verify", "lookahead", "trees", "rows", "suffix")
+# sections a quick (CI) run leaves out: the suffix section needs a chat model (the demo's) and its peer a C++ build
+NOT_QUICK = ("suffix",)
 GAP_EDGES_MS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 TORCH_SAVE_LABEL = ("reference only: the same payload as a torch.save/torch.load (pickle) blob, as the paper's "
                     "research code sends it; StarSD never unpickles network input")
@@ -83,7 +85,7 @@ class BenchConfig:
         base = dict(quick=True, n_max=3, min_rounds=30, min_window_s=0.4, max_window_s=1.0, warmup_s=0.15,
                     calib_rounds=10, capacity_s=0.4, wire_rounds=200, wire_paced_rounds=15, wire_gap_ms=5.0,
                     models="tiny", real_n_max=2, jobs_per_target=1, max_tokens=24, batch_ks=(1, 8), prestart=True,
-                    repeats=1, rows_reps=1)
+                    repeats=1, rows_reps=1, sections=tuple(s for s in SECTIONS if s not in NOT_QUICK))
         base.update(overrides)
         return cls(**base)
 
@@ -98,6 +100,8 @@ class BenchConfig:
             raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
         if self.models not in ("demo", "demo-third", "tiny"):
             raise ValueError("models must be 'demo', 'demo-third' or 'tiny'")
+        if "suffix" in self.sections and self.models == "tiny":
+            raise ValueError("the suffix section sends chat requests: it needs the demo models (--models demo)")
         if self.n_max < 1 or self.real_n_max < 1:
             raise ValueError("N must be >= 1")
         self.emulation_plan()  # validates the timing parameters

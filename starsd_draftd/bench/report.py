@@ -207,6 +207,10 @@ def format_report(report: dict) -> str:
         from starsd_draftd.bench.draft_pool import format_pool
 
         lines += format_pool(report["pool"])
+    if "suffix" in report:
+        from starsd_draftd.bench.suffix import format_suffix
+
+        lines += format_suffix(report["suffix"]) + [""]
     if "batched" in report:
         b = report["batched"]
         lines += ["## Batched drafting (draft service capacity)", ""]

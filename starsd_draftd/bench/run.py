@@ -78,7 +78,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                "real": min(cfg.real_n_max, cfg.n_max) + 3 + len(INTERLEAVE_STREAMS),
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
                "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,
-               "trees": len(tree_backends(cfg)), "rows": len(row_formats()), "pool": len(pool_daemons(cfg)) + 1}
+               "trees": len(tree_backends(cfg)), "rows": len(row_formats()), "pool": len(pool_daemons(cfg)) + 1,
+               "suffix": 4}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 
@@ -112,7 +113,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     try:
         models = None
         needs_pair = cfg.rows_model == "target" and "rows" in cfg.sections
-        if needs_pair or {"real", "batched", "verify", "lookahead", "trees"} & set(cfg.sections):
+        if needs_pair or {"real", "batched", "verify", "lookahead", "trees", "suffix"} & set(cfg.sections):
             if cfg.models == "tiny":
                 with quiet_transformers():
                     models = timed("models", lambda: make_tiny_pair(workdir, cfg.seed))
@@ -157,6 +158,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["lookahead"] = timed("lookahead", lambda: lookahead_section(cfg, pool, step, models))
         if "trees" in cfg.sections:
             report["trees"] = timed("trees", lambda: trees_section(cfg, pool, step, models))
+        if "suffix" in cfg.sections:
+            from starsd_draftd.bench.suffix import suffix_section
+
+            report["suffix"] = timed("suffix", lambda: suffix_section(cfg, pool, step, models))
         if "rows" in cfg.sections:  # last: in process, with every daemon stopped
             pool.stop_all()
             from common.models import cache_root

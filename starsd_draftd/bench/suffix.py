@@ -1,0 +1,226 @@
+"""The suffix section: the agentic workload (``bench.agentic``) through the target's chat API, one
+stream, greedy, with a draft budget of BUDGET tokens a round; the target alone, the star drafting
+with the model alone (``--no-suffix``) and the star with suffix drafts, one after another; then the
+same greedy outputs replayed, in the same order, through StarSD's suffix index alone and through
+ArcticInference's suffix cache (``bench.suffix_peer``, built in an environment of its own), to
+compare tokens per step at the same budget.
+
+The draft daemons run on the draft core and the target on the target core (pinned with 2+ cores);
+each configuration gets fresh daemons, so no index holds an earlier run's text."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+from starsd_draftd.bench.agentic import Request, run_workload
+from starsd_draftd.bench.config import BenchConfig
+from starsd_draftd.bench.pool import Pool, _stats
+from starsd_draftd.bench.real import bench_dtype
+from starsd_draftd.suffix import SuffixIndex
+
+log = logging.getLogger("starsd.bench")
+
+BUDGET = 16  # draft tokens a round at most: the target's --depth and the replays' budget
+CONFIGS = ("alone", "model", "suffix")  # the target alone; the star with model drafts only; with suffix drafts
+
+
+def _http_port() -> int:
+    from common.sockets import free_tcp_port
+
+    return free_tcp_port("127.0.0.1")
+
+
+def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config: str) -> str:
+    """Fresh daemons for one configuration ("model" or "suffix"): a draft daemon and a target
+    with its chat API; returns the API's base URL (the target alone is the "suffix" target asked
+    for no drafts)."""
+    from starsd_draftd.demo.run import DemoConfig, topology
+
+    target_dir, draft_dir = models
+    topo = topology(DemoConfig(targets=1, pin=cfg.real_pin))
+    dtype = bench_dtype(cfg)
+    pool.state["suffix_topology"], pool.state["suffix_dtype"] = topo.describe(), dtype
+    draft = pool.start(f"sfx-draftd-{config}", lambda ep: [
+        "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
+        "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
+        "--suffix" if config == "suffix" else "--no-suffix", "--log-level", "warning"], cpus=topo.draft)
+    port = _http_port()
+    pool.start(f"sfx-target-{config}", lambda ep: [
+        "starsd_target", "serve", "--model", str(target_dir), "--draft", draft, "--listen", ep,
+        "--http", f"127.0.0.1:{port}", "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
+        "--name", f"sfx-{config}", "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30",
+        "--log-level", "warning"], cpus=topo.targets[0], jobs=True)
+    pool.ready(f"sfx-draftd-{config}", f"sfx-target-{config}")
+    pool.procs.wait_draft_link([pool.endpoints[f"sfx-target-{config}"]], cfg.startup_timeout_s)
+    return f"http://127.0.0.1:{port}"
+
+
+def _chat(base: str, alone: bool, timeout_s: float):
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=timeout_s) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+
+    def chat(req: Request) -> dict:
+        body = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens, "temperature": 0.0}
+        if alone:
+            body["starsd"] = {"max_draft_tokens": 0}
+        r = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(r, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    return chat
+
+
+def _summary(done: list[dict], wall_s: float) -> dict:
+    stats = [d["response"]["starsd"] for d in done]
+    tokens = sum(d["response"]["usage"]["completion_tokens"] for d in done)
+    rounds = sum(s["rounds"] for s in stats)
+    by_kind: dict[str, dict] = {}
+    for d, s in zip(done, stats):
+        k = by_kind.setdefault(d["kind"], {"requests": 0, "tokens": 0, "rounds": 0})
+        k["requests"] += 1
+        k["tokens"] += d["response"]["usage"]["completion_tokens"]
+        k["rounds"] += s["rounds"]
+    for k in by_kind.values():
+        k["tokens_per_round"] = k["tokens"] / k["rounds"] if k["rounds"] else 0.0
+    return {"requests": len(done), "tokens": tokens, "wall_s": wall_s, "tps": tokens / wall_s, "rounds": rounds,
+            "tokens_per_round": tokens / rounds if rounds else 0.0,
+            "drafted": sum(s["drafted"] for s in stats), "accepted": sum(s["accepted"] for s in stats),
+            "fallback_rounds": sum(s["fallback_rounds"] for s in stats),
+            "plain_rounds": sum(s.get("plain_rounds", 0) for s in stats), "by_kind": by_kind,
+            "texts": [d["response"]["choices"][0]["message"]["content"] for d in done]}
+
+
+def token_requests(done: list[dict], target_dir: Path) -> list[dict]:
+    """The run's requests as token ids for the replays: the prompt as the chat API encodes it,
+    the output as its text re-encoded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    out = []
+    for i, d in enumerate(done):
+        text = tok.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True)
+        reply = d["response"]["choices"][0]["message"]["content"]
+        out.append({"id": f"r{i}", "kind": d["kind"], "prompt": list(tok.encode(text, add_special_tokens=False)),
+                    "output": list(tok.encode(reply, add_special_tokens=False))})
+    return out
+
+
+def replay_starsd(requests: list[dict], budget: int = BUDGET) -> dict:
+    """The outputs replayed through a suffix index alone, in order, as ArcticInference's are
+    (``bench.arctic_replay``): each step drafts a chain of at most ``budget`` tokens after the
+    verified text, keeps the drafts up to the first that differs from the output, plus the
+    target's own token."""
+    index = SuffixIndex(share="all")
+    steps = tokens = drafted = accepted = 0
+    t0 = time.perf_counter()
+    for r in requests:
+        text = index.open(b"", r["prompt"])
+        out, pos = r["output"], 0
+        while pos < len(out):
+            d = index.propose(text, budget)
+            kept = 0
+            if d is not None:
+                drafted += len(d.tokens)
+                while kept < len(d.tokens) and pos + kept < len(out) and d.tokens[kept] == out[pos + kept]:
+                    kept += 1
+                text.last_source, text.last_score = "suffix", d.score
+            take = min(kept + 1, len(out) - pos)
+            index.extend(text, out[pos: pos + take])
+            text.learn(kept, 1.0)
+            accepted += kept
+            pos += take
+            steps += 1
+        tokens += len(out)
+    snap = index.snapshot()
+    return {"steps": steps, "tokens": tokens, "drafted": drafted, "accepted": accepted,
+            "tokens_per_step": tokens / steps if steps else 0.0, "seconds": time.perf_counter() - t0,
+            "query_us": snap["query_us"], "update_us_per_token": snap["update_us_per_token"],
+            "bytes_per_token": snap["bytes"] / max(snap["tokens_indexed"], 1)}
+
+
+def replay_peer(requests: list[dict], budget: int = BUDGET) -> dict:
+    """ArcticInference's replay of the same outputs, or why it could not run."""
+    from starsd_draftd.bench import suffix_peer
+
+    try:
+        python = suffix_peer.ensure_env()
+        return suffix_peer.replay([{k: r[k] for k in ("id", "prompt", "output")} for r in requests], budget,
+                                  python=python)
+    except Exception as exc:  # the peer is optional: the section reports StarSD's figures without it
+        log.warning("the ArcticInference peer did not run: %s", exc)
+        return {"error": str(exc)}
+
+
+def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]) -> dict:
+    runs: dict[str, dict] = {}
+    draftd: dict[str, dict] = {}
+    texts_alone = None
+    done_alone: list[dict] = []
+    for config in ("suffix", "model"):
+        base = start_suffix(cfg, pool, models, config)
+        chat_alone, chat_star = _chat(base, True, 600), _chat(base, False, 600)
+        warm = Request("warm", [{"role": "user", "content": "Say hello."}], 8)
+        chat_alone(warm), chat_star(warm)
+        if config == "suffix":  # the target alone, on this target's core, before its star runs
+            t0 = time.perf_counter()
+            done_alone = run_workload(chat_alone, cfg.max_tokens, cfg.quick)
+            runs["alone"] = _summary(done_alone, time.perf_counter() - t0)
+            texts_alone = runs["alone"]["texts"]
+            step("suffix: target alone")
+        d0 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
+        t0 = time.perf_counter()
+        done = run_workload(chat_star, cfg.max_tokens, cfg.quick)
+        runs[config] = _summary(done, time.perf_counter() - t0)
+        d1 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
+        draftd[config] = {"suffix": {k: d1.get("suffix", {}).get(k) for k in
+                                     ("requests", "tokens", "kept", "query_us", "update_us_per_token", "bytes",
+                                      "tokens_indexed")},
+                          "requests": d1["requests"] - d0["requests"]}
+        pool.stop(f"sfx-target-{config}")
+        pool.stop(f"sfx-draftd-{config}")
+        step(f"suffix: star, {config} drafts")
+    for name, r in runs.items():
+        r["speedup"] = r["tps"] / runs["alone"]["tps"]
+        r["same_as_alone"] = r.pop("texts") == texts_alone
+    requests = token_requests(done_alone, models[0])
+    saved = pool.workdir / "suffix_replay.json"  # the replays' input, to replay again elsewhere
+    saved.write_text(json.dumps(requests))
+    replays = {"starsd": replay_starsd(requests), "arcticinference": replay_peer(requests)}
+    step("suffix: replays")
+    return {"budget": BUDGET, "topology": pool.state.get("suffix_topology"), "dtype": pool.state.get("suffix_dtype"),
+            "configs": runs, "draftd": draftd, "replays": replays, "replay_requests": str(saved),
+            "workload": {k: sum(1 for r in requests if r["kind"] == k) for k in ("edit", "tool", "turn")}}
+
+
+def format_suffix(s: dict) -> list[str]:
+    lines = [f"### Suffix drafts: the agentic workload ({s['workload']}), greedy, budget {s['budget']} tokens a round",
+             f"({s['topology']}, {s['dtype']})", "",
+             "| configuration | tok/s | x alone | tokens/round | rounds | rounds without drafts | same as alone |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in s["configs"].items():
+        lines.append(f"| {name} | {r['tps']:.1f} | {r['speedup']:.2f} | {r['tokens_per_round']:.2f} | {r['rounds']} | "
+                     f"{r['fallback_rounds']} | {'yes' if r['same_as_alone'] else 'NO'} |")
+    sd = s["draftd"].get("suffix", {}).get("suffix") or {}
+    if sd.get("requests") is not None:
+        lines += ["", f"suffix drafts: {sd['requests']} requests, {sd['tokens']} tokens drafted, {sd['kept']} kept; "
+                      f"query {sd['query_us']:.0f} us, update {sd['update_us_per_token']:.1f} us a token, "
+                      f"{sd['bytes'] / max(sd['tokens_indexed'] or 1, 1):.0f} bytes a token indexed"]
+    kinds = s["configs"].get("suffix", {}).get("by_kind", {})
+    if kinds:
+        lines.append("tokens per round by kind (star with suffix drafts): "
+                     + ", ".join(f"{k} {v['tokens_per_round']:.2f}" for k, v in kinds.items()))
+    lines += ["", "| replay, same outputs, same order | tokens/step | drafted | accepted | cost |", "|---|---|---|---|---|"]
+    for name, r in s["replays"].items():
+        if "error" in r:
+            lines.append(f"| {name} | did not run: {r['error'][:80]} | | | |")
+            continue
+        t = r.get("totals", r)  # the peer's report keeps its totals and timing apart
+        cost = (f"query {r['query_us']:.0f} us, update {r['update_us_per_token']:.1f} us a token" if "query_us" in r
+                else f"speculate {r['timing']['speculate_us_mean']:.1f} us, add {r['timing']['add_us_per_token']:.1f} "
+                     "us a token")
+        lines.append(f"| {name} | {t['tokens_per_step']:.2f} | {t['drafted']} | {t['accepted']} | {cost} |")
+    return lines

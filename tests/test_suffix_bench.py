@@ -1,0 +1,84 @@
+"""The bench's suffix section, without daemons: the agentic workload's requests, the replay through
+StarSD's index, the peer's failure reported rather than raised, and the section's table."""
+
+import pytest
+
+from starsd_draftd.bench import agentic, config
+from starsd_draftd.bench import suffix as section
+
+
+def _response(text: str, rounds: int = 3) -> dict:
+    return {"choices": [{"message": {"role": "assistant", "content": text}}],
+            "usage": {"completion_tokens": 10},
+            "starsd": {"rounds": rounds, "drafted": 12, "accepted": 7, "fallback_rounds": 0}}
+
+
+def test_the_workload_sends_edits_tool_calls_and_turns_that_carry_earlier_answers():
+    sent = []
+
+    def chat(req):
+        sent.append(req)
+        return _response(f"answer {len(sent)}")
+
+    done = agentic.run_workload(chat, 32)
+    kinds = [d["kind"] for d in done]
+    assert kinds.count("edit") == len(agentic.EDITS) - 1 and kinds.count("tool") == len(agentic.TOOL_ASKS)
+    assert kinds.count("turn") == sum(len(c) for c in agentic.CONVERSATIONS)
+    edit = sent[0].messages
+    assert "def seed_at(" in edit[2]["content"] or "def best_probs(" in edit[2]["content"]  # the worked example
+    assert "```python\ndef position_seed(" in edit[-1]["content"]  # a real function of the package
+    tools = [r for r in sent if r.kind == "tool"]
+    assert all(r.messages[0]["content"] == agentic.TOOL_SYSTEM and len(r.messages) == 6 for r in tools)  # one schema
+    turns = [r for r in sent if r.kind == "turn"]
+    second = turns[1].messages
+    assert [m["role"] for m in second] == ["user", "assistant", "user"]
+    assert second[1]["content"] == f"answer {sent.index(turns[0]) + 1}"  # the first turn's answer, carried
+    assert len(agentic.run_workload(chat, 32, quick=True)) < len(done)
+
+
+def test_the_replay_through_starsd_keeps_what_repeats():
+    out = list(range(300, 340))
+    requests = [{"id": "a", "prompt": [1, 2, 3], "output": out},
+                {"id": "b", "prompt": [4, 5, 6], "output": out},  # the same answer again
+                {"id": "c", "prompt": [7, 8, 9], "output": [500 + i for i in range(20)]}]  # nothing seen
+    r = section.replay_starsd(requests, budget=16)
+    assert r["tokens"] == 100 and r["accepted"] <= r["drafted"]
+    # the first and third take a step a token; the second far fewer (its drafts grow with its match)
+    assert r["steps"] < 40 + 40 + 20 and r["steps"] >= 40 + 20 + 40 // 17
+    assert r["tokens_per_step"] == pytest.approx(100 / r["steps"])
+    alone = section.replay_starsd(requests[:1] + requests[2:], budget=16)
+    assert alone["tokens_per_step"] == pytest.approx(1.0)
+
+
+def test_a_peer_that_cannot_build_is_reported_not_raised(monkeypatch):
+    from starsd_draftd.bench import suffix_peer
+
+    def fail(*a, **k):
+        raise RuntimeError("arctic-suffix peer build failed at step 'compiler'")
+
+    monkeypatch.setattr(suffix_peer, "ensure_env", fail)
+    r = section.replay_peer([{"id": "a", "prompt": [1], "output": [2]}])
+    assert "compiler" in r["error"]
+
+
+def test_the_section_table_and_its_config_checks():
+    runs = {name: {"tps": tps, "speedup": tps / 10, "tokens_per_round": tpr, "rounds": 50, "fallback_rounds": 0,
+                   "same_as_alone": True, "by_kind": {"edit": {"tokens_per_round": tpr}}}
+            for name, tps, tpr in (("alone", 10.0, 1.0), ("model", 14.0, 1.9), ("suffix", 25.0, 3.4))}
+    s = {"budget": 16, "topology": "draft core 0, target core 1", "dtype": "fp16-weights", "configs": runs,
+         "draftd": {"suffix": {"suffix": {"requests": 40, "tokens": 300, "kept": 250, "query_us": 30.0,
+                                          "update_us_per_token": 4.0, "bytes": 48000, "tokens_indexed": 100}}},
+         "replays": {"starsd": {"tokens_per_step": 3.1, "drafted": 300, "accepted": 200, "query_us": 25.0,
+                                "update_us_per_token": 3.0},
+                     "arcticinference": {"error": "no compiler"}},
+         "workload": {"edit": 3, "tool": 8, "turn": 6}}
+    text = "\n".join(section.format_suffix(s))
+    assert "| suffix | 25.0 | 2.50 | 3.40 | 50 | 0 | yes |" in text
+    assert "| arcticinference | did not run: no compiler" in text and "| starsd | 3.10 |" in text
+    s["replays"]["arcticinference"] = {"totals": {"tokens_per_step": 3.0, "drafted": 310, "accepted": 190},
+                                       "timing": {"speculate_us_mean": 8.0, "add_us_per_token": 1.5}}
+    assert "| arcticinference | 3.00 | 310 | 190 | speculate 8.0 us, add 1.5 us a token |" in "\n".join(
+        section.format_suffix(s))
+    assert "suffix" in config.SECTIONS and "suffix" not in config.BenchConfig.quick_config().sections
+    with pytest.raises(ValueError, match="demo models"):
+        config.BenchConfig(sections=("suffix",), models="tiny").check()
