@@ -366,8 +366,9 @@ class Ingress:
             self._check_draft(session, msg)
             if self._repeat(identity, session, msg):
                 return
-            # what the draft model feeds beyond a token: a new session's prompt, then the newly verified
-            fed = len(h["new"]) + (len(session.verified) if session.state is None else 0)
+            # what the draft model feeds beyond a token: the newly verified, and what it has not taken in
+            # (a new session's prompt; the rounds suffix drafts answered)
+            fed = len(h["new"]) + max(0, len(session.verified) - session.backend_held)
             # without CURVE a host can open many connections: fair service is counted per address
             self.enqueue(identity, principal, msg, cost, principal if self.allow is not None else conn.address,
                          fed=fed)

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import zmq
 
 from common.protocol import ErrorCode, Message, MsgType, ProtocolError
 from common.memory import memory_report
 from common.metrics import serve_metrics
 from common.sdnotify import Watchdog, notify
+from common.tensors import as_torch
 from common.sockets import check_server_endpoint
 from starsd_draftd.backends.base import Draft, DraftBackend, DraftRequest
 from starsd_draftd.eta import ServiceEstimate
@@ -44,6 +46,9 @@ from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PART
 log = logging.getLogger("starsd.draftd")
 
 _TABLE = TableLimits()  # the session table's defaults, which the daemon's are
+# Target features a session may hold back while suffix drafts answer its rounds (feature backends):
+# beyond them its next round goes to the backend, which takes them all
+MAX_PENDING_FEATURES = 256
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -132,6 +137,9 @@ class DraftServer:
         self.suffix = SuffixIndex(config.suffix_cache_bytes, config.suffix_share) if config.suffix else None
         if self.suffix is not None:
             backend.attach_suffix(self.suffix)
+            if config.suffix_share != "off" and config.curve_secret is None:
+                log.info("suffix drafts: without CURVE every target's outputs may draft for every other's sessions "
+                         "(--suffix-share off keeps each session to its own text)")
         self.lookahead = LookaheadServing(backend, self.sessions, self.stats)
         self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
@@ -485,7 +493,7 @@ class DraftServer:
         if features is not None:
             held = features.shape[0]
             if session.pending_features:  # those of rounds a suffix draft answered, not fed yet
-                features = np.concatenate([*session.pending_features, np.asarray(features)])
+                features = torch.cat([*session.pending_features, as_torch(features).float()])
         tree = self._tree_budget(session, h)
         try:
             room = self.backend.tree_room(h["depth"], tree, session.params.greedy)
@@ -500,12 +508,12 @@ class DraftServer:
         if features is not None:
             session.features += held
             session.pending_features = []
-        self._note_text(session, principal, before, h["accepted"])
+        self._note_text(session, principal, before, h)
         return DraftRequest(session.state, session.verified, h["depth"], features, tree, h.get("min_survival", 0.0))
 
-    def _note_text(self, session: Session, principal: bytes, before: int, accepted: int) -> None:
+    def _note_text(self, session: Session, principal: bytes, before: int, h: dict) -> None:
         """The session's text in the suffix index takes its newly verified tokens (from
-        ``before``), and the outcome of its last round is learnt (``accepted`` drafts kept)."""
+        ``before``), and the outcome of its last round (the DRAFT header ``h`` reports) is learnt."""
         index = self.suffix
         if index is None:
             return
@@ -517,18 +525,11 @@ class DraftServer:
                                                session.verified[:before], shared=not seeded)
             self.backend.bind_text(session.state, text)
         else:
+            kept = text.kept_of(h["accepted"], h["new"])
             if text.last_source == "suffix":
-                self.stats.suffix["kept"] += accepted
-            elif text.last_source == "model" and text.shared:
-                index.note_model(accepted)
-            text.learn(accepted, self._model_prior(text))
+                self.stats.suffix["kept"] += kept
+            text.learn(kept)
         index.extend(text, session.verified[before:])
-
-    def _model_prior(self, text: SuffixText) -> float:
-        """What a session expects of the backend's drafts before it has measured them: the
-        daemon's running figure, or a fixed one where a session's drafts must not depend on
-        other sessions (seeded sampling)."""
-        return self.suffix.prior_model if text.shared else 1.0
 
     def _suffix_drafts(self, admitted: list[AdmittedRequest], todo: list[int]) -> dict[int, tuple[Draft, float]]:
         """The requests a suffix draft answers, with the seconds each took: where one scores at
@@ -544,18 +545,21 @@ class DraftServer:
             item = admitted[i]
             if session is None or session.state is not item.request.state or session.suffix is None:
                 continue
+            features = item.request.new_features
+            if features is not None and features.shape[0] > MAX_PENDING_FEATURES:
+                continue  # the backend's turn: what it has not taken in is bounded
             text: SuffixText = session.suffix
             h = item.header
             greedy = session.params.greedy
             t0 = time.perf_counter()
             found = index.propose(text, h["depth"], h.get("tree_tokens", 0) if greedy else 0,
                                   h.get("min_survival", 0.0))
-            if found is None or not text.choose(found.score, self._model_prior(text)):
+            if found is None or not text.choose(found.score):
                 continue
             text.last_source, text.last_score = "suffix", found.score
             features = item.request.new_features
-            if features is not None and features.shape[0]:
-                session.pending_features = [np.array(features)]  # the backend takes them next time
+            if features is not None and features.shape[0]:  # the backend takes them with the next request's
+                session.pending_features = [as_torch(features).to(torch.float32, copy=True)]
             won[i] = (_suffix_draft(found, greedy), time.perf_counter() - t0)
             self.stats.suffix["requests"] += 1
             self.stats.suffix["tokens"] += len(found.tokens)
@@ -686,8 +690,12 @@ class DraftServer:
                 session = None  # closed or re-opened while it was drafted: the new one starts afresh
             text = session.suffix if session is not None else None
             from_suffix = text is not None and text.last_source == "suffix"
-            if text is not None and not from_suffix:
-                text.last_source = "model"
+            if text is not None:
+                if not from_suffix:
+                    text.last_source = "model"
+                text.last_tree = (list(draft.tokens), list(draft.parents)) if draft.parents is not None else None
+            if session is not None and not from_suffix:
+                session.backend_held = len(req.verified)  # what the backend took in (ingress charges the rest)
             if draft.parents is not None:
                 self.stats.trees["requests"] += 1
                 self.stats.trees["tokens"] += len(draft.tokens)

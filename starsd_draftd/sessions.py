@@ -31,7 +31,8 @@ class Session:
     last_draft: list[int] = field(default_factory=list)
     last_reply: object | None = None  # its last chain drafted (a records.LastReply), which a repeat gets again
     features: int = 0  # target features held (feature backends): one per verified token but the last
-    pending_features: list = field(default_factory=list)  # features of rounds a suffix draft answered, not fed yet
+    pending_features: list = field(default_factory=list)  # features of rounds suffix drafts answered (one tensor)
+    backend_held: int = 0  # verified tokens the backend had when it last drafted for it (suffix rounds skip it)
     suffix: object | None = None  # its text in the suffix index (a suffix.SuffixText), from its first request
     last_seq: int = -1
     touched: float = field(default_factory=time.monotonic)

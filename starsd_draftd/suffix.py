@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import secrets
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -61,7 +62,18 @@ KEY_BYTES = 120
 TOKEN_BYTES = 4
 DOC_BYTES = 400
 SHARES = ("key", "all", "off")
+MAX_SCAN = 512  # a session's own text: the latest occurrences of its last token whose matches are measured
 _OFFSET = 1 << 32  # an occurrence's code: serial * _OFFSET + position
+
+
+@dataclass
+class _Part:
+    """One partition of the shared index (a principal's, or everyone's): its keys, by key length,
+    and what the backend's drafts keep per round in its sessions (the prior of a session that has
+    not measured them yet; per partition, so one tenant's figures never steer another's drafts)."""
+
+    keys: dict[int, dict] = field(default_factory=lambda: {n: {} for n in KEY_SIZES})
+    prior_model: float = 1.0
 
 
 @dataclass
@@ -70,7 +82,7 @@ class _Doc:
     are output (indexed)."""
 
     serial: int
-    part: dict
+    part: _Part
     tokens: array
     prompt_len: int
     keys: int = 0
@@ -95,6 +107,14 @@ class SuffixText:
     model_kept: float | None = None  # the backend's drafts: kept per round, smoothed (None: none measured)
     last_source: str | None = None  # what drafted its last round: "suffix", "model" or None
     last_score: float = 0.0
+    last_tree: tuple[list[int], list[int]] | None = None  # its last round's tree (tokens, parents), if one
+
+    @property
+    def prior_model(self) -> float:
+        """What the backend's drafts keep before this session measured them: its partition's
+        figure, or a fixed one for a session that reads no shared text (its drafts must not
+        depend on other sessions)."""
+        return self.doc.part.prior_model if self.shared else 1.0
 
     @property
     def tokens(self) -> np.ndarray:
@@ -113,8 +133,26 @@ class SuffixText:
         self.buf[self.n: need] = tokens
         self.n = need
 
-    def learn(self, accepted: int, prior_model: float) -> None:
+    def kept_of(self, accepted: int, new: list[int]) -> int:
+        """Drafts its last round kept: ``accepted`` for a chain; for a tree (whose kept path the
+        target reports as new tokens, then its own), the tree path ``new`` follows."""
+        if self.last_tree is None:
+            return accepted
+        tokens, parents = self.last_tree
+        node, kept = ROOT, 0
+        for tok in new[:-1]:
+            node = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == tok), None)
+            if node is None:
+                break
+            kept += 1
+        return kept
+
+    def learn(self, accepted: int) -> None:
         """The outcome of its last round (``accepted`` drafts kept), for what drafted it."""
+        prior_model = self.prior_model
+        if self.shared and self.last_source == "model":
+            part = self.doc.part
+            part.prior_model += 0.05 * (accepted - part.prior_model)
         if self.last_source == "suffix":
             d = 0.8
             self.kept = d * self.kept + accepted
@@ -124,11 +162,11 @@ class SuffixText:
             self.model_kept = m + 0.3 * (accepted - m)
         self.last_source = None
 
-    def choose(self, score: float, prior_model: float) -> bool:
+    def choose(self, score: float) -> bool:
         """Whether a suffix draft scored ``score`` (drafts expected kept) beats the backend's:
         its measured drafts kept per round (``prior_model`` until measured). A suffix draft
         costs no forward, so a tie goes to it."""
-        model = self.model_kept if self.model_kept is not None else prior_model
+        model = self.model_kept if self.model_kept is not None else self.prior_model
         return score > 0.0 and score >= model
 
 
@@ -147,7 +185,12 @@ class SuffixDraft:
 
 
 class SuffixIndex:
-    """The draft daemon's suffix index (module docstring). Used from the batcher's thread only."""
+    """The draft daemon's suffix index (module docstring). Changed and queried on the batcher's
+    thread (changes under the server's lock); ``snapshot`` reads counters from any thread.
+
+    Keys are hashes of a per-process random salt and the tokens, so a target cannot craft
+    colliding contexts to push other text out of a key's occurrences (a collision costs only
+    speed: every occurrence's tokens are checked on reading)."""
 
     def __init__(self, max_bytes: int = 64 << 20, share: str = "key"):
         if share not in SHARES:
@@ -156,11 +199,11 @@ class SuffixIndex:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
         self.share = share
-        self._parts: dict[bytes, dict[int, dict]] = {}
+        self._parts: dict[bytes, _Part] = {}
+        self._salt = secrets.randbits(62)
         self._docs: collections.OrderedDict[int, _Doc] = collections.OrderedDict()  # oldest first
         self._serial = 0
         self.bytes = 0
-        self.prior_model = 1.0  # the backend's drafts kept per round, over all sessions (smoothed)
         self.counts = {"requests": 0, "evicted": 0, "tokens_indexed": 0, "queries": 0, "update_s": 0.0,
                        "query_s": 0.0}
 
@@ -171,7 +214,7 @@ class SuffixIndex:
         output enters the shared index unless sharing is off."""
         doc = None
         if self.share != "off" and self.max_bytes > 0:
-            part = self._parts.setdefault(principal if self.share == "key" else b"", {n: {} for n in KEY_SIZES})
+            part = self._parts.setdefault(principal if self.share == "key" else b"", _Part())
             self._serial += 1
             doc = _Doc(self._serial, part, array("i", prompt), len(prompt))
             self._docs[doc.serial] = doc
@@ -192,14 +235,14 @@ class SuffixIndex:
         doc = text.doc
         if doc is not None and not doc.evicted:
             before = doc.bytes
-            seq, part, base = doc.tokens, doc.part, doc.serial * _OFFSET
+            seq, part, base, salt = doc.tokens, doc.part.keys, doc.serial * _OFFSET, self._salt
             for tok in tokens:
                 p = len(seq)  # the new token's position: the windows ending before it lead to it
                 if p >= doc.prompt_len:
                     for n in KEY_SIZES:
                         if p >= n:
                             keys = part[n]
-                            h = hash(tuple(seq[p - n: p]))
+                            h = hash((salt, *seq[p - n: p]))
                             entry = keys.get(h)
                             if entry is None:
                                 keys[h] = base + p
@@ -216,10 +259,6 @@ class SuffixIndex:
             self._evict()
         self.counts["update_s"] += time.perf_counter() - t0
 
-    def note_model(self, accepted: int) -> None:
-        """A backend-drafted round of a session that reads the shared index kept ``accepted``."""
-        self.prior_model += 0.05 * (accepted - self.prior_model)
-
     # --- eviction --------------------------------------------------------------------------
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self._docs:
@@ -230,14 +269,14 @@ class SuffixIndex:
         self.bytes -= doc.bytes
         doc.evicted = True
         self.counts["evicted"] += 1
-        seq, part, base = doc.tokens, doc.part, doc.serial * _OFFSET
+        seq, part, base = doc.tokens, doc.part.keys, doc.serial * _OFFSET
         for p in range(doc.prompt_len, len(seq)):
             code = base + p
             for n in KEY_SIZES:
                 if p < n:
                     continue
                 keys = part[n]
-                h = hash(tuple(seq[p - n: p]))
+                h = hash((self._salt, *seq[p - n: p]))
                 entry = keys.get(h)
                 if entry == code:
                     del keys[h]
@@ -252,14 +291,14 @@ class SuffixIndex:
         doc.keys = 0
 
     # --- queries ---------------------------------------------------------------------------
-    def _occurrences(self, text: SuffixText | None, seq: np.ndarray) -> list[tuple[int, list[int]]]:
+    def _occurrences(self, text: SuffixText | None, seq: np.ndarray, read: int = READ) -> list[tuple[int, list[int]]]:
         """(match length, what followed) for earlier occurrences of ``seq``'s last tokens: in
         ``seq`` itself (the session's text, with drafts so far) and, where the session reads
         it, in the shared index (never its own entry: its text is ``seq``)."""
         length = int(seq.shape[0])
         found: list[tuple[int, list[int]]] = []
         if length > 1:
-            ps = np.flatnonzero(seq[: length - 1] == seq[length - 1]) + 1  # continuation positions, before the end
+            ps = np.flatnonzero(seq[: length - 1] == seq[length - 1])[-MAX_SCAN:] + 1  # continuations, before the end
             if ps.size:
                 lens = np.ones(ps.shape[0], dtype=np.int64)
                 live = np.arange(ps.shape[0])
@@ -274,20 +313,20 @@ class SuffixIndex:
                 order = np.lexsort((ps, lens))[::-1][:MAX_OCCURRENCES]  # longest, then latest
                 for i in order.tolist():
                     p = int(ps[i])
-                    found.append((int(lens[i]), seq[p: p + READ].tolist()))
+                    found.append((int(lens[i]), seq[p: p + read].tolist()))
         if text is not None and text.shared and text.doc is not None:
-            found.extend(self._shared(text.doc, seq))
+            found.extend(self._shared(text.doc, seq, read))
         return found
 
-    def _shared(self, own: _Doc, seq: np.ndarray) -> list[tuple[int, list[int]]]:
+    def _shared(self, own: _Doc, seq: np.ndarray, read: int) -> list[tuple[int, list[int]]]:
         length = int(seq.shape[0])
-        part = own.part
+        part = own.part.keys
         tail = seq[max(0, length - MAX_MATCH - 1):].tolist()  # tail[-j] is seq[length - j]
         for n in KEY_SIZES:
             if length < n:
                 continue
             ctx = tail[len(tail) - n:]
-            entry = part[n].get(hash(tuple(ctx)))
+            entry = part[n].get(hash((self._salt, *ctx)))
             if entry is None:
                 continue
             out = []
@@ -302,7 +341,7 @@ class SuffixIndex:
                 m = n
                 while m < MAX_MATCH and p - m - 1 >= 0 and m < len(tail) and toks[p - m - 1] == tail[-m - 1]:
                     m += 1
-                out.append((m, toks[p: p + READ].tolist()))
+                out.append((m, toks[p: p + read].tolist()))
             if out:
                 return out
         return []
@@ -313,7 +352,7 @@ class SuffixIndex:
         in place of its own pick."""
         t0 = time.perf_counter()
         try:
-            found = self._occurrences(text, seq)
+            found = self._occurrences(text, seq, read=1)
             if not found:
                 return None
             best = max(m for m, _ in found)
@@ -358,7 +397,7 @@ class SuffixIndex:
                 "sessions_indexed": c["requests"], "evicted": c["evicted"], "tokens_indexed": c["tokens_indexed"],
                 "update_us_per_token": 1e6 * c["update_s"] / max(c["tokens_indexed"], 1),
                 "queries": c["queries"], "query_us": 1e6 * c["query_s"] / max(c["queries"], 1),
-                "prior_model_kept": self.prior_model}
+                "partitions": len(self._parts)}
 
 
 def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: float,

@@ -68,14 +68,29 @@ def test_the_session_calibrates_its_suffix_drafts_and_chooses_against_the_model(
     _served(index, A, [1], SECRET)
     text = index.open(A, [5, *SECRET[:8]])
     first = index.propose(text, depth=8)
-    assert text.choose(first.score, prior_model=1.0) and not text.choose(first.score, prior_model=5.0)
-    for _ in range(5):  # its suffix drafts keep nothing: their chances fall
+    assert first.score == pytest.approx(4.0) and text.choose(first.score)  # against the prior, 1.0
+    text.model_kept = 5.0  # the backend's drafts keep more for this session: they go
+    assert not text.choose(first.score)
+    text.model_kept = None
+    for _ in range(5):  # its suffix drafts keep nothing: their score falls
         text.last_source, text.last_score = "suffix", first.score
-        text.learn(0, 1.0)
-    assert index.propose(text, depth=8) is None or index.propose(text, depth=8).score < first.score / 3
+        text.learn(0)
+    assert index.propose(text, depth=8).score < first.score / 3
     text.last_source = "model"
-    text.learn(3, 1.0)  # the model's rounds are measured too
+    text.learn(3)  # the backend's rounds are measured too, and move its partition's prior
     assert text.model_kept == pytest.approx(1.0 + 0.3 * 2)
+    assert index.open(A, [1]).prior_model == pytest.approx(1.1) and index.open(B, [1]).prior_model == 1.0
+    assert index.open(A, [1], shared=False).prior_model == 1.0  # a seeded session's is fixed
+
+
+def test_a_tree_rounds_kept_drafts_are_the_path_its_new_tokens_follow():
+    index = SuffixIndex()
+    text = index.open(A, [1, 2])
+    assert text.kept_of(3, [9]) == 3  # a chain: what the target said it accepted
+    # 30 -> 31 -> 32 and 30 -> 40: the target kept 30, 40 and added its own 7
+    text.last_tree = ([30, 31, 32, 40], [ROOT, 0, 1, 0])
+    assert text.kept_of(0, [30, 40, 7]) == 2
+    assert text.kept_of(0, [30, 31, 32, 5]) == 3 and text.kept_of(0, [8]) == 0
 
 
 def test_keys_are_partitions_unless_shared_by_all():
@@ -112,7 +127,7 @@ def test_the_index_stays_within_its_bytes_evicting_whole_requests_oldest_first()
     assert index.propose(first, depth=4) is None  # the oldest went first
     assert index.propose(last, depth=4).tokens == outputs[-1][8:12]
     for n in KEY_SIZES:  # an evicted request leaves no key behind
-        for entry in index._parts[A][n].values():
+        for entry in index._parts[A].keys[n].values():
             codes = entry if isinstance(entry, list) else [entry]
             assert all(c // (1 << 32) in index._docs for c in codes)
 

@@ -7,12 +7,14 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common import protocol as P
 from common.protocol import Message, MsgType
 from common.security import client_keys, keygen
+from common.tensors import to_wire
 from common.sockets import SocketOptions, make_socket
 from fakes import CountingBackend, RawPeer, running_server
 from starsd_draftd.server import DraftServer, ServerConfig
@@ -53,6 +55,8 @@ def test_a_session_quoting_an_earlier_output_gets_it_as_drafts_without_the_backe
         peer.open(2, [6, *SECRET[:8]])
         r = peer.draft(2, 1, 0, [], 9, depth=16)
         assert r.header["tokens"] == SECRET[8:16] and backend.calls == calls  # its match is 8 long: 8 drafts
+        session = next(s for s in server.sessions.sessions.values() if s.key[1] == 2)
+        assert session.backend_held == 0  # so its next request is charged its whole text to feed
         assert "q_ids" not in r.tensors and "parents" not in r.tensors  # a greedy chain
         # all eight kept, then the target's own token: learnt, and drafted on
         r = peer.draft(2, 2, 8, [7], 18, depth=4)
@@ -128,8 +132,10 @@ def test_features_of_rounds_a_suffix_draft_answered_reach_the_backend_next_time(
         peer.send(Message(MsgType.HELLO, {"vocab_size": 259, "tokenizer": "fake-tok", "feature_size": 4}))
         assert peer.recv().type is MsgType.WELCOME
 
-        def draft(sid, seq, new, pos, feats, accepted=0, depth=2):
+        def draft(sid, seq, new, pos, feats, accepted=0, depth=2, bf16=False):
             f = np.zeros((feats, 4), dtype=np.float32)
+            if bf16:  # a target may send bfloat16 features one round and float32 the next
+                f = to_wire(torch.zeros((feats, 4), dtype=torch.bfloat16))
             peer.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new,
                                               "pos": pos, "depth": depth}, {"features": f}))
             return peer.recv()
@@ -138,7 +144,7 @@ def test_features_of_rounds_a_suffix_draft_answered_reach_the_backend_next_time(
         for seq, new, pos, feats in ((1, [], 2, 1), (2, SECRET[:8], 10, 8), (3, SECRET[8:], 18, 8)):
             assert draft(1, seq, new, pos, feats).type is MsgType.DRAFTED
         peer.open(2, [9, *SECRET[:6]])
-        r = draft(2, 1, [], 7, 6, depth=6)
+        r = draft(2, 1, [], 7, 6, depth=6, bf16=True)
         assert r.header["tokens"] == SECRET[6:12]  # answered from the text: the backend got nothing
         brought = len(backend.brought)
         r = draft(2, 2, [42], 10, 3, accepted=2, depth=2)  # two kept, then the target's 42

@@ -130,7 +130,7 @@ def replay_starsd(requests: list[dict], budget: int = BUDGET) -> dict:
                 text.last_source, text.last_score = "suffix", d.score
             take = min(kept + 1, len(out) - pos)
             index.extend(text, out[pos: pos + take])
-            text.learn(kept, 1.0)
+            text.learn(kept)
             accepted += kept
             pos += take
             steps += 1
@@ -213,7 +213,8 @@ def format_suffix(s: dict) -> list[str]:
     if kinds:
         lines.append("tokens per round by kind (star with suffix drafts): "
                      + ", ".join(f"{k} {v['tokens_per_round']:.2f}" for k, v in kinds.items()))
-    lines += ["", "| replay, same outputs, same order | tokens/step | drafted | accepted | cost |", "|---|---|---|---|---|"]
+    lines += ["", "| replay, same outputs, same order | tokens/step | drafted | accepted | cost |",
+              "|---|---|---|---|---|"]
     for name, r in s["replays"].items():
         if "error" in r:
             lines.append(f"| {name} | did not run: {r['error'][:80]} | | | |")
