@@ -35,7 +35,8 @@ TOOL_SYSTEM = ("You call tools. Answer with exactly one JSON object of the form 
                '{"tool": "<name>", "arguments": {...}} and nothing else. The tools:\n'
                + json.dumps(TOOLS, indent=1))
 TOOL_EXAMPLES = [
-    ("What is the weather in Paris, in celsius?", {"tool": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}),
+    ("What is the weather in Paris, in celsius?",
+     {"tool": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}),
     ("Open an issue titled 'Docs typo' with the label docs.",
      {"tool": "create_issue", "arguments": {"title": "Docs typo", "labels": ["docs"]}}),
 ]

@@ -48,7 +48,7 @@ class Phase:
     wall_s: float = 0.0
     per_target: list[dict] = field(default_factory=list)  # summed stats per target
     draft_busy: float | None = None
-    from_context: float | None = None  # share of the draft tokens taken from text already seen (suffix)
+    from_context: float | None = None  # share of the draft tokens sent as suffix drafts (None: suffix off)
 
 
 def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.Context,
@@ -95,10 +95,8 @@ def _run_phase(endpoints: list[str], cfg: DemoConfig, no_draft: bool, ctx: zmq.C
         with ControlClient(draft_ep, ctx) as cc:
             busy1 = cc.stats()
         phase.draft_busy = (busy1["busy_s"] - busy0["busy_s"]) / max(1e-9, busy1["uptime_s"] - busy0["uptime_s"])
-        b0, b1 = busy0.get("backend", {}), busy1.get("backend", {})
-        if "suffix" in busy1:  # draft tokens from text already seen: whole suffix drafts and the model's steps
+        if "bytes" in busy1.get("suffix", {}):  # the share of draft tokens sent as whole suffix drafts
             copied = busy1["suffix"]["tokens"] - busy0["suffix"]["tokens"]
-            copied += b1.get("lookup_hits", 0) - b0.get("lookup_hits", 0)
             drafted = busy1["drafted_tokens"] - busy0["drafted_tokens"]
             phase.from_context = copied / drafted if drafted else None
     return phase
@@ -287,7 +285,8 @@ def format_table(report: dict) -> str:
                      f"{b['speedup']:7.2f}x {b['mean_accepted_length']:13.2f}"
                      + "".join(f"{', ' if i else '   '}{part}" for i, part in enumerate(
                          ([f"draft busy {100 * busy:.0f}%"] if busy is not None else [])
-                         + ([f"{100 * ctx_share:.0f}% of drafts from text already seen"] if ctx_share is not None else []))))
+                         + ([f"{100 * ctx_share:.0f}% of draft tokens from suffix drafts"]
+                            if ctx_share is not None else []))))
     same = [b["same_text_as_alone"] for r in report["targets"] for b in r["backends"].values()
             if b["same_text_as_alone"] is not None]
     if same:
