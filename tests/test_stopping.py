@@ -51,8 +51,8 @@ def test_stopping_keeps_the_chain_while_its_chance_to_survive_whole_stays_above_
     assert not stop.go_on(2, 0.6)  # 0.27 < 0.3
     assert stop.survival == pytest.approx(0.45)
     first = Stopping(cal, 0.3)
-    assert first.go_on(0, 0.01)  # the first draft always goes: the round's trip is paid anyway
-    assert not first.go_on(1, 0.99)
+    assert not first.go_on(0, 0.01)  # a first draft that does not pay is not made either: an empty chain
+    assert first.go_on(0, 0.99) and first.survival == pytest.approx(0.99)
     for off in (Stopping(cal, 0.0), Stopping(None, 0.5)):
         assert not off.active and all(off.go_on(j, 0.01) for j in range(10))
     copied = Stopping(cal, 0.5)  # a copied token's chance is the share of copies kept (0.85 at first)
@@ -80,7 +80,7 @@ def test_model_backend_stops_a_greedy_chain_where_stopping_says_and_its_cache_st
     full = b.draft(b.new_state(SamplingParams()), verified, 6, min_survival=1e-12)
     assert len(full.tokens) == 6 and all(p is not None and 0 < p <= 1 for p in full.top_probs)
     assert b.draft(b.new_state(SamplingParams()), verified, 6).tokens == full.tokens  # stopping off
-    assert len(b.draft(b.new_state(SamplingParams()), verified, 6, min_survival=1.0).tokens) == 1
+    assert b.draft(b.new_state(SamplingParams()), verified, 6, min_survival=1.0).tokens == []  # nothing pays
     lengths = set()
     for tau in (0.9, 0.5, 0.2, 0.05, 0.01):
         st = b.new_state(SamplingParams())

@@ -228,7 +228,8 @@ class Stopping:
     """Where a greedy chain stops (adaptive draft length on the draft's side, after SpecDec++ and
     AdaEDL): the chain takes its next token only while the chance that every draft so far is kept
     stays at or above ``min_survival``, each draft's chance from ``Calibration``. The first draft
-    always goes (the round's trip is paid anyway). The target sets ``min_survival`` from its
+    too: a round's trip is paid anyway, but a draft forward and a verified row are not, so a chain
+    may be empty and the round verify the target's own token alone. The target sets ``min_survival`` from its
     measured costs (``starsd_target.depth``): one more draft pays when the chance it is kept
     exceeds the round's rate times what the draft costs; 0 turns stopping off."""
 
@@ -247,7 +248,7 @@ class Stopping:
         if not self.active:
             return True
         survival = self.survival * self.calibration.chance(top_prob)
-        if drafted >= 1 and survival < self.min_survival:
+        if survival < self.min_survival:
             return False
         self.survival = survival
         return True
