@@ -46,7 +46,8 @@ def start_lookahead(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> 
         drafts[on] = pool.start(f"la-draftd-{'on' if on else 'off'}", lambda ep, on=on: [
             "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
             "--depth", str(cfg.depth), "--q-topk", str(cfg.q_topk), "--threads", "1", "--dtype", dtype,
-            "--lookahead" if on else "--no-lookahead", "--log-level", "warning"], cpus=topo.draft)
+            "--lookahead" if on else "--no-lookahead", "--no-suffix",  # the draft model's rounds, ahead or not
+            "--log-level", "warning"], cpus=topo.draft)
     eps = {}
     for name, la, adaptive in CONFIGS:
         eps[name] = pool.start(f"la-target-{name}", lambda ep, la=la, ad=adaptive, n=name: [

@@ -2,7 +2,8 @@
 target's EAGLE-1 and EAGLE-3 heads (trained with the same budget on the same text) and for the
 draft model, on one target, one stream, beside the same target alone.
 
-Per backend one draft daemon (``--tree-topk``) on the draft core and one target daemon
+Per backend one draft daemon (``--tree-topk``; ``--no-lookahead --no-suffix``: the drafter's own
+chains and trees, every round) on the draft core and one target daemon
 (``--draft-tokens`` the largest budget) on the target core; each budget is a per-request cap
 (``max_draft_tokens``: at the depth, a chain; above it, a tree of at most that many tokens).
 The budgets run in turns, twice in opposite orders, the target alone after each run. A row
@@ -55,7 +56,7 @@ def start_trees(cfg: BenchConfig, pool, models: tuple[Path, Path]) -> dict[str, 
             drafter = ["--backend", "model", "--model", str(draft_dir)]
         draft = pool.start(f"tree-draftd-{backend}", lambda ep, d=drafter: [
             "starsd_draftd", "serve", *d, "--bind", ep, "--depth", str(cfg.depth), "--q-topk", str(cfg.q_topk),
-            "--threads", "1", "--dtype", dtype, "--tree-topk", str(cfg.tree_topk), "--no-lookahead",
+            "--threads", "1", "--dtype", dtype, "--tree-topk", str(cfg.tree_topk), "--no-lookahead", "--no-suffix",
             "--max-tree-tokens", str(most), "--log-level", "warning"], cpus=topo.draft)
         eps[backend] = pool.start(f"tree-target-{backend}", lambda ep, d=draft, b=backend: [
             "starsd_target", "serve", "--model", str(target_dir), "--draft", d, "--listen", ep,
