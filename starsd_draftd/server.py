@@ -612,24 +612,12 @@ class DraftServer:
         stats = self.stats
         drafts: list[Draft | None] = [None] * len(admitted)
         spent = [0.0] * len(admitted)  # each request's drafting time (what its reply reports)
-        # requests answered from work done ahead go out at once, before the others are drafted
+        # requests answered from work done ahead go out at once, before the others are drafted;
+        # those a suffix draft answers go out next: they cost no forward
         ahead = self.lookahead.answered(admitted)
-        if ahead:  # counted before their replies leave, as the others below
-            stats.requests += len(ahead)
-            stats.drafted_tokens += sum(len(d.tokens) for d, _ in ahead.values())
-            for i, (draft, seconds) in ahead.items():
-                drafts[i], spent[i] = draft, seconds
-                self._reply(admitted[i], draft, start, seconds)
-            self.ingress.flush()
-        # requests a suffix draft answers go out next: they cost no forward
+        self._send_early(admitted, ahead, drafts, spent, start)
         suffixed = self._suffix_drafts(admitted, [i for i in range(len(admitted)) if i not in ahead])
-        if suffixed:
-            stats.requests += len(suffixed)
-            stats.drafted_tokens += sum(len(d.tokens) for d, _ in suffixed.values())
-            for i, (draft, seconds) in suffixed.items():
-                drafts[i], spent[i] = draft, seconds
-                self._reply(admitted[i], draft, start, seconds)
-            self.ingress.flush()
+        self._send_early(admitted, suffixed, drafts, spent, start)
         todo = [i for i in range(len(admitted)) if i not in ahead and i not in suffixed]
         steps = max((admitted[i].request.depth for i in todo), default=0)
         fed = sum(admitted[i].fed for i in todo)
@@ -678,6 +666,19 @@ class DraftServer:
             self._after_replies(admitted, drafts, served)
         if served:
             self.metrics.on_batch(len(served), elapsed + sum(spent[i] for i in ahead))
+
+    def _send_early(self, admitted: list[AdmittedRequest], answered: dict[int, tuple[Draft, float]],
+                    drafts: list[Draft | None], spent: list[float], start: float) -> None:
+        """Send the replies of the requests ``answered`` before the batch's forwards (index ->
+        (drafts, seconds they took)), counted before they leave, as the batch's are."""
+        if not answered:
+            return
+        self.stats.requests += len(answered)
+        self.stats.drafted_tokens += sum(len(d.tokens) for d, _ in answered.values())
+        for i, (draft, seconds) in answered.items():
+            drafts[i], spent[i] = draft, seconds
+            self._reply(admitted[i], draft, start, seconds)
+        self.ingress.flush()
 
     def _after_replies(self, admitted: list[AdmittedRequest], drafts: list[Draft | None], served: list[int]) -> None:
         """The served sessions' bookkeeping once their replies are out: tree and stopping counts,
