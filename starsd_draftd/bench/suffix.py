@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from common.sockets import free_tcp_port
 from starsd_draftd.bench.agentic import Request, run_workload
 from starsd_draftd.bench.config import BenchConfig
 from starsd_draftd.bench.pool import Pool, _stats
@@ -26,12 +27,6 @@ log = logging.getLogger("starsd.bench")
 
 BUDGET = 16  # draft tokens a round at most: the target's --depth and the replays' budget
 CONFIGS = ("alone", "model", "suffix")  # the target alone; the star with model drafts only; with suffix drafts
-
-
-def _http_port() -> int:
-    from common.sockets import free_tcp_port
-
-    return free_tcp_port("127.0.0.1")
 
 
 def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config: str) -> str:
@@ -48,7 +43,7 @@ def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config
         "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
         "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
         "--suffix" if config == "suffix" else "--no-suffix", "--log-level", "warning"], cpus=topo.draft)
-    port = _http_port()
+    port = free_tcp_port("127.0.0.1")
     pool.start(f"sfx-target-{config}", lambda ep: [
         "starsd_target", "serve", "--model", str(target_dir), "--draft", draft, "--listen", ep,
         "--http", f"127.0.0.1:{port}", "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,

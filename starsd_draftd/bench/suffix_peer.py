@@ -6,8 +6,8 @@ draft budget.
 Only the C++ suffix tree (``csrc/suffix_decoding``, bound with nanobind) is compiled, with cmake, and
 installed with the sdist's thin Python wrapper (``arctic_inference/suffix_decoding``: SuffixDecodingCache,
 which needs numpy); none of arctic-inference's heavy dependencies (vllm, torch) are installed. The
-environment lives under ``<cache root>/bench-peers/arctic-suffix`` (cache root: ``$STARSD_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/starsd``, else ``~/.cache/starsd``). Standard library only.
+environment lives under ``<cache root>/bench-peers/arctic-suffix`` (``common.models.cache_root``:
+``$STARSD_CACHE_DIR``, else ``$XDG_CACHE_HOME/starsd``, else ``~/.cache/starsd``).
 """
 
 from __future__ import annotations
@@ -51,16 +51,10 @@ SMOKE = ("from arctic_inference.suffix_decoding import SuffixDecodingCache\n"
 
 
 def default_cache_dir() -> Path:
-    """``<cache root>/bench-peers/arctic-suffix``; the cache root as ``common.models.cache_root`` (not
-    imported here: it would import torch)."""
-    explicit = os.environ.get("STARSD_CACHE_DIR")
-    if explicit:
-        root = Path(explicit).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "starsd"
-    else:
-        root = Path.home() / ".cache" / "starsd"
-    return root / "bench-peers" / "arctic-suffix"
+    """``<cache root>/bench-peers/arctic-suffix`` (``common.models.cache_root``)."""
+    from common.models import cache_root
+
+    return cache_root() / "bench-peers" / "arctic-suffix"
 
 
 class _Steps:
