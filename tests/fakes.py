@@ -103,10 +103,10 @@ def wait_http_health(base: str, why, alive=lambda: True, timeout_s: float = 60.0
 
 
 class RawPeer:
-    """A DEALER speaking raw frames, for protocol-level tests."""
+    """A DEALER speaking raw frames, for protocol-level tests (``curve``: its CURVE keys, if any)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
-        self.sock = make_socket(ctx, zmq.DEALER, SocketOptions())
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve=None):
+        self.sock = make_socket(ctx, zmq.DEALER, SocketOptions(curve=curve))
         self.sock.connect(endpoint)
         self.acks: list[Message] = []
 

@@ -31,17 +31,12 @@ def test_handshake_and_draft():
         assert r.header["tokens"] == [41, 42]
 
 
-def _last_chain_recorded(server, seq: int, timeout_s: float = 5.0) -> None:
-    """Wait until the compute loop has noted the chain it answered ``seq`` with: it does so
-    after the reply leaves, off the target's critical path, so a repeat that overtakes that
-    bookkeeping is drafted the usual way."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with server.lock:
-            if any(s.last_reply is not None and s.last_reply.seq == seq for s in server.sessions.sessions.values()):
-                return
-        time.sleep(0.002)
-    raise AssertionError(f"the chain answering seq {seq} was never recorded")
+def _last_chain_recorded(server, seq: int) -> bool:
+    """Whether the compute loop has noted the chain it answered ``seq`` with: it does so after
+    the reply leaves, off the target's critical path, so a repeat that overtakes that bookkeeping
+    is drafted the usual way."""
+    with server.lock:
+        return any(s.last_reply is not None and s.last_reply.seq == seq for s in server.sessions.sessions.values())
 
 
 def test_a_draft_that_brings_and_asks_nothing_new_is_answered_without_a_batch():
@@ -53,7 +48,7 @@ def test_a_draft_that_brings_and_asks_nothing_new_is_answered_without_a_batch():
         peer.hello()
         peer.open(1, [10, 11, 12])
         assert peer.draft(1, 1, 0, [], 3, depth=3).header["tokens"] == [13, 14, 15]
-        _last_chain_recorded(server, 1)
+        assert _wait_for(lambda: _last_chain_recorded(server, 1)), "the chain answering seq 1 was never noted"
         r = peer.draft(1, 2, 0, [], 3, depth=3)
         assert r.type is MsgType.DRAFTED and r.header["tokens"] == [13, 14, 15] and r.header["seq"] == 2
         snap = server.snapshot()
@@ -61,7 +56,7 @@ def test_a_draft_that_brings_and_asks_nothing_new_is_answered_without_a_batch():
         assert peer.draft(1, 3, 0, [], 3, depth=3).header["seq"] == 3  # repeated again
         assert peer.draft(1, 4, 0, [], 3, depth=2).header["tokens"] == [13, 14]  # asks less: drafted
         assert server.snapshot()["batches"] == 2
-        _last_chain_recorded(server, 4)
+        assert _wait_for(lambda: _last_chain_recorded(server, 4)), "the chain answering seq 4 was never noted"
         assert code_of(peer.draft(1, 4, 0, [], 3, depth=2)) == "BAD_REQUEST"  # stale, as ever
         # the session goes on from its last drafts: two of [13, 14] kept, then the target's 40
         assert peer.draft(1, 5, 2, [40], 6, depth=2).header["tokens"] == [41, 42]

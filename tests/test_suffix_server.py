@@ -15,7 +15,6 @@ from common import protocol as P
 from common.protocol import Message, MsgType
 from common.security import client_keys, keygen
 from common.tensors import to_wire
-from common.sockets import SocketOptions, make_socket
 from fakes import CountingBackend, RawPeer, running_server
 from starsd_draftd.server import DraftServer, ServerConfig
 from test_suffix import SECRET
@@ -174,13 +173,6 @@ def _curve_server(root, allow, share):
     return server, ctx, thread
 
 
-class CurvePeer(RawPeer):
-    def __init__(self, ctx, endpoint, curve):
-        self.sock = make_socket(ctx, zmq.DEALER, SocketOptions(curve=curve))
-        self.sock.connect(endpoint)
-        self.acks = []
-
-
 @pytest.mark.parametrize("share", ["key", "all"])
 def test_one_keys_outputs_never_draft_for_another_unless_shared_by_all(two_keys, share):
     root, allow = two_keys
@@ -188,7 +180,7 @@ def test_one_keys_outputs_never_draft_for_another_unless_shared_by_all(two_keys,
     try:
         peers = {}
         for name in ("a", "b"):
-            peers[name] = CurvePeer(ctx, server.endpoint, client_keys(root / "targets" / f"{name}.key_secret",
+            peers[name] = RawPeer(ctx, server.endpoint, client_keys(root / "targets" / f"{name}.key_secret",
                                                                        root / "server" / "draftd.key"))
             assert peers[name].hello().type is MsgType.WELCOME
         _report(peers["a"], 1, [1, 2], SECRET)  # A's output: SECRET
