@@ -86,6 +86,11 @@ def model_options(f):
                     "The wait is the daemon's own estimate, which it sends when it queues the request, plus "
                     "a margin; with no acknowledgement within a round trip the round does not wait. This "
                     "caps a bad estimate."),
+        option("--draft-patience", type=click.FloatRange(1.0), default=_d("draft_patience"),
+               help="How long a round waits for drafts the daemon has acknowledged, in multiples of the "
+                    "daemon's estimate (plus a round trip; --draft-timeout caps it). Past it the round runs "
+                    "with the target alone. Raise it where processes stall for tens of milliseconds (many "
+                    "daemons sharing few cores); a hung daemon is still found in a round trip."),
         option("--connect-timeout", type=click.FloatRange(0), default=_d("connect_timeout"),
                help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
         option("--threads", type=click.IntRange(0), default=_d("threads"),

@@ -19,6 +19,7 @@ from common.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteEr
 from common.security import CurveKeys
 from common.sockets import SocketOptions, make_socket
 from common.verify import SamplingParams
+from starsd_target.config import TargetConfig
 from starsd_target.rtt import ACK_FLOOR_S, RTT_FLOOR_S, RttEstimator
 
 log = logging.getLogger("starsd.target.client")
@@ -113,14 +114,15 @@ class DraftClient:
     the link is down."""
 
     MISSES_TO_DOWN = 3
-    ETA_SLACK = 1.5  # a reply is waited for this times the daemon's estimate, plus an ACK's deadline
+    ETA_SLACK = TargetConfig.draft_patience  # a reply is waited for this times the daemon's estimate, plus an ACK's deadline
     ABANDONED_KEPT = 1024  # given-up requests remembered, so that a late reply is counted stale, not unexpected
 
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
                  num_layers: int = 0,
-                 backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S):
+                 backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S, patience: float = ETA_SLACK):
         self.endpoint = endpoint
+        self.patience = patience  # an acknowledged request waits this times the daemon's estimate
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.feature_size = feature_size
@@ -492,10 +494,10 @@ class DraftClient:
     def give_up_at(self, key: Key, sent_at: float, cap_s: float) -> float:
         """When to stop waiting for the request ``key`` sent at ``sent_at``: unacknowledged, an
         acknowledgement's deadline after sending; acknowledged, the daemon's estimate (times
-        ETA_SLACK) plus that deadline after its ACK; ``cap_s`` after sending at the latest."""
+        ``patience``) plus that deadline after its ACK; ``cap_s`` after sending at the latest."""
         rto = self.ack_rtt.deadline_s(cap_s)
         ack = self._acks.get(key)
-        at = sent_at + rto if ack is None else ack[0] + self.ETA_SLACK * ack[1] + rto
+        at = sent_at + rto if ack is None else ack[0] + self.patience * ack[1] + rto
         return min(sent_at + cap_s, at)
 
     def expired(self, key: Key, sent_at: float, cap_s: float) -> bool:

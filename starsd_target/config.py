@@ -21,6 +21,9 @@ class TargetConfig:
     dtype: str = "auto"
     depth: int = 5
     draft_timeout_s: float = 2.0
+    # an acknowledged draft request is waited for this times the daemon's own estimate, plus an
+    # acknowledgement's round trip (draft_timeout_s caps it); more on a host whose processes stall
+    draft_patience: float = 1.5
     connect_timeout_s: float = 10.0
     threads: int = 0  # torch CPU threads (0: one per core this process may run on)
     name: str = ""

@@ -61,6 +61,16 @@ def near_draft(tiny_target, tmp_path_factory) -> Path:
     return make_near_copy(tiny_target, tmp_path_factory.mktemp("near"), noise=0.02)
 
 
+# The suite runs two workers on two cores, each test's daemons beside the other worker's compiles:
+# a batch the draft daemon estimated at 10 ms can take 100 ms there, and a round that stops waiting
+# for it runs without drafts. The tests that count those rounds give the daemons' own estimates
+# this much room; a daemon that does not acknowledge is still given up after a round trip.
+TEST_PATIENCE = 10.0
+
+# what a target's and a draft daemon's logs say when a round went without drafts
+NO_DRAFT_SIGNS = ("acknowledgement", "later than the daemon", "re-open", "refused", "ERROR", "WARNING")
+
+
 class Star(ProcessSet):
     """Draft and target daemons as real processes on free loopback ports, built on the process set
     the demo and the bench use."""
@@ -87,18 +97,34 @@ class Star(ProcessSet):
             self.starting.append((name, endpoint))
         return endpoint
 
-    def targets(self, model, draft_ep: str, n: int, *extra: str, depth: int = 4, prefix: str = "t") -> list[str]:
+    def targets(self, model, draft_ep: str, n: int, *extra: str, depth: int = 4, prefix: str = "t",
+                patience: float = TEST_PATIENCE) -> list[str]:
         """Start ``n`` target daemons (named t0, t1, ...) linked to ``draft_ep``; their job endpoints,
-        once they answer (and any draft daemon started without waiting, before them)."""
+        once they answer (and any draft daemon started without waiting, before them). ``patience``:
+        their --draft-patience."""
         eps = [self.job_endpoint(f"{prefix}{i}") for i in range(n)]
         for i, ep in enumerate(eps):
             self.start(f"{prefix}{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep,
-                       "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}", *extra)
+                       "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}",
+                       "--draft-patience", str(patience), *extra)
         while self.starting:
             self.wait_ready(*self.starting.pop(0))
         for i, ep in enumerate(eps):
             self.wait_ready(f"{prefix}{i}", ep)
         return eps
+
+    def assert_speculated(self, results: list[dict], prefix: str = "t", draftd: str = "draftd") -> None:
+        """Each result (of target ``prefix``0, 1, ...) kept drafts and had no round without them;
+        if not, the daemons' log lines that say why."""
+        for i, res in enumerate(results):
+            s = res["stats"]
+            if s["fallback_rounds"] == 0 and s["accepted"] > 0:
+                continue
+            notes = [f"{name}: {line}" for name in (f"{prefix}{i}", draftd) if name in self.procs
+                     for line in self.log(name).splitlines() if any(sign in line for sign in NO_DRAFT_SIGNS)]
+            raise AssertionError(f"{prefix}{i}: {s['fallback_rounds']} fallback rounds, {s['accepted']} drafts kept, "
+                                 f"{s['invalid_drafts']} invalid, {s['rounds']} rounds; the logs say:\n"
+                                 + "\n".join(notes[-20:]))
 
 
 @pytest.fixture

@@ -228,7 +228,7 @@ def test_greedy_through_the_daemons_with_a_cut_head(tiny_target, tmp_path, star)
     results = run_concurrently(eps, [{"id": i + 1, "prompt": p, "max_tokens": 40} for i, p in enumerate(prompts)])
     for ref, res in zip(refs, results):
         assert res["token_ids"] == ref
-        assert res["stats"]["fallback_rounds"] == 0 and res["stats"]["accepted"] > 0
+    star.assert_speculated(results)
     star.check_alive("draftd")
     with ControlClient(draft_ep) as cc:  # the daemon says its head is cut
         backend = cc.stats()["backend"]

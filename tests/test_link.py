@@ -223,6 +223,9 @@ def test_a_request_waits_for_its_ack_a_round_trip_then_for_the_daemons_estimate(
         # acknowledged: the daemon's estimate with slack, plus a round trip's deadline; within the cap
         assert client.give_up_at((1, 1), sent, CAP_S) == pytest.approx(acked_at + DraftClient.ETA_SLACK * 0.3 + wait)
         assert client.give_up_at((1, 1), sent, 0.1) == pytest.approx(sent + 0.1)
+        client.patience = 4.0  # --draft-patience: the estimate counts four times
+        assert client.give_up_at((1, 1), sent, CAP_S) == pytest.approx(acked_at + 4.0 * 0.3 + wait)
+        client.patience = DraftClient.ETA_SLACK
         assert not client.expired((1, 1), sent, CAP_S)
         daemon.drafted(1, 1, [7])
         assert _until(lambda: client.take(1, 1) is not None, client)
