@@ -77,13 +77,19 @@ def _plain(module):
 
 def _linear(module):
     """A linear layer's forward for the lean loop, whose inputs are contiguous and in the
-    activations' dtype: fp16-weights' GEMM called directly, else the module's own forward."""
+    activations' dtype: fp16-weights' or packed bfloat16's GEMM called directly, else the
+    module's own forward."""
+    from common.bf16_packed import Bf16Linear
     from common.fp16_weights import LINEAR_FP16, Fp16Linear
 
     if type(module) is Fp16Linear:
         _plain(module)
         packed = module._packed
         return lambda x: LINEAR_FP16(x, packed)
+    if type(module) is Bf16Linear:
+        _plain(module)
+        packed, bias, op = module._packed, module.bias, torch.ops.mkldnn._linear_pointwise
+        return lambda x: op(x, packed, bias, "none", [], "")
     return _plain(module)
 
 

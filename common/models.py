@@ -254,6 +254,8 @@ def load_causal_lm(name_or_path: str, device: str = "cpu", dtype: str = "float32
                  draft_vocab.path or "given ids")
     if choice.name == FP16_WEIGHTS:
         choice = _pack_fp16_weights(model, choice, path, asked=dtype != "auto")
+    elif torch_dtype == torch.bfloat16 and dev.type == "cpu":
+        _pack_bf16(model)
     weights = checkpoint_bytes(path)
     log.info("loaded %s in %.1f s: %s", path.name, time.perf_counter() - t0, describe(memory_report(weights)))
     return LoadedModel(
@@ -303,6 +305,21 @@ def _pack_fp16_weights(model: torch.nn.Module, choice: DtypeChoice, path: Path, 
         return DtypeChoice("float32", f"auto: {why}")
     log.info("%d linear layers packed with float16 weights for fbgemm (all within float16's range)", pack_model(model))
     return choice
+
+
+def _pack_bf16(model: torch.nn.Module) -> None:
+    """Pack a bfloat16 model's linear weights for oneDNN (``common.bf16_packed``), where this CPU
+    can run them; the plain weights' file pages are given back as each layer is packed."""
+    from common.bf16_packed import pack_bf16, packed_bf16_available
+    from common.memory import give_back_freed_memory, release_file_pages, weight_file_ranges
+
+    if not packed_bf16_available():
+        log.info("bfloat16 linear layers stay plain: this CPU or PyTorch build has no packed bfloat16 kernel")
+        return
+    ranges = weight_file_ranges()
+    n = pack_bf16(model, done=lambda weight: release_file_pages(weight, ranges))
+    give_back_freed_memory()
+    log.info("%d bfloat16 linear layers packed for oneDNN", n)
 
 
 def context_length(model) -> int | None:

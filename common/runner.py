@@ -91,6 +91,10 @@ class ModelRunner:
             self._build_lean()
         self._call = self.eager
         if compile:
+            from common.bf16_packed import unpack_bf16
+
+            if unpack_bf16(self.model):  # graphs cannot trace oneDNN's packed tensors; freezing packs them
+                log.info("bfloat16 linear layers unpacked for torch.compile, whose weight freezing packs them itself")
             path = _configure_inductor(self.device)
             self._call = torch.compile(self.model, dynamic=True)
             self.compiled = True

@@ -1,0 +1,91 @@
+"""bfloat16 linears packed for oneDNN at load (common.bf16_packed): the same bits as plain ones at
+one row, the tied output layer left plain, plain again for torch.compile, and a bfloat16 model's
+greedy output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import bf16_packed
+from common.bf16_packed import Bf16Linear, pack_bf16, packed_bf16_available, unpack_bf16
+from common.models import load_causal_lm
+from common.runner import ModelRunner
+from tiny_models import make_tiny_checkpoint
+
+AVAILABLE = packed_bf16_available()
+
+
+def _linear(out_f: int, in_f: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(in_f, out_f, bias=bias).to(torch.bfloat16).eval()
+
+
+def test_the_kernel_is_there_on_x86_cpus():
+    """The machines the suite runs on (x86 with AVX-512 or AMX) have the packed kernel: a build
+    that lost it would quietly serve bfloat16 a third slower."""
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available():
+        assert AVAILABLE == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(96, 64), (40, 300)])
+def test_a_packed_layer_gives_the_plain_layers_bits_at_one_row(shape, bias):
+    lin = _linear(*shape, bias)
+    packed = Bf16Linear.from_linear(lin)
+    with torch.inference_mode():
+        for x in (torch.randn(1, shape[1]), torch.randn(1, 1, shape[1]), torch.randn(2, 1, shape[1])):
+            x = x.to(torch.bfloat16)
+            y = packed(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (*x.shape[:-1], shape[0])
+            assert torch.equal(y, lin(x))
+        many = torch.randn(1, 7, shape[1]).to(torch.bfloat16)  # rows: the same values up to rounding
+        torch.testing.assert_close(packed(many).float(), lin(many).float(), rtol=2e-2, atol=2e-2)
+    back = packed.to_linear()  # what torch.compile gets: the same weights, plain
+    assert torch.equal(back.weight, lin.weight) and (not bias or torch.equal(back.bias, lin.bias))
+
+
+def test_a_float32_or_gpu_weight_is_refused():
+    with pytest.raises(ValueError, match="bfloat16"):
+        Bf16Linear(torch.zeros(4, 4))
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_model_is_packed_at_load_and_decodes_as_before(tmp_path, monkeypatch, tied):
+    """Every linear is packed but a tied output layer; greedy output equals the plain model's;
+    ``unpack_bf16`` gives back plain layers with the same weights (what --compile traces)."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=3, hidden=48, layers=2, tied=tied)
+    loaded = load_causal_lm(str(ckpt), dtype="bfloat16")
+    model = loaded.model
+    kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))}
+    assert kinds.pop("lm_head") is (torch.nn.Linear if tied else Bf16Linear)
+    assert kinds and set(kinds.values()) == {Bf16Linear}
+    monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)  # what a CPU without it gets
+    plain = load_causal_lm(str(ckpt), dtype="bfloat16").model
+    assert not any(isinstance(m, Bf16Linear) for m in plain.modules())
+    prompt = torch.tensor([[5, 9, 2, 7, 3, 11]])
+    with torch.inference_mode():
+        want = plain.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        got = model.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        runner = ModelRunner(loaded)  # the serving path: the lean forward calls the packed kernel directly
+        assert runner.forward_kind == "lean"
+        cache = runner.new_cache(32)
+        lean_logits, _ = runner.forward(cache, prompt[0].tolist(), logits="last")
+        plain_logits = plain(prompt).logits[0, -1]
+    assert torch.equal(got, want)
+    assert torch.equal(lean_logits.reshape(-1).float(), plain_logits.reshape(-1).float())
+    assert unpack_bf16(model) == len(kinds) + (not tied)
+    for (name, m), (_, p) in zip(model.named_modules(), plain.named_modules()):
+        if isinstance(m, torch.nn.Linear):
+            assert torch.equal(m.weight, p.weight), name
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+def test_pack_bf16_leaves_other_dtypes_alone():
+    model = torch.nn.Sequential(_linear(8, 8, True), torch.nn.Linear(8, 8))
+    assert pack_bf16(model) == 1
+    assert type(model[0]) is Bf16Linear and type(model[1]) is torch.nn.Linear
