@@ -11,8 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from starsd_draftd.bench.peers import report as rep
+from starsd_draftd.bench.peers import run
 from starsd_draftd.bench.peers.cli import main
 from starsd_draftd.bench.peers.run import VLLM_PEER, PeersConfig, daemon_args, plan, run_order, vllm_blocks, vllm_command
+from tiny_models import make_tiny_checkpoint
 
 
 def _load_peer():
@@ -566,3 +568,27 @@ def test_the_alternated_run_keeps_its_engines_on_the_target_core_and_restores_it
         run.run_alternated(cfg, [[1, 2]], "float32", tmp_path, tmp_path / "p.json", tmp_path, lambda m: None)
     assert os.sched_getaffinity(0) == mine
     assert ("vllm-closed",) in events and ("starsd-closed",) in events
+
+
+def test_the_real_size_models_are_planned_from_the_cache_and_prompted_with_seeded_ids(tmp_path, monkeypatch):
+    """--models qwen2.5-1.5b: both daemons serve the random-init checkpoints of the real shapes
+    (where a run builds them), and a checkpoint without a tokenizer is prompted with seeded ids
+    inside its vocabulary."""
+    monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path / "cache"))
+    res = CliRunner().invoke(main, ["--plan", "--models", "qwen2.5-1.5b", "--cpus", "0,1", "--no-vllm"])
+    assert res.exit_code == 0, res.output
+    (starsd,) = [s for s in json.loads(res.output) if s["system"] == "starsd"]
+    shapes = tmp_path / "cache" / "bench"
+    assert starsd["draftd"][starsd["draftd"].index("--model") + 1] == str(shapes / "shape-qwen2.5-0.5b")
+    assert starsd["target"][starsd["target"].index("--model") + 1] == str(shapes / "shape-qwen2.5-1.5b")
+    assert not shapes.exists()  # planning builds nothing
+    bare = make_tiny_checkpoint(tmp_path / "bare", "qwen2", seed=0, hidden=32, layers=1)
+    for f in bare.iterdir():  # a tokenizer-less checkpoint, as the shapes are
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    cfg = run.PeersConfig(prompts=3)
+    texts, ids = run._prompt_ids(cfg, bare)
+    vocab = json.loads((bare / "config.json").read_text())["vocab_size"]
+    assert len(texts) == len(ids) == 3 and all(len(p) == run.SHAPE_PROMPT_TOKENS for p in ids)
+    assert all(0 <= t < vocab for p in ids for t in p) and len({tuple(p) for p in ids}) == 3
+    assert run._prompt_ids(cfg, bare) == (texts, ids)  # the same prompts every run

@@ -12,7 +12,7 @@ import click
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
 from common.models import ModelLoadError
-from starsd_draftd.bench.peers.run import PeersConfig, plan, run_peers
+from starsd_draftd.bench.peers.run import MODEL_SETS, PeersConfig, plan, run_peers
 
 option = env_options("STARSD_PEERS")
 _c = PeersConfig()
@@ -32,6 +32,10 @@ def _words(text: str | None) -> tuple[str, ...]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @option("--out", type=click.Path(file_okay=False, path_type=Path), default=_c.out,
         help="Results folder: peers.json and peers.md.")
+@option("--models", type=click.Choice(sorted(MODEL_SETS)), default=_c.models, show_default=True,
+        help="The target and draft: the demo pair, or random-init checkpoints of Qwen2.5-1.5B and its 0.5B "
+             "sibling (built once in the cache, 3.1 GB and 1.0 GB; their forwards cost what the real ones' do, "
+             "their drafts keep nothing, and their prompts are random token ids).")
 @option("--prompts", type=click.IntRange(1), default=_c.prompts, help="The first N demo prompts.")
 @option("--max-tokens", type=click.IntRange(1), default=_c.max_tokens, help="Greedy tokens per prompt (at most).")
 @option("--depth", type=click.IntRange(1, 16), default=_c.depth,
@@ -73,14 +77,15 @@ def _words(text: str | None) -> tuple[str, ...]:
 @option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @logging_options(option, default_level="warning")
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError)
-def main(out, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
+def main(out, models, prompts, max_tokens, depth, streams, vllm_python, no_vllm, no_starsd, vllm_dtypes, vllm_eager,
          vllm_kvcache_gib, preload, starsd_dtypes, starsd_args, draftd_args, target_args, cpus, workdir, alternate,
          alternate_pause, alternate_streams, alternated_only, show_plan, as_json, log_level, log_format) -> None:
     """StarSD beside vLLM's CPU build: the demo's models and prompts, greedy, the target alone and
     speculative, 1 and 4 streams, the same cores; a table of both in OUT/peers.md, then the target
     alone of both alternated on one core, round by round (--alternate)."""
     setup_logging(log_level, log_format)
-    cfg = PeersConfig(out=out, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
+    target_model, draft_model = MODEL_SETS[models]
+    cfg = PeersConfig(out=out, models=models, target_model=target_model, draft_model=draft_model, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
                       vllm_python=None if no_vllm else vllm_python, starsd=not no_starsd,
                       vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()),
                       vllm_eager=vllm_eager, vllm_kvcache_gib=vllm_kvcache_gib,

@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import zmq
@@ -49,6 +49,13 @@ PROGRESS_PREFIX = "[vllm-peer] "
 RESULT_PREFIX = "[vllm-peer-result] "
 TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so*",
                   "/usr/lib64/libtcmalloc_minimal.so*", "/usr/lib/libtcmalloc_minimal.so*")
+
+
+# --models: (target, draft); a name of bench.rows.SHAPES is a random-init checkpoint of that real
+# configuration, built once in the cache (a forward costs what the real model's costs; its drafts
+# keep nothing, so its speculative rows measure a round's cost, not a speed-up)
+MODEL_SETS = {"demo": ("demo", "demo-draft"), "qwen2.5-1.5b": ("qwen2.5-1.5b", "qwen2.5-0.5b")}
+SHAPE_PROMPT_TOKENS = 24  # a random-init checkpoint has no tokenizer: its prompts are this many seeded random ids
 
 
 @dataclass
@@ -70,8 +77,9 @@ class PeersConfig:
     starsd_args: tuple[str, ...] = ()  # extra arguments for both daemons' `serve`
     draftd_args: tuple[str, ...] = ()
     target_args: tuple[str, ...] = ()
-    target_model: str = "demo"
+    target_model: str = "demo"  # a model name or checkpoint directory (``models`` sets both)
     draft_model: str = "demo-draft"
+    models: str = "demo"  # a MODEL_SETS name: the demo pair, or random-init checkpoints of real shapes
     cpus: tuple[int, ...] | None = None  # the two cores used; None: the first two this process may use
     warmup_tokens: int = 8
     startup_timeout_s: float = 1800.0  # daemons started with --compile compile first (minutes here)
@@ -220,6 +228,7 @@ def plan(cfg: PeersConfig) -> list[dict]:
     environment, StarSD's daemons (once per dtype), then the alternated comparison's two engines."""
     if len(cfg.two_cores()) < 2:
         raise ValueError("bench-peers needs two cores (draft and target on separate cores)")
+    cfg = replace(cfg, target_model=_model_place(cfg.target_model), draft_model=_model_place(cfg.draft_model))
     steps = []
     for item in run_order(vllm_blocks(cfg)) if cfg.table else ():
         if item == "starsd":
@@ -616,22 +625,49 @@ def _machine() -> dict:
 
 def _prompt_ids(cfg: PeersConfig, target_dir: Path) -> tuple[list[str], list[list[int]]]:
     """The demo's prompts as the demo sends them (raw text), tokenized as the target daemon does
-    (``TargetEngine.encode``: no special tokens)."""
+    (``TargetEngine.encode``: no special tokens); for a checkpoint without a tokenizer (a
+    random-init one), ``SHAPE_PROMPT_TOKENS`` seeded random ids each."""
+    import random
+
     from common.models import load_tokenizer
     from starsd_draftd.demo.prompts import DEMO_PROMPTS
 
     tok = load_tokenizer(target_dir)
+    if tok is None:
+        vocab = int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
+        rng = random.Random(0)
+        ids = [[rng.randrange(vocab // 2) for _ in range(SHAPE_PROMPT_TOKENS)] for _ in range(cfg.prompts)]
+        return [f"(random ids {i})" for i in range(cfg.prompts)], ids
     texts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(cfg.prompts)]
     return texts, [list(tok.encode(t, add_special_tokens=False)) for t in texts]
 
 
+def _model_place(name: str) -> str:
+    """Where a run finds the model ``name``: a shape's checkpoint directory in the cache (built
+    by the run, not by ``--plan``), else the name as the daemons take it."""
+    from common.models import cache_root
+    from starsd_draftd.bench.rows import SHAPES
+
+    return str(cache_root() / "bench" / f"shape-{name}") if name in SHAPES else name
+
+
+def resolve_models(cfg: PeersConfig) -> tuple[Path, Path]:
+    """The target's and the draft's checkpoint directories; a shape's built once under the cache
+    (``cfg.target_model`` and ``draft_model`` then name them, for the daemons' command lines)."""
+    from common.models import cache_root, resolve_model_path
+    from starsd_draftd.bench.rows import SHAPES, shape_checkpoint
+
+    names = (cfg.target_model, cfg.draft_model)
+    dirs = [shape_checkpoint(n, cache_root() / "bench") if n in SHAPES else resolve_model_path(n) for n in names]
+    cfg.target_model, cfg.draft_model = str(dirs[0]), str(dirs[1])
+    return dirs[0], dirs[1]
+
+
 def run_peers(cfg: PeersConfig, progress=log.info) -> dict:
     """Run every case, write peers.json and peers.md into ``cfg.out``; the report."""
-    from common.models import resolve_model_path
-
     cfg.check()
     t_start = time.perf_counter()
-    target_dir, draft_dir = resolve_model_path(cfg.target_model), resolve_model_path(cfg.draft_model)
+    target_dir, draft_dir = resolve_models(cfg)
     dtypes = cfg.dtypes()
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="starsd-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)

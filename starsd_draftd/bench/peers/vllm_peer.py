@@ -145,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft:
         spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.depth}
     t0 = time.perf_counter()
+    # a checkpoint without a tokenizer (a random-init one of a real model's shape): token ids in and out
+    no_tokenizer = not any(os.path.exists(os.path.join(args.target, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              speculative_config=spec, disable_log_stats=False, seed=args.seed, max_num_seqs=max(streams))
+              speculative_config=spec, disable_log_stats=False, seed=args.seed, max_num_seqs=max(streams),
+              skip_tokenizer_init=no_tokenizer)
     init_s = time.perf_counter() - t0
     progress(f"engine up in {init_s:.1f}s; warm-up generation")
     t0 = time.perf_counter()
