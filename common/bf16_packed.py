@@ -6,9 +6,12 @@ forward only streams weights, that costs about a third of the time. Packed once 
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's weight freezing does for compiled
 graphs), the same kernel reads the blocked weight directly. On a 2-vCPU Xeon with AMX, the
 linear layers of a Qwen2.5-1.5B-shaped model at one row took 310 ms as plain weights and 224 ms
-packed, and a whole one-row forward 330 ms against 256 ms. A one-row product is bit-identical
-either way (the same kernel; ``tests/test_bf16_packed.py`` checks it), so a bfloat16 target's
-output does not change.
+packed, and a whole one-row forward 330 ms against 256 ms; a 256-row prefill chunk costs about
+the same either way. A one-row product is bit-identical either way (the same kernel;
+``tests/test_bf16_packed.py`` checks it, and the loader checks it on the model's first layer);
+over more rows the kernel may block the sums differently, which changes results within
+bfloat16's rounding, as bfloat16 GEMMs of different row counts already differ (bfloat16 is not
+token-exact at near-ties).
 
 The packed weight replaces the plain one: no copy stays beside it. A tied output layer (its
 weight the embedding table's) is left as it is, since packing it would hold the table twice.
@@ -66,9 +69,11 @@ class Bf16Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_bf16(model: torch.nn.Module, done=None) -> int:
+def pack_bf16(model: torch.nn.Module, done=None) -> tuple[int, str | None]:
     """Replace every bfloat16 ``nn.Linear`` of ``model`` on the CPU by a ``Bf16Linear``, in
-    place, except an output layer tied to the embedding table; returns how many. ``done(weight)``:
+    place, except an output layer tied to the embedding table; returns how many, and why none
+    were (None when packing ran). The first layer is tried on a row first: where the packed
+    kernel fails or gives other bits than the plain layer, nothing is packed. ``done(weight)``:
     called with each plain weight once its layer is replaced (to give its pages back)."""
     tied = _tied_head(model)
     packed = 0
@@ -76,11 +81,31 @@ def pack_bf16(model: torch.nn.Module, done=None) -> int:
         for name, child in list(parent.named_children()):
             if (type(child) is torch.nn.Linear and child is not tied and child.weight.dtype == torch.bfloat16
                     and child.weight.device.type == "cpu"):
-                setattr(parent, name, Bf16Linear.from_linear(child))
+                try:
+                    new = Bf16Linear.from_linear(child)
+                    if not packed:
+                        why = _differs(child, new)
+                        if why is not None:
+                            return 0, why
+                except RuntimeError as exc:  # oneDNN refused the layout on this CPU
+                    if packed:
+                        raise
+                    return 0, f"the packed kernel failed: {exc}"
+                setattr(parent, name, new)
                 if done is not None:
                     done(child.weight)
                 packed += 1
-    return packed
+    return packed, None
+
+
+def _differs(plain: torch.nn.Linear, packed: Bf16Linear) -> str | None:
+    """Why the packed layer cannot stand in for the plain one (None: the same bits on a probe row)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, plain.in_features, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        if torch.equal(packed(x), torch.nn.functional.linear(x, plain.weight, plain.bias)):
+            return None
+    return "the packed kernel's results differ from the plain layer's on this CPU"
 
 
 def unpack_bf16(model: torch.nn.Module) -> int:

@@ -63,7 +63,8 @@ DTYPE_HELP = ("Model dtype. auto: on a CPU the fastest exact format, fp16-weight
               "it picked and why. fp16-weights (CPUs, with fbgemm): "
               "linear weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over "
               "a few tokens costs about one token's (what speculation needs); the model is then the checkpoint "
-              "with its linear weights rounded to float16. bfloat16 on a CPU is not token-exact at near-ties.")
+              "with its linear weights rounded to float16. bfloat16 on a CPU (linear weights packed once for "
+              "oneDNN where the CPU computes bfloat16) is not token-exact at near-ties.")
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,10 @@ def _pack_bf16(model: torch.nn.Module) -> None:
         log.info("bfloat16 linear layers stay plain: this CPU or PyTorch build has no packed bfloat16 kernel")
         return
     ranges = weight_file_ranges()
-    n = pack_bf16(model, done=lambda weight: release_file_pages(weight, ranges))
+    n, why = pack_bf16(model, done=lambda weight: release_file_pages(weight, ranges))
+    if why is not None:
+        log.warning("bfloat16 linear layers stay plain: %s", why)
+        return
     give_back_freed_memory()
     log.info("%d bfloat16 linear layers packed for oneDNN", n)
 

@@ -1,6 +1,6 @@
 """bfloat16 linears packed for oneDNN at load (common.bf16_packed): the same bits as plain ones at
-one row, the tied output layer left plain, plain again for torch.compile, and a bfloat16 model's
-greedy output unchanged."""
+one row, the tied output layer left plain, plain again for torch.compile, a kernel that fails or
+differs on the probe left unused, and a small bfloat16 model's greedy output unchanged."""
 
 from __future__ import annotations
 
@@ -87,5 +87,25 @@ def test_a_bfloat16_model_is_packed_at_load_and_decodes_as_before(tmp_path, monk
 @pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
 def test_pack_bf16_leaves_other_dtypes_alone():
     model = torch.nn.Sequential(_linear(8, 8, True), torch.nn.Linear(8, 8))
-    assert pack_bf16(model) == 1
+    assert pack_bf16(model) == (1, None)
     assert type(model[0]) is Bf16Linear and type(model[1]) is torch.nn.Linear
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+def test_a_kernel_that_fails_or_differs_on_the_probe_packs_nothing(monkeypatch):
+    """Where the packed kernel raises or gives other bits (another CPU's oneDNN), every layer stays plain."""
+    model = torch.nn.Sequential(_linear(8, 8, True), _linear(8, 8, False, seed=1))
+
+    def off_by_one(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "") + 1
+
+    monkeypatch.setattr(Bf16Linear, "forward", off_by_one)
+    n, why = pack_bf16(model)
+    assert n == 0 and "differ" in why and all(type(m) is torch.nn.Linear for m in model)
+
+    def refuse(self, weight, bias=None):
+        raise RuntimeError("no blocked layout here")
+
+    monkeypatch.setattr(Bf16Linear, "__init__", refuse)
+    n, why = pack_bf16(model)
+    assert n == 0 and "no blocked layout here" in why and all(type(m) is torch.nn.Linear for m in model)
