@@ -20,7 +20,10 @@ holds): a 1.5B model then holds its weights' size plus the runtime, not a float3
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -165,22 +168,39 @@ def pack_model(model: torch.nn.Module) -> int:
     return packed
 
 
-def pack_linears(module: torch.nn.Module, done=None) -> int:
+def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by an ``Fp16Linear``, in place; returns how
-    many. The module must be on the CPU; each weight is widened to float32 for packing, one at a
-    time, and dropped with the layer it replaces. ``done(weight)``: called with each weight once
-    its layer is replaced."""
+    many. The module must be on the CPU; each weight is widened to float32 for packing and
+    dropped with the layer it replaces. fbgemm packs on one thread and lets go of the GIL, so
+    ``workers`` layers (default: one per core this process may run on) are packed at once, in
+    order: a 1.5B model's 197 layers took 24 s on one core, about 12 s on two. ``done(weight)``:
+    called with each weight once its layer is replaced."""
     if not fp16_weights_available():
         raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels; this build has "
                            f"{torch.backends.quantized.supported_engines}: use --dtype float32")
+    jobs = [(parent, name, child) for parent in list(module.modules())
+            for name, child in list(parent.named_children()) if isinstance(child, torch.nn.Linear)]
+    for _, _, child in jobs:
+        if child.weight.device.type != "cpu":
+            raise RuntimeError("fp16-weights is a CPU format; the model is on " + str(child.weight.device))
+    workers = max(1, min(workers or usable_cores(), len(jobs) or 1))
     packed = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                if child.weight.device.type != "cpu":
-                    raise RuntimeError("fp16-weights is a CPU format; the model is on " + str(child.weight.device))
-                setattr(parent, name, Fp16Linear.from_linear(child))
+    with ThreadPoolExecutor(workers, thread_name_prefix="fp16-pack") as pool:
+        pending: deque = deque()
+        for job in jobs:
+            pending.append((job, pool.submit(Fp16Linear.from_linear, job[2])))
+            while len(pending) > workers or (pending and job is jobs[-1]):  # at most this many float32 copies
+                (parent, name, child), fut = pending.popleft()
+                setattr(parent, name, fut.result())
                 if done is not None:
                     done(child.weight)  # packed: what the float16 copy replaces may go
                 packed += 1
     return packed
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; all of them where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

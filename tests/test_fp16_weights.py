@@ -102,3 +102,24 @@ def test_the_demo_picks_the_fastest_exact_cpu_format(monkeypatch):
     monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: True)
     assert run.demo_dtype(cfg) == "bfloat16"  # no fbgemm (an ARM board, say): native bfloat16
     assert run.demo_dtype(run.DemoConfig(dtype="float32")) == "float32"  # an explicit choice stands
+
+
+def test_layers_packed_side_by_side_are_the_ones_packed_one_at_a_time():
+    """``pack_linears`` packs several layers at once on threads: the same packed weights, each
+    layer in its place, and ``done`` told of every weight in the model's order."""
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(16 + i, 8 + i, bias=i % 2 == 0) for i in range(7)])
+
+    outs = []
+    for workers in (1, 3):
+        m = model()
+        weights = [lin.weight for lin in m]
+        told: list = []
+        assert pack_linears(m, done=told.append, workers=workers) == 7
+        assert [w is t for w, t in zip(weights, told)] == [True] * 7
+        x = [torch.randn(2, 16 + i, generator=torch.Generator().manual_seed(i)) for i in range(7)]
+        outs.append([layer(xi) for layer, xi in zip(m, x)])
+        assert all(type(layer) is Fp16Linear for layer in m)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
