@@ -73,29 +73,37 @@ def pack_bf16(model: torch.nn.Module, done=None) -> tuple[int, str | None]:
     """Replace every bfloat16 ``nn.Linear`` of ``model`` on the CPU by a ``Bf16Linear``, in
     place, except an output layer tied to the embedding table; returns how many, and why none
     were (None when packing ran). The first layer is tried on a row first: where the packed
-    kernel fails or gives other bits than the plain layer, nothing is packed. ``done(weight)``:
-    called with each plain weight once its layer is replaced (to give its pages back)."""
+    kernel fails or gives other bits than the plain layer, nothing is packed, and a failure on a
+    later layer unpacks those done. ``done(weight)``: called with each plain weight once its layer
+    is replaced (to give its pages back)."""
     tied = _tied_head(model)
-    packed = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is torch.nn.Linear and child is not tied and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu"):
-                try:
-                    new = Bf16Linear.from_linear(child)
-                    if not packed:
-                        why = _differs(child, new)
-                        if why is not None:
-                            return 0, why
-                except RuntimeError as exc:  # oneDNN refused the layout on this CPU
-                    if packed:
-                        raise
-                    return 0, f"the packed kernel failed: {exc}"
-                setattr(parent, name, new)
-                if done is not None:
-                    done(child.weight)
-                packed += 1
-    return packed, None
+    replaced: list[tuple[torch.nn.Module, str]] = []
+    for parent, name in _linear_slots(model):
+        child = getattr(parent, name)
+        if child is tied or child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
+            continue
+        try:
+            new = Bf16Linear.from_linear(child)
+            why = _differs(child, new) if not replaced else None
+        except RuntimeError as exc:  # oneDNN refused the layout on this CPU
+            why = f"the packed kernel failed: {exc}"
+        if why is not None:
+            for p, n in replaced:
+                setattr(p, n, getattr(p, n).to_linear())
+            return 0, why
+        setattr(parent, name, new)
+        if done is not None:
+            done(child.weight)
+        del child  # the plain layer goes now, not when packing ends
+        replaced.append((parent, name))
+    return len(replaced), None
+
+
+def _linear_slots(model: torch.nn.Module, kind: type = torch.nn.Linear) -> list[tuple[torch.nn.Module, str]]:
+    """(parent, attribute name) of every ``kind`` layer in ``model``: the slots, not the layers,
+    so that a layer replaced while walking them is not kept alive by the list."""
+    return [(parent, name) for parent in model.modules() if type(parent) is not kind
+            for name, child in parent.named_children() if type(child) is kind]
 
 
 def _differs(plain: torch.nn.Linear, packed: Bf16Linear) -> str | None:
@@ -110,13 +118,10 @@ def _differs(plain: torch.nn.Linear, packed: Bf16Linear) -> str | None:
 
 def unpack_bf16(model: torch.nn.Module) -> int:
     """Undo ``pack_bf16``: plain ``nn.Linear`` layers again (for ``torch.compile``); returns how many."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is Bf16Linear:
-                setattr(parent, name, child.to_linear())
-                n += 1
-    return n
+    slots = _linear_slots(model, Bf16Linear)
+    for parent, name in slots:
+        setattr(parent, name, getattr(parent, name).to_linear())
+    return len(slots)
 
 
 def _tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -125,7 +130,8 @@ def _tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
     if get_out is None or get_in is None:
         return None
     head, table = get_out(), get_in()
-    if head is None or table is None:
+    # a cut draft head (common.draft_vocab.SubsetHead) has no weight of its own: it holds a copy
+    w, t = getattr(head, "weight", None), getattr(table, "weight", None)
+    if w is None or t is None:
         return None
-    same = head.weight is table.weight or head.weight.data_ptr() == table.weight.data_ptr()
-    return head if same else None
+    return head if w is t or w.data_ptr() == t.data_ptr() else None

@@ -32,7 +32,7 @@ def _words(text: str | None) -> tuple[str, ...]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @option("--out", type=click.Path(file_okay=False, path_type=Path), default=_c.out,
         help="Results folder: peers.json and peers.md.")
-@option("--models", type=click.Choice(sorted(MODEL_SETS)), default=_c.models, show_default=True,
+@option("--models", type=click.Choice(sorted(MODEL_SETS)), default="demo", show_default=True,
         help="The target and draft: the demo pair, or random-init checkpoints of Qwen2.5-1.5B and its 0.5B "
              "sibling (built once in the cache, 3.1 GB and 1.0 GB; their forwards cost what the real ones' do, "
              "their drafts keep nothing, and their prompts are random token ids).")
@@ -85,7 +85,7 @@ def main(out, models, prompts, max_tokens, depth, streams, vllm_python, no_vllm,
     alone of both alternated on one core, round by round (--alternate)."""
     setup_logging(log_level, log_format)
     target_model, draft_model = MODEL_SETS[models]
-    cfg = PeersConfig(out=out, models=models, target_model=target_model, draft_model=draft_model, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
+    cfg = PeersConfig(out=out, target_model=target_model, draft_model=draft_model, prompts=prompts, max_tokens=max_tokens, depth=depth, streams=_ints(streams),
                       vllm_python=None if no_vllm else vllm_python, starsd=not no_starsd,
                       vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()),
                       vllm_eager=vllm_eager, vllm_kvcache_gib=vllm_kvcache_gib,

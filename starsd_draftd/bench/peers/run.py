@@ -77,9 +77,8 @@ class PeersConfig:
     starsd_args: tuple[str, ...] = ()  # extra arguments for both daemons' `serve`
     draftd_args: tuple[str, ...] = ()
     target_args: tuple[str, ...] = ()
-    target_model: str = "demo"  # a model name or checkpoint directory (``models`` sets both)
+    target_model: str = "demo"  # a model name, a checkpoint directory or a bench.rows.SHAPES name
     draft_model: str = "demo-draft"
-    models: str = "demo"  # a MODEL_SETS name: the demo pair, or random-init checkpoints of real shapes
     cpus: tuple[int, ...] | None = None  # the two cores used; None: the first two this process may use
     warmup_tokens: int = 8
     startup_timeout_s: float = 1800.0  # daemons started with --compile compile first (minutes here)
