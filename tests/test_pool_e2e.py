@@ -57,6 +57,11 @@ def _stats(ep: str) -> dict:
         return cc.stats(5)
 
 
+def _links_up(ep: str) -> int:
+    """How many of a target's draft links are up."""
+    return sum(link["state"] == "up" for link in _stats(ep)["draft_link"]["endpoints"].values())
+
+
 def _requests(ep: str) -> int:
     return _stats(ep)["requests"]
 
@@ -67,6 +72,12 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
     b = d.draftd(near_draft, name="draft_b", ready=False)
     eps = d.targets(tiny_target, f"{a},{b}", 3, "--draft-timeout", "1.0", "--heartbeat", "0.3",
                     "--connect-timeout", "60")
+    # a target takes jobs once one link is up; the fault must find each with both (a daemon that
+    # loads slowly on a busy host answers a target's retried HELLO seconds later)
+    deadline = time.monotonic() + 120
+    while not all(_links_up(ep) == 2 for ep in eps) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_links_up(ep) == 2 for ep in eps), [_stats(ep)["draft_link"] for ep in eps]
     stop = threading.Event()
     results, errors = [], []
     threads = _streams(eps, stop, results, errors)
