@@ -170,6 +170,20 @@ def pack_model(model: torch.nn.Module) -> int:
 MAX_PACK_WORKERS = 4  # layers packed at once at most: each holds a float32 copy of its weight
 
 
+def in_order(fn, items: list, workers: int | None = None):
+    """``(item, fn(item))`` for each item, in order, with ``fn`` run on up to ``workers`` threads
+    at once (default: torch's threads, at most MAX_PACK_WORKERS): for fbgemm's packing, which runs
+    on one thread and lets go of the GIL. No more than ``workers`` results wait to be taken."""
+    workers = max(1, min(workers or torch.get_num_threads(), MAX_PACK_WORKERS, len(items) or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="fp16-pack") as pool:
+        pending: deque = deque()
+        for i, item in enumerate(items):
+            pending.append((item, pool.submit(fn, item)))
+            while len(pending) > workers or (pending and i == len(items) - 1):
+                done, fut = pending.popleft()
+                yield done, fut.result()
+
+
 def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by an ``Fp16Linear``, in place; returns how
     many. The module must be on the CPU; each weight is widened to float32 for packing and
@@ -188,18 +202,12 @@ def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None)
         device = getattr(parent, name).weight.device
         if device.type != "cpu":
             raise RuntimeError("fp16-weights is a CPU format; the model is on " + str(device))
-    workers = max(1, min(workers or torch.get_num_threads(), MAX_PACK_WORKERS, len(slots) or 1))
     packed = 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="fp16-pack") as pool:
-        pending: deque = deque()
-        for i, (parent, name) in enumerate(slots):
-            pending.append((parent, name, pool.submit(Fp16Linear.from_linear, getattr(parent, name))))
-            while len(pending) > workers or (pending and i == len(slots) - 1):
-                p, n, fut = pending.popleft()
-                weight = getattr(p, n).weight
-                setattr(p, n, fut.result())
-                if done is not None:
-                    done(weight)  # packed: what the float16 copy replaces may go
-                del weight
-                packed += 1
+    for (parent, name), layer in in_order(lambda slot: Fp16Linear.from_linear(getattr(*slot)), slots, workers):
+        weight = getattr(parent, name).weight
+        setattr(parent, name, layer)
+        if done is not None:
+            done(weight)  # packed: what the float16 copy replaces may go
+        del weight
+        packed += 1
     return packed

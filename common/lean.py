@@ -397,7 +397,7 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
     """Fuse each layer's q/k/v and gate/up fp16-weights GEMMs into one each (see the module
     docstring), in place; False (nothing changed) where the layers are not fp16-weights or the
     fused GEMM's output differs in any bit from the separate ones on the model's shapes."""
-    from common.fp16_weights import Fp16Linear, Fp16Part
+    from common.fp16_weights import Fp16Linear, Fp16Part, in_order
     from common.memory import give_back_freed_memory
 
     layers = model.model.layers
@@ -420,16 +420,18 @@ def fuse_fp16(model: torch.nn.Module) -> bool:
             if not torch.equal(apart, together):
                 log.info("fused GEMMs differ from separate ones at %d rows: layers stay apart", rows)
                 return False
-    for g in groups:
-        for owner, names in g:
-            linears = [getattr(owner, n) for n in names]
-            whole = checked.get(id(owner))
-            if whole is None:
-                whole = Fp16Linear.fuse(linears)
-            start = 0
-            for n, lin in zip(names, linears):
-                setattr(owner, n, Fp16Part(whole, start, start + lin.out_features))
-                start += lin.out_features
-        del linears, whole
-        give_back_freed_memory()  # the layer's separate weights, before the next layer's fused copy
+    def fused(job):  # on a packing thread
+        owner, names = job
+        whole = checked.get(id(owner))
+        return whole if whole is not None else Fp16Linear.fuse([getattr(owner, n) for n in names])
+
+    jobs = [(owner, names) for g in groups for owner, names in g]
+    for (owner, names), whole in in_order(fused, jobs):  # a few at a time, replaced in order
+        start = 0
+        for n in names:
+            stop = start + getattr(owner, n).out_features
+            setattr(owner, n, Fp16Part(whole, start, stop))
+            start = stop
+        del whole
+        give_back_freed_memory()  # the separate weights, before more fused copies are made
     return True
