@@ -271,6 +271,7 @@ class LeanForward:
                 gate_up=None if fused_gu is None else _linear(fused_gu),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
+        self.row_exact_rows = row_exact_rows(self) if self._inline_attention else 0
         self.scripted, self.script_reason = None, "off"
         if script:
             from common.lean_script import script_layers
@@ -293,11 +294,14 @@ class LeanForward:
         return qk[:, : L.heads], qk[:, L.heads:], v
 
     def _post(self, L, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
-        """A layer from its cache's keys and values on: attention, the output projection, the
-        residual, the MLP and its residual; returns the layer's output."""
+              mask: torch.Tensor | None, by_row: bool = False) -> torch.Tensor:
+        """A layer from its cache's keys and values on: attention (``by_row``: each query row as
+        a one-row step computes it, ``_attend_by_row``), the output projection, the residual, the
+        MLP and its residual; returns the layer's output."""
         shape = x.shape[:-1]
-        if self._inline_attention and L.causal:
+        if by_row:
+            a = self._attend_by_row(L, q, k, v, mask)
+        elif self._inline_attention and L.causal:
             a = self._attend(L, q, k, v, mask)
         else:
             a, _ = self._attention(L.attn, q, k, v, mask, dropout=0.0, scaling=L.scaling)
@@ -329,6 +333,30 @@ class LeanForward:
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=L.scaling,
                                                              is_causal=causal, **extra)
         return a.reshape(a.shape[0], -1, q_len, v.shape[-1]).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def _attend_by_row(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention for a verification's rows (one sequence), each row computed as a one-row
+        decoding step computes it: one query, the keys it may see in their order (a tree row's:
+        the cache's and its ancestors', read from ``mask``), no mask. With linear layers that
+        give a row the same bits whatever the row count (``row_exact_rows``), the whole forward
+        then gives each row a one-row step's bits."""
+        q_len, base = q.shape[2], k.shape[2] - q.shape[2]
+        rows = []
+        for i in range(q_len):
+            if mask is None:
+                keys = None
+            else:
+                m = mask[0, 0, i]
+                keys = (m if m.dtype == torch.bool else m == 0).nonzero().flatten()
+                if keys.numel() == base + i + 1 and int(keys[-1]) == base + i:
+                    keys = None  # the cache and the rows before: a slice, as for a chain
+            if keys is None:
+                ki, vi = k[:, :, : base + i + 1], v[:, :, : base + i + 1]
+            else:
+                ki, vi = k.index_select(2, keys), v.index_select(2, keys)
+            rows.append(LeanForward._attend(L, q[:, :, i: i + 1], ki, vi, None))
+        return torch.cat(rows, dim=1)
 
     def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
@@ -379,18 +407,57 @@ class LeanForward:
                     k, v = cache.update(k, v, L.idx)
                     x = S.post(x, q, k, v, mask)
         else:
+            # a verification (every row's logits read) of one sequence, within the rows whose bits
+            # the linear layers keep whatever their count: each row as a one-row step computes it
+            by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
             for L in self.layers:
                 if hidden is not None:
                     hidden.append(x)
                 q, k, v = self._pre(L, x, cos, sin, rolled)
                 k, v = cache.update(k, v, L.idx)
-                x = self._post(L, x, q, k, v, mask)
+                x = self._post(L, x, q, k, v, mask, by_row)
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)
         logits = self._head(self._slice(x, logits_to_keep).contiguous())
         return SimpleNamespace(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None,
                                cache=cache)
+
+
+ROW_EXACT_CHECK = (2, 3, 5, 8, 12, 16, 24)  # row counts at which a verification can run row-exact
+
+
+def row_exact_rows(lean: "LeanForward") -> int:
+    """The most rows (0: none) a bfloat16 verification runs with each row's bits a one-row
+    step's: where the model computes in bfloat16 on a CPU with packed linear layers
+    (``common.bf16_packed``), the largest of ROW_EXACT_CHECK up to which every linear of the first
+    layer, and the output layer, give each of a forward's rows the bits that row gets alone
+    (oneDNN's packed kernel does up to 24 rows on a Qwen2.5-1.5B's shapes; its down projection
+    changes its blocking at 32). Attention then runs row by row (``_attend_by_row``)."""
+    from common.bf16_packed import Bf16Linear
+
+    model = lean.model
+    if not any(type(m) is Bf16Linear for m in model.modules()):
+        return 0
+    head = model.get_output_embeddings()
+    linears = [m for m in model.model.layers[0].modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))]
+    linears.append(getattr(head, "inner", head))  # a cut draft head's own layer
+    gen = torch.Generator().manual_seed(0)
+    most = ROW_EXACT_CHECK[-1]
+    best = most
+    with torch.inference_mode():
+        for m in linears:
+            x = torch.randn(most, m.in_features, generator=gen).to(torch.bfloat16)
+            alone = torch.cat([m(x[r: r + 1]) for r in range(most)])
+            for rows in ROW_EXACT_CHECK:
+                if rows > best:
+                    break
+                if not torch.equal(m(x[:rows]), alone[:rows]):
+                    best = max([n for n in ROW_EXACT_CHECK if n < rows], default=0)
+                    log.info("bfloat16 verifications run row-exact up to %d rows (a linear's rows differ at %d)",
+                             best, rows)
+                    break
+    return best if best > 1 else 0
 
 
 def fuse_fp16(model: torch.nn.Module) -> bool:

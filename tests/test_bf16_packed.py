@@ -11,6 +11,7 @@ from common import bf16_packed
 from common.bf16_packed import Bf16Linear, pack_bf16, packed_bf16_available, unpack_bf16
 from common.models import load_causal_lm
 from common.runner import ModelRunner
+from common.verify import SamplingParams
 from tiny_models import make_tiny_checkpoint
 
 AVAILABLE = packed_bf16_available()
@@ -151,3 +152,85 @@ def test_a_draft_with_a_cut_head_loads_in_bfloat16_packed(tmp_path):
         x = torch.tensor([[7]])
         full, kept = plain.model(x).logits[0, -1], cut.model(x).logits[0, -1]
     assert torch.equal(kept[ids].float(), full[ids].float()) and bool(torch.isinf(kept[1]))
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bfloat16_verification_gives_each_row_a_one_row_steps_bits(tmp_path, arch):
+    """Where the packed kernel keeps a row's bits whatever the row count, a verification's rows
+    (a chain, and a tree's) get the logits one-row decoding steps give them, bit for bit, so
+    that speculation in bfloat16 keeps exactly the tokens of the target alone."""
+    from dataclasses import dataclass
+
+    from common.models import crop_cache
+    from starsd_target.engine import TargetEngine
+
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch, seed=5, hidden=64, layers=2)
+    loaded = load_causal_lm(str(ckpt), dtype="bfloat16")
+    engine = TargetEngine(loaded, depth=4)
+    rows = engine.runner.lean.row_exact_rows
+    if rows == 0:
+        pytest.skip("this CPU's packed kernel gives a row other bits at two rows: verifications keep one pass")
+    assert rows >= 5
+    runner = engine.runner
+    ids = torch.randint(3, 250, (30 + rows,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = runner.new_cache(64)
+    runner.forward(cache, ids[:30], logits="none")
+    steps = []
+    for t in ids[30:30 + rows]:
+        steps.append(runner.forward(cache, [t], logits="all")[0][0].clone())
+    crop_cache(cache, 30)
+    together, _ = runner.forward(cache, ids[30:30 + rows], logits="all")
+    for r in range(rows):
+        assert torch.equal(together[r], steps[r]), r
+
+    @dataclass
+    class Drafts:
+        tokens: list
+        parents: list | None = None
+        q_ids: None = None
+        q_probs: None = None
+
+    params = SamplingParams()
+    for prompt in ([5, 9, 2, 7], [11, 3, 8, 8, 1, 4]):
+        alone = engine.generate(prompt, 40, params).token_ids
+        for tree in (False, True):
+            gen = engine.start(prompt, 40, params)
+            while gen.prefilling:
+                gen.prefill()
+            while not gen.done:
+                nxt = list(alone[len(gen.out): len(gen.out) + 3])
+                if tree and len(gen.out) + 5 <= 40:  # the right path beside a wrong first token
+                    wrong = 3 + (nxt[0] + 1) % 250
+                    gen.verify(Drafts([nxt[0], wrong, nxt[1], nxt[2]], [-1, -1, 0, 2]))
+                else:
+                    gen.verify(Drafts(nxt))
+            assert list(gen.out) == list(alone), (prompt, tree)
+            s = gen.stats
+            # every round kept its whole right path: rows gave the target alone's argmax each time
+            assert s.accepted + s.rounds == len(alone) and s.invalid_drafts == 0 and (s.tree_rounds > 0) == tree
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+def test_a_bfloat16_star_keeps_exactly_its_target_alones_tokens(tiny_target, near_draft, star):
+    """Both daemons in bfloat16, one target verifying chains and one trees: each output equals
+    the same target daemon's own without drafts, and drafts were kept with no round without."""
+    from fakes import run_concurrently
+
+    engine_rows = ModelRunner(load_causal_lm(str(tiny_target), dtype="bfloat16")).lean.row_exact_rows
+    if engine_rows < 8:
+        pytest.skip(f"this CPU's packed kernel keeps a row's bits up to {engine_rows} rows: trees of 8 run in one pass")
+    draft_ep = star.draftd(near_draft, "--dtype", "bfloat16", ready=False)
+    chains = star.targets(tiny_target, draft_ep, 1, "--dtype", "bfloat16", "--connect-timeout", "120", prefix="c")
+    trees = star.targets(tiny_target, draft_ep, 1, "--dtype", "bfloat16", "--draft-tokens", "8", prefix="t")
+    prompts = ["def parse(line):\n    ", "import os\nimport sys\n"]
+    eps = chains + trees
+    for p in prompts:
+        spec = run_concurrently(eps, [{"id": 1, "prompt": p, "max_tokens": 40}] * 2)
+        alone = run_concurrently(eps, [{"id": 2, "prompt": p, "max_tokens": 40, "no_draft": True}] * 2)
+        for s, a in zip(spec, alone):
+            assert s["token_ids"] == a["token_ids"] and a["stats"]["drafted"] == 0
+        star.assert_speculated(spec[:1], prefix="c")
+        star.assert_speculated(spec[1:], prefix="t")
+    assert spec[1]["stats"]["tree_rounds"] > 0
