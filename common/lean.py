@@ -18,12 +18,19 @@ with less of both:
   checks that on the model's own shapes before it fuses, and leaves the layers apart if any bit
   differs). The fused weights replace the separate ones (``Fp16Part`` serves the original
   modules from them), so the model takes no more memory;
+- with packed bfloat16 linears (``common.bf16_packed``), a verification of one sequence (every
+  row's logits read, at most ``row_exact_rows`` rows) runs attention per query row, as a one-row
+  step calls it, so that each row gets a one-row step's bits (``row_exact_rows`` checks at build
+  that the linears keep a row's bits at that many rows); bfloat16 rounds any other order's
+  one-ulp differences into different tokens at near-ties. Such forwards are the one place where
+  the lean forward's bits are not transformers' (which runs the rows' attention at once);
 - with fp16-weights fused and float32 one-op norms, it runs each decoder layer as two
   TorchScript methods around the cache update (``common.lean_script``: the same ops without
   Python between them, checked bit for bit at build time).
 
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
-and caches against the model's own forward, in float32, bfloat16 and fp16-weights). Measured
+and caches against the model's own forward, in float32, bfloat16 and fp16-weights), but for a
+bfloat16 verification's rows, which get one-row steps' bits (``tests/test_bf16_packed.py``). Measured
 interleaved on one core (demo target, fp16-weights, 200 cached positions): a decode step 22.9 ms
 through transformers, 18.2 ms lean; docs/architecture.md, "The model runner", has more.
 
@@ -424,16 +431,16 @@ class LeanForward:
                                cache=cache)
 
 
-ROW_EXACT_CHECK = (2, 3, 5, 8, 12, 16, 24)  # row counts at which a verification can run row-exact
+ROW_EXACT_MAX = 25  # the most rows a verification runs row-exact: a 24-token tree and its root
 
 
 def row_exact_rows(lean: "LeanForward") -> int:
     """The most rows (0: none) a bfloat16 verification runs with each row's bits a one-row
     step's: where the model computes in bfloat16 on a CPU with packed linear layers
-    (``common.bf16_packed``), the largest of ROW_EXACT_CHECK up to which every linear of the first
-    layer, and the output layer, give each of a forward's rows the bits that row gets alone
-    (oneDNN's packed kernel does up to 24 rows on a Qwen2.5-1.5B's shapes; its down projection
-    changes its blocking at 32). Attention then runs row by row (``_attend_by_row``)."""
+    (``common.bf16_packed``), every row count from 2 up to ROW_EXACT_MAX at which each linear of
+    the first layer, and the output layer, give every row of a forward the bits that row gets
+    alone (oneDNN's packed kernel does up to 27 rows on a Qwen2.5-1.5B's shapes: its down
+    projection changes its blocking beyond). Attention then runs row by row (``_attend_by_row``)."""
     from common.bf16_packed import Bf16Linear
 
     model = lean.model
@@ -443,19 +450,16 @@ def row_exact_rows(lean: "LeanForward") -> int:
     linears = [m for m in model.model.layers[0].modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))]
     linears.append(getattr(head, "inner", head))  # a cut draft head's own layer
     gen = torch.Generator().manual_seed(0)
-    most = ROW_EXACT_CHECK[-1]
-    best = most
+    best = ROW_EXACT_MAX
     with torch.inference_mode():
         for m in linears:
-            x = torch.randn(most, m.in_features, generator=gen).to(torch.bfloat16)
-            alone = torch.cat([m(x[r: r + 1]) for r in range(most)])
-            for rows in ROW_EXACT_CHECK:
-                if rows > best:
-                    break
+            x = torch.randn(best, m.in_features, generator=gen).to(torch.bfloat16)
+            alone = torch.cat([m(x[r: r + 1]) for r in range(best)])
+            for rows in range(2, best + 1):
                 if not torch.equal(m(x[:rows]), alone[:rows]):
-                    best = max([n for n in ROW_EXACT_CHECK if n < rows], default=0)
                     log.info("bfloat16 verifications run row-exact up to %d rows (a linear's rows differ at %d)",
-                             best, rows)
+                             rows - 1, rows)
+                    best = rows - 1
                     break
     return best if best > 1 else 0
 

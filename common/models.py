@@ -63,8 +63,10 @@ DTYPE_HELP = ("Model dtype. auto: on a CPU the fastest exact format, fp16-weight
               "it picked and why. fp16-weights (CPUs, with fbgemm): "
               "linear weights held in float16 and multiplied in float32 by fbgemm: faster, and a forward over "
               "a few tokens costs about one token's (what speculation needs); the model is then the checkpoint "
-              "with its linear weights rounded to float16. bfloat16 on a CPU (linear weights packed once for "
-              "oneDNN where the CPU computes bfloat16) is not token-exact at near-ties.")
+              "with its linear weights rounded to float16. bfloat16 on a CPU that computes it: linear weights "
+              "packed once for oneDNN, and a generation's verification rows computed as one-row steps compute "
+              "them, so its speculation keeps exactly the tokens of the target alone in bfloat16 (several "
+              "generations verified in one batch may differ from it at near-ties).")
 
 
 @dataclass(frozen=True)
