@@ -9,8 +9,9 @@ linear layers of a Qwen2.5-1.5B-shaped model at one row took 310 ms as plain wei
 packed, and a whole one-row forward 330 ms against 256 ms; a 256-row prefill chunk costs about
 the same either way. A one-row product is bit-identical either way (the same kernel;
 ``tests/test_bf16_packed.py`` checks it, and the loader checks it on the model's first layer);
-up to 24 rows (on a Qwen2.5-1.5B's shapes; 32 change the down projection's blocking) each row
-keeps those bits too, whatever the other rows, which is what makes a bfloat16 verification exact
+on one thread, up to 27 rows (on a Qwen2.5-1.5B's shapes; the down projection's blocking changes
+beyond, and two threads split the work differently from 12) each row keeps those bits too, whatever
+the other rows, which is what makes a bfloat16 verification exact
 (``common.lean.row_exact_rows``, ``LeanForward._attend_by_row``). Other row counts (a 256-row
 prefill chunk) may block the sums differently, within bfloat16's rounding.
 

@@ -278,12 +278,21 @@ class LeanForward:
                 gate_up=None if fused_gu is None else _linear(fused_gu),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
-        self.row_exact_rows = row_exact_rows(self) if self._inline_attention else 0
+        self.row_exact_rows = 0  # a target's engine turns it on (enable_row_exact)
         self.scripted, self.script_reason = None, "off"
         if script:
             from common.lean_script import script_layers
 
             self.scripted, self.script_reason = script_layers(self, base)
+
+    def enable_row_exact(self) -> int:
+        """Verifications of one sequence run row by row from now on, up to the rows
+        ``row_exact_rows`` finds exact (0: not this model, device or kernel); returns them. A
+        target's engine asks for it: a draft gains nothing by it."""
+        self.row_exact_rows = row_exact_rows(self) if self._inline_attention else 0
+        if self.row_exact_rows:
+            log.info("bfloat16 verifications of up to %d rows give each row a one-row step's bits", self.row_exact_rows)
+        return self.row_exact_rows
 
     def _pre(self, L, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rolled: bool = True):
         """A layer up to its cache: the input norm, q/k/v and the rotary embedding (``sin``
@@ -316,8 +325,14 @@ class LeanForward:
         h = L.post_norm(x)
         if L.gate_up is not None:
             gu = L.gate_up(h)
-            return x + L.down(L.act(gu[..., : L.inter]) * gu[..., L.inter:])
-        return x + L.down(L.act(L.gate(h)) * L.up(h))
+            gate, up = gu[..., : L.inter], gu[..., L.inter:]
+        else:
+            gate, up = L.gate(h), L.up(h)
+        if by_row:  # a transcendental over many rows splits its work where a one-row step does not
+            act = torch.cat([L.act(gate[:, r: r + 1]) for r in range(gate.shape[1])], dim=1)
+        else:
+            act = L.act(gate)
+        return x + L.down(act * up)
 
     @staticmethod
     def _attend(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

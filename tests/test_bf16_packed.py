@@ -218,7 +218,9 @@ def test_a_bfloat16_star_keeps_exactly_its_target_alones_tokens(tiny_target, nea
     the same target daemon's own without drafts, and drafts were kept with no round without."""
     from fakes import run_concurrently
 
-    engine_rows = ModelRunner(load_causal_lm(str(tiny_target), dtype="bfloat16")).lean.row_exact_rows
+    from starsd_target.engine import TargetEngine
+
+    engine_rows = TargetEngine(load_causal_lm(str(tiny_target), dtype="bfloat16")).runner.lean.row_exact_rows
     if engine_rows < 8:
         pytest.skip(f"this CPU's packed kernel keeps a row's bits up to {engine_rows} rows: trees of 8 run in one pass")
     draft_ep = star.draftd(near_draft, "--dtype", "bfloat16", ready=False)
@@ -234,3 +236,24 @@ def test_a_bfloat16_star_keeps_exactly_its_target_alones_tokens(tiny_target, nea
         star.assert_speculated(spec[:1], prefix="c")
         star.assert_speculated(spec[1:], prefix="t")
     assert spec[1]["stats"]["tree_rounds"] > 0
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this CPU has no packed bfloat16 kernel (the loader keeps plain layers)")
+def test_row_exact_verification_is_a_targets_and_stops_where_a_linear_differs(tmp_path, monkeypatch):
+    """A runner alone (a draft's) keeps one pass; a target's engine turns row-exact rows on, up
+    to the row count before the first at which a linear gives a row other bits."""
+    from common import lean as lean_mod
+    from starsd_target.engine import TargetEngine
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=6, hidden=32, layers=1)
+    loaded = load_causal_lm(str(ckpt), dtype="bfloat16")
+    assert ModelRunner(loaded).lean.row_exact_rows == 0
+    assert TargetEngine(loaded).runner.lean.row_exact_rows == lean_mod.ROW_EXACT_MAX
+    real = Bf16Linear.forward
+
+    def off_at_seven(self, x):
+        y = real(self, x)
+        return y + 1 if x.dim() == 2 and x.shape[0] == 7 else y
+
+    monkeypatch.setattr(Bf16Linear, "forward", off_at_seven)
+    assert ModelRunner(loaded).lean.enable_row_exact() == 6
