@@ -85,8 +85,9 @@ def choose_dtype(name: str, device: torch.device) -> DtypeChoice:
     the GPU computes natively (bfloat16's near-ties are the known exception to exactness there).
     Where PyTorch has fbgemm (x86 builds, and PyPI's aarch64 ones) that is fp16-weights: it
     computes in float32 (a many-row verification and a one-row step round alike) and moves half the
-    weight bytes; bfloat16 is not, as its coarse logits break near-ties differently at different row
-    counts. A checkpoint whose linear weights overflow float16 is taken back to float32 at load
+    weight bytes; bfloat16's coarse logits break near-ties differently wherever a row's bits depend
+    on the rows beside it, which ``common.lean.row_exact_rows`` rules out only for a generation
+    verified on its own, within the rows it checks. A checkpoint whose linear weights overflow float16 is taken back to float32 at load
     (``load_causal_lm``), where the weights can be counted."""
     from common.fp16_weights import FP16_WEIGHTS, fp16_weights_available
 
