@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from common.fp16_weights import layer_slots
+
 
 def packed_bf16_available() -> bool:
     """Whether this PyTorch build and CPU can run oneDNN's packed bfloat16 linear."""
@@ -80,7 +82,7 @@ def pack_bf16(model: torch.nn.Module, done=None) -> tuple[int, str | None]:
     is replaced (to give its pages back)."""
     tied = _tied_head(model)
     replaced: list[tuple[torch.nn.Module, str]] = []
-    for parent, name in _linear_slots(model):
+    for parent, name in layer_slots(model, lambda m: type(m) is torch.nn.Linear):
         child = getattr(parent, name)
         if child is tied or child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
             continue
@@ -101,13 +103,6 @@ def pack_bf16(model: torch.nn.Module, done=None) -> tuple[int, str | None]:
     return len(replaced), None
 
 
-def _linear_slots(model: torch.nn.Module, kind: type = torch.nn.Linear) -> list[tuple[torch.nn.Module, str]]:
-    """(parent, attribute name) of every ``kind`` layer in ``model``: the slots, not the layers,
-    so that a layer replaced while walking them is not kept alive by the list."""
-    return [(parent, name) for parent in model.modules() if type(parent) is not kind
-            for name, child in parent.named_children() if type(child) is kind]
-
-
 def _differs(plain: torch.nn.Linear, packed: Bf16Linear) -> str | None:
     """Why the packed layer cannot stand in for the plain one (None: the same bits on a probe row)."""
     g = torch.Generator().manual_seed(0)
@@ -120,7 +115,7 @@ def _differs(plain: torch.nn.Linear, packed: Bf16Linear) -> str | None:
 
 def unpack_bf16(model: torch.nn.Module) -> int:
     """Undo ``pack_bf16``: plain ``nn.Linear`` layers again (for ``torch.compile``); returns how many."""
-    slots = _linear_slots(model, Bf16Linear)
+    slots = layer_slots(model, lambda m: type(m) is Bf16Linear)
     for parent, name in slots:
         setattr(parent, name, getattr(parent, name).to_linear())
     return len(slots)

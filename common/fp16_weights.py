@@ -170,6 +170,13 @@ def pack_model(model: torch.nn.Module) -> int:
 MAX_PACK_WORKERS = 4  # layers packed at once at most: each holds a float32 copy of its weight
 
 
+def layer_slots(module: torch.nn.Module, match) -> list[tuple[torch.nn.Module, str]]:
+    """(parent, attribute name) of every submodule of ``module`` that ``match`` takes: the slots,
+    not the layers, so that a layer replaced while walking them is not kept alive by the list."""
+    return [(parent, name) for parent in module.modules() if not match(parent)
+            for name, child in parent.named_children() if match(child)]
+
+
 def in_order(fn, items: list, workers: int | None = None):
     """``(item, fn(item))`` for each item, in order, with ``fn`` run on up to ``workers`` threads
     at once (default: torch's threads, at most MAX_PACK_WORKERS): for fbgemm's packing, which runs
@@ -195,9 +202,7 @@ def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None)
     if not fp16_weights_available():
         raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels; this build has "
                            f"{torch.backends.quantized.supported_engines}: use --dtype float32")
-    # the slots, not the layers: a replaced layer must not outlive its turn in a list
-    slots = [(parent, name) for parent in module.modules() if not isinstance(parent, torch.nn.Linear)
-             for name, child in parent.named_children() if isinstance(child, torch.nn.Linear)]
+    slots = layer_slots(module, lambda m: isinstance(m, torch.nn.Linear))
     for parent, name in slots:
         device = getattr(parent, name).weight.device
         if device.type != "cpu":
