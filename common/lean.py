@@ -310,13 +310,14 @@ class LeanForward:
         return qk[:, : L.heads], qk[:, L.heads:], v
 
     def _post(self, L, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None, by_row: bool = False) -> torch.Tensor:
-        """A layer from its cache's keys and values on: attention (``by_row``: each query row as
-        a one-row step computes it, ``_attend_by_row``), the output projection, the residual, the
-        MLP and its residual; returns the layer's output."""
+              mask: torch.Tensor | None, row_keys: list | None = None) -> torch.Tensor:
+        """A layer from its cache's keys and values on: attention (with ``row_keys``: each query
+        row as a one-row step computes it, ``_attend_by_row``), the output projection, the
+        residual, the MLP and its residual; returns the layer's output."""
         shape = x.shape[:-1]
+        by_row = row_keys is not None
         if by_row:
-            a = self._attend_by_row(L, q, k, v, mask)
+            a = self._attend_by_row(L, q, k, v, row_keys)
         elif self._inline_attention and L.causal:
             a = self._attend(L, q, k, v, mask)
         else:
@@ -357,24 +358,32 @@ class LeanForward:
         return a.reshape(a.shape[0], -1, q_len, v.shape[-1]).transpose(1, 2).contiguous()
 
     @staticmethod
-    def _attend_by_row(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention for a verification's rows (one sequence), each row computed as a one-row
-        decoding step computes it: one query, the keys it may see in their order (a tree row's:
-        the cache's and its ancestors', read from ``mask``), no mask. With linear layers that
-        give a row the same bits whatever the row count (``row_exact_rows``), the whole forward
-        then gives each row a one-row step's bits."""
-        q_len, base = q.shape[2], k.shape[2] - q.shape[2]
-        rows = []
-        for i in range(q_len):
-            if mask is None:
-                keys = None
-            else:
+    def _row_keys(mask: torch.Tensor | None, rows: int, kv_len: int) -> list:
+        """For each of a verification's rows, the keys a one-row step would attend to: the
+        length of the cache's prefix it sees, or (a tree row off the main line) the positions its
+        mask allows, in order. The same for every layer, so found once per forward."""
+        base = kv_len - rows
+        out: list = []
+        for i in range(rows):
+            keys = None
+            if mask is not None:
                 m = mask[0, 0, i]
                 keys = (m if m.dtype == torch.bool else m == 0).nonzero().flatten()
                 if keys.numel() == base + i + 1 and int(keys[-1]) == base + i:
                     keys = None  # the cache and the rows before: a slice, as for a chain
-            if keys is None:
-                ki, vi = k[:, :, : base + i + 1], v[:, :, : base + i + 1]
+            out.append(base + i + 1 if keys is None else keys)
+        return out
+
+    @staticmethod
+    def _attend_by_row(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_keys: list) -> torch.Tensor:
+        """Attention for a verification's rows (one sequence), each row computed as a one-row
+        decoding step computes it: one query, the keys it may see in their order (``_row_keys``),
+        no mask. With linear layers that give a row the same bits whatever the row count
+        (``row_exact_rows``), the whole forward then gives each row a one-row step's bits."""
+        rows = []
+        for i, keys in enumerate(row_keys):
+            if isinstance(keys, int):
+                ki, vi = k[:, :, :keys], v[:, :, :keys]
             else:
                 ki, vi = k.index_select(2, keys), v.index_select(2, keys)
             rows.append(LeanForward._attend(L, q[:, :, i: i + 1], ki, vi, None))
@@ -432,12 +441,15 @@ class LeanForward:
             # a verification (every row's logits read) of one sequence, within the rows whose bits
             # the linear layers keep whatever their count: each row as a one-row step computes it
             by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
+            row_keys = None
             for L in self.layers:
                 if hidden is not None:
                     hidden.append(x)
                 q, k, v = self._pre(L, x, cos, sin, rolled)
                 k, v = cache.update(k, v, L.idx)
-                x = self._post(L, x, q, k, v, mask, by_row)
+                if by_row and row_keys is None:
+                    row_keys = self._row_keys(mask, x.shape[1], k.shape[2])
+                x = self._post(L, x, q, k, v, mask, row_keys)
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)
