@@ -557,7 +557,6 @@ class DraftServer:
             if found is None or not text.choose(found.score):
                 continue
             text.last_source, text.last_score = "suffix", found.score
-            features = item.request.new_features
             if features is not None and features.shape[0]:  # the backend takes them with the next request's
                 session.pending_features = [as_torch(features).to(torch.float32, copy=True)]
             won[i] = (_suffix_draft(found, greedy), time.perf_counter() - t0)
@@ -712,8 +711,7 @@ class DraftServer:
                 session.last_reply = None if draft.parents is not None else LastReply(
                     h["seq"], (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0)), draft)
                 if self.config.lookahead and not self.draining and draft.parents is None and not from_suffix:
-                    self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth),
-                                         admitted[i].header["seq"])
+                    self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth), h["seq"])
 
     def _reply(self, item: AdmittedRequest, draft: Draft, start: float, seconds: float) -> None:
         """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its
