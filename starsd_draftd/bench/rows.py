@@ -42,6 +42,11 @@ def row_formats() -> tuple[str, ...]:
     return ((FP16_WEIGHTS,) if fp16_weights_available() else ()) + ("bfloat16", "float32")
 
 
+def shape_dir(name: str, root: Path) -> Path:
+    """Where ``shape_checkpoint`` keeps the named shape under ``root`` (built or not)."""
+    return root / f"shape-{name}"
+
+
 def shape_checkpoint(name: str, root: Path) -> Path:
     """A bfloat16 checkpoint of the named real configuration with random weights, built once
     under ``root`` (the 1.5B one is 3.1 GB on disk and takes about a minute)."""
@@ -49,7 +54,7 @@ def shape_checkpoint(name: str, root: Path) -> Path:
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}, or give a checkpoint directory")
-    out = root / f"shape-{name}"
+    out = shape_dir(name, root)
     if (out / "config.json").is_file():
         return out
     cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,

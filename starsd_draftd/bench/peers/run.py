@@ -645,9 +645,9 @@ def _model_place(name: str) -> str:
     """Where a run finds the model ``name``: a shape's checkpoint directory in the cache (built
     by the run, not by ``--plan``), else the name as the daemons take it."""
     from common.models import cache_root
-    from starsd_draftd.bench.rows import SHAPES
+    from starsd_draftd.bench.rows import SHAPES, shape_dir
 
-    return str(cache_root() / "bench" / f"shape-{name}") if name in SHAPES else name
+    return str(shape_dir(name, cache_root() / "bench")) if name in SHAPES else name
 
 
 def resolve_models(cfg: PeersConfig) -> tuple[Path, Path]:
