@@ -13,8 +13,9 @@ verifying k drafts costs about what one plain decoding step does.
 Norms and attention run in float32. The model is the checkpoint with its linear weights rounded
 to float16, in both the target-alone and the speculative path. ``pack_model`` builds it from the
 checkpoint's own dtype one layer at a time, and keeps a bfloat16 or float16 checkpoint's embedding
-table as it is (its rows are widened to float32 when looked up, the same values a float32 copy
-holds): a 1.5B model then holds its weights' size plus the runtime, not a float32 copy beside them.
+table as it is, in its mapped file (its rows are read when looked up and widened to float32, the
+same values a float32 copy holds): a 1.5B model then holds its packed weights and the runtime,
+not a float32 copy beside them nor a second copy of a tied table.
 """
 
 from __future__ import annotations
@@ -143,9 +144,14 @@ def pack_model(model: torch.nn.Module) -> int:
     """The fp16-weights model from one loaded in its checkpoint's dtype, in place: every linear
     packed (a few at a time, so only their float32 copies exist at once, and the pages of a
     weight read from its mapped file are given back once packed), each 16-bit embedding table kept
-    in its dtype behind ``CompactEmbedding`` (copied out of the file, so the mapping can go), and
-    every other floating tensor (norms, rotary tables) made float32. Returns how many linears were
-    packed."""
+    in its dtype behind ``CompactEmbedding``, and every other floating tensor (norms, rotary
+    tables) made float32. Returns how many linears were packed.
+
+    An embedding table read from its mapped file stays a view of it, its pages given back: a
+    lookup reads the rows it needs from the page cache, so the table costs resident memory only
+    for the tokens in use (a tied output layer, packed, holds its own float16 copy: the table is
+    not held twice). As with every format that serves a checkpoint's tensors as loaded, the file
+    must not be rewritten in place while a daemon serves it (replace it by renaming)."""
     from common.memory import give_back_freed_memory, release_file_pages, weight_file_ranges
 
     ranges = weight_file_ranges()
@@ -153,7 +159,7 @@ def pack_model(model: torch.nn.Module) -> int:
     for m in list(model.modules()):
         if type(m) is torch.nn.Embedding and m.weight.dtype in (torch.bfloat16, torch.float16):
             m.__class__ = CompactEmbedding  # the same module and table
-            m.weight.data = m.weight.data.clone()  # owned memory, not a view of the mapped file
+            release_file_pages(m.weight, ranges)  # a view of the mapped file: only rows looked up come back
     for m in model.modules():
         if isinstance(m, CompactEmbedding):
             continue

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import fp16_weights
@@ -215,16 +216,40 @@ def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touche
 
 @needs_fbgemm
 @needs_proc_maps
-def test_fp16_weights_keeps_no_view_of_the_checkpoint_file(tiny_target, tmp_path):
-    """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file; after
-    packing none is left, so the mapping (and its resident pages) goes."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looked_up(tmp_path):
+    """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file. After
+    packing, the only one left is the 16-bit embedding table (a tied output layer's too: the
+    packed layer holds its own float16 copy), none of whose pages is left resident: a lookup
+    pages in its rows (the kernel maps a fault's neighbours too, up to 64 KiB), which are the
+    checkpoint's."""
+    from common.memory import weight_file_ranges
+    from tiny_models import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "llama", seed=3, hidden=1024, layers=1, tied=True)
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    path = tmp_path / "bf16" / "model.safetensors"
     loaded = load_causal_lm(str(tmp_path / "bf16"), dtype=FP16_WEIGHTS)
-    mine = str(tmp_path / "bf16")
-    maps = open("/proc/self/maps").read()
-    assert mine not in maps, [line for line in maps.splitlines() if mine in line]
-    assert loaded.weights_bytes == (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert loaded.weights_bytes == path.stat().st_size
+    table = loaded.model.get_input_embeddings().weight
+    assert table.dtype == torch.bfloat16 and table.numel() * 2 > 128 * 4096  # 259 rows of 2 KiB
+    assert any(lo <= table.data_ptr() < hi for lo, hi in weight_file_ranges())
+
+    def resident_kib() -> int:  # of this process's mappings of the checkpoint file
+        total, mine = 0, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                mine = line.rstrip().endswith(str(path))
+            elif mine and head[0] == "Rss:":
+                total += int(head[1])
+        return total
+
+    assert resident_kib() <= 64  # the file's header and a few small tensors' pages: not the table's 518 KiB
+    ids = torch.tensor([[1, 40, 200]])
+    with torch.inference_mode():
+        rows = loaded.model.get_input_embeddings()(ids)
+    assert rows.dtype == torch.float32
+    assert torch.equal(rows[0], load_file(path)["model.embed_tokens.weight"][ids[0]].float())
 
 
 def test_zero_threads_means_one_per_core_this_process_may_run_on(monkeypatch):
