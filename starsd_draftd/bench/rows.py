@@ -107,6 +107,7 @@ def measure_rows(model_dir: Path, dtype: str, rows: tuple[int, ...] = ROW_COUNTS
     try:
         loaded = load_causal_lm(str(model_dir), dtype=dtype)
         runner = ModelRunner(loaded)
+        exact = runner.lean.enable_row_exact() if runner.lean is not None else 0  # as a target verifies
         cache = runner.new_cache(context + max(rows))
         vocab = loaded.vocab_size
         ids = torch.randint(0, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
@@ -123,7 +124,7 @@ def measure_rows(model_dir: Path, dtype: str, rows: tuple[int, ...] = ROW_COUNTS
         memory = memory_report(loaded.weights_bytes)  # after the forwards: a mapped checkpoint is paged in lazily
         log.info("rows %s: %s", dtype, describe(memory))
         ms = [statistics.median(times[r]) * 1e3 for r in rows]
-        return {"dtype": loaded.dtype_name, "forward": runner.forward_kind, "rows": list(rows), "ms": ms,
+        return {"dtype": loaded.dtype_name, "forward": runner.forward_kind, "row_exact": exact, "rows": list(rows), "ms": ms,
                 "relative": [m / ms[0] for m in ms], "memory": memory}
     finally:
         torch.set_num_threads(previous)
@@ -151,5 +152,6 @@ def format_rows(section: dict) -> list[str]:
         cells = " | ".join(f"{m:.1f} ms ({r:.2f}x)" for m, r in zip(f["ms"], f["relative"]))
         mem = f["memory"]
         ratio = f"{mem['rss_over_weights']:.2f}x" if mem["rss_over_weights"] else "n/a"
-        lines.append(f"| {f['dtype']} | {f['forward']} | {cells} | {ratio} |")
+        forward = f["forward"] + (f", rows exact to {f['row_exact']}" if f.get("row_exact") else "")
+        lines.append(f"| {f['dtype']} | {forward} | {cells} | {ratio} |")
     return lines + [""]
