@@ -22,6 +22,7 @@ from starsd_draftd.bench.emulated_target import EmulatedTarget, Round, TargetMod
 from starsd_draftd.bench.emulation import EMULATION_LABEL, EmulatedBackend, PacedSleep, ServiceModel
 from starsd_draftd.bench.trace import BusyIndex, Trace, TracingBackend, idle_gaps, services_between
 from starsd_draftd.bench.plan import Plan
+from starsd_draftd.bench.real import bench_dtype
 from starsd_draftd.bench.report import format_report
 
 
@@ -369,6 +370,7 @@ def test_bench_cli_builds_the_config(cli, monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench_cli, "run_bench", fake_run)
     monkeypatch.setattr(bench_cli, "setup_logging", lambda *a: None)
+    monkeypatch.delenv("STARSD_DRAFTD_DTYPE", raising=False)  # the tests' daemons' dtype (conftest)
     monkeypatch.setattr(bench_cli, "format_report", lambda r: "table")
     res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(tmp_path), "--n-max", "2", "--sections",
                                    "wire,emulation", "--no-progress"])
@@ -379,6 +381,10 @@ def test_bench_cli_builds_the_config(cli, monkeypatch, tmp_path):
     res = CliRunner().invoke(cli, ["bench", "--verify-ms", "30", "--models", "tiny"])
     cfg = seen["cfg"]
     assert not cfg.quick and cfg.n_max == 16 and cfg.verify_ms == 30 and cfg.models == "tiny"
+    assert cfg.dtype == "auto" and bench_dtype(cfg) == "float32"  # the tiny pair's default
+    res = CliRunner().invoke(cli, ["bench", "--models", "demo", "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    assert bench_dtype(seen["cfg"]) == "bfloat16"  # the daemons', and the target alone's beside them
     assert "--quick" in CliRunner().invoke(cli, ["bench", "--help"]).output
 
 
@@ -624,6 +630,8 @@ def test_quick_bench_rows_fields(quick_report):
         assert len(f["ms"]) == len(ROW_COUNTS) and all(_num(x) and x > 0 for x in f["ms"]), f
         assert f["relative"][0] == 1.0 and all(_num(x) for x in f["relative"])
         assert f["forward"] in ("lean", "eager", "compiled")
+        # a bfloat16 target verifies its rows as one-row steps compute them, where they are checked exact
+        assert f["row_exact"] >= 0 and (f["dtype"] == "bfloat16" or f["row_exact"] == 0)
         assert f["memory"]["rss_bytes"] > 0 and f["memory"]["weights_bytes"] > 0
     assert "One forward against its rows" in format_report(r)
 

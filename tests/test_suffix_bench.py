@@ -75,6 +75,11 @@ def test_the_section_table_and_its_config_checks():
     text = "\n".join(section.format_suffix(s))
     assert "| suffix | 25.0 | 2.50 | 3.40 | 50 | 0 | yes |" in text
     assert "| arcticinference | did not run: no compiler" in text and "| starsd | 3.10 |" in text
+    assert "prefill" not in text  # a report from before the bench said where the time went
+    runs["suffix"].update(wall_s=40.0, prefill_s=10.0, prompt_tokens=5000,
+                          round_ms={"round": 60.0, "draft_wait": 5.0, "verify_forward": 53.0})
+    assert ("suffix: prefill 10.0 s of 40.0 (5000 prompt tokens); a round 60.0 ms: draft wait 5.0, verify "
+            "forward 53.0, the rest 2.0") in "\n".join(section.format_suffix(s))
     s["replays"]["arcticinference"] = {"totals": {"tokens_per_step": 3.0, "drafted": 310, "accepted": 190},
                                        "timing": {"speculate_us_mean": 8.0, "add_us_per_token": 1.5}}
     assert "| arcticinference | 3.00 | 310 | 190 | speculate 8.0 us, add 1.5 us a token |" in "\n".join(
@@ -82,3 +87,20 @@ def test_the_section_table_and_its_config_checks():
     assert "suffix" in config.SECTIONS and "suffix" not in config.BenchConfig.quick_config().sections
     with pytest.raises(ValueError, match="demo models"):
         config.BenchConfig(sections=("suffix",), models="tiny").check()
+
+
+def test_a_summary_says_where_the_time_went():
+    """Prefill and the rounds' profile, summed over the responses' own stats."""
+    def response(prefill, rounds, wall, wait, verify):
+        return {"kind": "edit", "response": {
+            "usage": {"completion_tokens": 2 * rounds, "prompt_tokens": 100},
+            "choices": [{"message": {"content": "x"}}],
+            "starsd": {"rounds": rounds, "drafted": rounds, "accepted": rounds, "fallback_rounds": 0,
+                       "prefill_s": prefill, "profile": {"rounds": rounds, "wall_s": wall,
+                                                         "seconds": {"draft_wait": wait, "verify_forward": verify},
+                                                         "counts": {}}}}}
+
+    s = section._summary([response(1.0, 10, 0.6, 0.1, 0.5), response(2.0, 30, 1.8, 0.3, 1.5)], 6.0)
+    assert s["prefill_s"] == 3.0 and s["prompt_tokens"] == 200 and s["tokens_per_round"] == 2.0
+    assert s["round_ms"]["round"] == pytest.approx(60.0) and s["round_ms"]["draft_wait"] == pytest.approx(10.0)
+    assert s["round_ms"]["verify_forward"] == pytest.approx(50.0)

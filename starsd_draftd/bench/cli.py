@@ -10,7 +10,7 @@ import click
 
 from common.cliutil import env_options, fail_cleanly, logging_options
 from common.logs import setup_logging
-from common.models import ModelLoadError
+from common.models import DTYPE_CHOICES, ModelLoadError
 from starsd_draftd.bench.config import NOT_QUICK, SECTIONS, BenchConfig
 from starsd_draftd.bench.report import format_report
 from starsd_draftd.bench.run import run_bench
@@ -50,6 +50,10 @@ _b = BenchConfig()
              "demo-third: the demo target with a draft of its first third of layers, distilled the same way "
              "(built once, about 4.5 minutes): a draft step costs a real share of a round, as a 0.5B draft's "
              "does beside a 1.5B target; or tiny random checkpoints [default: demo; quick: tiny].")
+@option("--dtype", type=click.Choice(DTYPE_CHOICES), default=_b.dtype,
+        help="The daemons' --dtype in the sections with real models [default: auto: the demo's format for the "
+             "demo models (fp16-weights on x86), float32 for the tiny ones]. The target alone it is compared "
+             "with runs the same format.")
 @option("--max-tokens", type=click.IntRange(1), default=None,
         help=f"Real section: tokens per job [default: {_b.max_tokens}; quick: 24].")
 @option("--jobs", type=click.IntRange(1), default=None,
@@ -70,7 +74,7 @@ _b = BenchConfig()
 @logging_options(option, default_level="warning")  # the progress bar is the bench's running report
 @fail_cleanly(ModelLoadError, RuntimeError, TimeoutError, ValueError, ImportError)
 def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_per_token_ms, verify_ms, rtt_ms,
-          single_ms, acceptance, guess_rate, models, max_tokens, jobs, repeats, batch_max, rows_model, seed, no_plot,
+          single_ms, acceptance, guess_rate, models, dtype, max_tokens, jobs, repeats, batch_max, rows_model, seed, no_plot,
           no_progress,
           as_json, log_level, log_format) -> None:
     """Measure the star on this machine: wire cost, accelerator emulation beside the analytic model,
@@ -80,7 +84,7 @@ def bench(quick, out, sections, n_max, real_n_max, depth, draft_base_ms, draft_p
              "jobs_per_target": jobs, "repeats": repeats}
     kw = dict({k: v for k, v in given.items() if v is not None}, out=out, depth=depth, draft_base_ms=draft_base_ms,
               draft_per_token_ms=draft_per_token_ms, verify_ms=verify_ms, rtt_ms=rtt_ms, single_ms=single_ms,
-              acceptance=acceptance, guess_rate=guess_rate, batch_max=batch_max, rows_model=rows_model, seed=seed,
+              acceptance=acceptance, guess_rate=guess_rate, dtype=dtype, batch_max=batch_max, rows_model=rows_model, seed=seed,
               plot=not no_plot,
               progress=not no_progress,
               sections=tuple(s.strip() for s in sections.split(",") if s.strip()))

@@ -59,6 +59,7 @@ class BenchConfig:
     # "demo": the demo checkpoints (SmolLM2 + its draft); "demo-third": the demo target and its real-cost
     # draft (a third of its layers); "tiny": random tiny checkpoints (CI)
     models: str = "demo"
+    dtype: str = "auto"  # the daemons' --dtype in the sections with real models (auto: ``bench_dtype``)
     real_n_max: int = 2  # SmolLM2 on a CPU: each extra target shares the targets' cores
     jobs_per_target: int = 2
     max_tokens: int = 64

@@ -219,12 +219,14 @@ def _batched_generate(target, prompts: list[str], gen_kw: dict) -> dict:
 
 
 def bench_dtype(cfg: BenchConfig) -> str:
-    """The daemons' dtype: the demo's for the demo pair; float32 for the tiny random pair, whose
-    16-bit logits hold top-2 ties one rounding step apart, which a forward of another shape
-    (a batch of generations, a longer feed) can break either way: float32 keeps the
-    exactness checks meaningful."""
+    """The daemons' dtype: the one asked for (``--dtype``), else the demo's for the demo pair and
+    float32 for the tiny random pair, whose 16-bit logits hold top-2 ties one rounding step apart,
+    which a forward of another shape (a batch of generations, a longer feed) can break either way:
+    float32 keeps the exactness checks meaningful."""
     from starsd_draftd.demo.run import DemoConfig, demo_dtype
 
+    if cfg.dtype != "auto":
+        return cfg.dtype
     return "float32" if cfg.models == "tiny" else demo_dtype(DemoConfig())
 
 

@@ -70,6 +70,8 @@ def _chat(base: str, alone: bool, timeout_s: float):
 
 
 def _summary(done: list[dict], wall_s: float) -> dict:
+    from starsd_target.profile import merge, ms_per_round
+
     stats = [d["response"]["starsd"] for d in done]
     tokens = sum(d["response"]["usage"]["completion_tokens"] for d in done)
     rounds = sum(s["rounds"] for s in stats)
@@ -86,6 +88,10 @@ def _summary(done: list[dict], wall_s: float) -> dict:
             "drafted": sum(s["drafted"] for s in stats), "accepted": sum(s["accepted"] for s in stats),
             "fallback_rounds": sum(s["fallback_rounds"] for s in stats),
             "plain_rounds": sum(s.get("plain_rounds", 0) for s in stats), "by_kind": by_kind,
+            # where the time went: the prompts' prefill (both configurations pay it alike) and the rounds
+            "prompt_tokens": sum(d["response"]["usage"]["prompt_tokens"] for d in done),
+            "prefill_s": sum(s.get("prefill_s", 0.0) for s in stats),
+            "round_ms": ms_per_round(merge([s["profile"] for s in stats if "profile" in s])),
             "texts": [d["response"]["choices"][0]["message"]["content"] for d in done]}
 
 
@@ -204,6 +210,13 @@ def format_suffix(s: dict) -> list[str]:
         lines += ["", f"suffix drafts: {sd['requests']} requests, {sd['tokens']} tokens drafted, {sd['kept']} kept; "
                       f"query {sd['query_us']:.0f} us, update {sd['update_us_per_token']:.1f} us a token, "
                       f"{sd['bytes'] / max(sd['tokens_indexed'] or 1, 1):.0f} bytes a token indexed"]
+    for name, r in s["configs"].items():
+        ms = r.get("round_ms") or {}
+        if "prefill_s" in r:
+            lines.append(f"{name}: prefill {r['prefill_s']:.1f} s of {r['wall_s']:.1f} ({r['prompt_tokens']} prompt tokens)"
+                         + (f"; a round {ms['round']:.1f} ms: draft wait {ms['draft_wait']:.1f}, verify forward "
+                            f"{ms['verify_forward']:.1f}, the rest {ms['round'] - ms['draft_wait'] - ms['verify_forward']:.1f}"
+                            if ms else ""))
     kinds = s["configs"].get("suffix", {}).get("by_kind", {})
     if kinds:
         lines.append("tokens per round by kind (star with suffix drafts): "
