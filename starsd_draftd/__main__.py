@@ -1,3 +1,14 @@
-from starsd_draftd.cli import main
+"""``python -m starsd_draftd`` and the console script: huge pages asked for first (``common.hugepages``)."""
 
-main()
+from common.hugepages import with_huge_pages
+
+
+def run() -> None:
+    with_huge_pages()
+    from starsd_draftd.cli import main
+
+    main()
+
+
+if __name__ == "__main__":
+    run()
