@@ -2,8 +2,8 @@
 
 A decoding step streams every weight once, and on a CPU it is bound by how fast memory is read.
 In 4 KiB pages a 1.5B model's 3 GB of weights span 750,000 pages, and the TLB misses of walking
-them cost a tenth of the step: on a 2-vCPU Xeon, one core, a Qwen2.5-1.5B-shaped target's decoding
-step took 287 ms in bfloat16 and 291 ms in fp16-weights; in 2 MiB pages, 251 and 245 ms.
+them cost up to a sixth of the step: on a 2-vCPU Xeon, one core, a Qwen2.5-1.5B-shaped target's
+decoding step took 9-19% less in bfloat16 and 1-16% less in fp16-weights in 2 MiB pages.
 
 Linux hands out huge pages to memory that asks for them (``madvise``), which is the default
 setting of most distributions' kernels (``/sys/kernel/mm/transparent_hugepage/enabled``). The
