@@ -244,7 +244,8 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
                 total += int(head[1])
         return total
 
-    assert resident_kib() <= 64  # the file's header and a few small tensors' pages: not the table's 518 KiB
+    # the header and the small tensors read (with the pages the kernel maps beside them): not the table's 518 KiB
+    assert resident_kib() <= 128
     ids = torch.tensor([[1, 40, 200]])
     with torch.inference_mode():
         rows = loaded.model.get_input_embeddings()(ids)
