@@ -1,10 +1,14 @@
-"""``python -m starsd_draftd`` and the console script: huge pages asked for first (``common.hugepages``)."""
+"""``python -m starsd_draftd`` and the console script: a daemon (``serve``) asks for huge pages first
+(``common.hugepages``); other commands start as they are."""
+
+import sys
 
 from common.hugepages import with_huge_pages
 
 
 def run() -> None:
-    with_huge_pages()
+    if sys.argv[1:2] == ["serve"]:
+        with_huge_pages()
     from starsd_draftd.cli import main
 
     main()

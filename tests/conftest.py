@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # (tests/test_dtype_auto.py runs auto itself, against an fp16-weights reference).
 os.environ.setdefault("STARSD_TARGET_DTYPE", "float32")
 os.environ.setdefault("STARSD_DRAFTD_DTYPE", "float32")
+# Tiny models gain nothing from huge pages, and their daemons would start slower and wait on the
+# kernel's huge-page faults inside millisecond rounds (tests/test_hugepages.py tests the switch)
+os.environ.setdefault("STARSD_HUGE_PAGES", "0")
 # the daemons take every core by default; the suite's share two, one torch thread each
 os.environ.setdefault("STARSD_TARGET_THREADS", "1")
 os.environ.setdefault("STARSD_DRAFTD_THREADS", "1")

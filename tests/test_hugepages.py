@@ -32,7 +32,7 @@ def test_the_environment_asks_for_huge_pages_once_and_keeps_other_tunables():
 
 
 def _run(code: str, **env) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", TORCH_HUGE, DONE)}
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", TORCH_HUGE, DONE, "STARSD_HUGE_PAGES")}
     out = subprocess.run([sys.executable, "-c", code, "an-argument"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT, env={**clean, **env})
     assert out.returncode == 0, out.stderr
@@ -52,3 +52,19 @@ def test_a_process_starts_again_with_huge_pages_asked_for_same_pid_same_argument
     assert lines == [f"start {pid}", f"start {pid}", f"{pid} ['an-argument'] {GLIBC_HUGE} 1"]
     off = _run(code, STARSD_HUGE_PAGES="0").splitlines()
     assert len(off) == 2 and off[1].endswith("None None")
+
+
+def test_only_a_daemon_asks_for_huge_pages():
+    """``serve`` starts again with huge pages asked for; any other command (``status``, ``--help``)
+    starts as it is, without the second start."""
+    code = ("import os, sys; sys.argv = ['starsd-target', sys.argv[1]]; print('start', flush=True); "
+            "from starsd_target.__main__ import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "print('huge', os.environ.get('STARSD_HUGE_PAGES_SET'))")
+    setting = kernel_setting() if sys.platform.startswith("linux") else None
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", TORCH_HUGE, DONE, "STARSD_HUGE_PAGES")}
+    for command, restarts in (("--help", False), ("serve", setting not in (None, "never"))):
+        out = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**clean, "STARSD_TARGET_MODEL": "/nonexistent"})
+        starts = out.stdout.count("start")
+        assert starts == (2 if restarts else 1), (command, out.stdout, out.stderr[-500:])
