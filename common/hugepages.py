@@ -27,6 +27,7 @@ instead: 3 GiB took 16 s to collapse and a bfloat16 step gained 1-3%, against 9-
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -78,3 +79,11 @@ def with_huge_pages() -> None:
         os.execve(sys.executable, argv, env)
     except OSError:  # cannot start again: go on as we are, in small pages
         return
+
+
+def run_cli(module: str) -> None:
+    """A console script's entry: ``module``'s click group ``main``, a daemon (``serve``) asking
+    for huge pages first; other commands start as they are."""
+    if sys.argv[1:2] == ["serve"]:
+        with_huge_pages()
+    importlib.import_module(module).main()

@@ -1,17 +1,10 @@
-"""``python -m starsd_target`` and the console script: a daemon (``serve``) asks for huge pages first
-(``common.hugepages``); other commands start as they are."""
+"""``python -m starsd_target`` and the console script (``common.hugepages.run_cli``)."""
 
-import sys
-
-from common.hugepages import with_huge_pages
+from common.hugepages import run_cli
 
 
 def run() -> None:
-    if sys.argv[1:2] == ["serve"]:
-        with_huge_pages()
-    from starsd_target.cli import main
-
-    main()
+    run_cli("starsd_target.cli")
 
 
 if __name__ == "__main__":
