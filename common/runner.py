@@ -122,6 +122,11 @@ class ModelRunner:
             return "transformers"
         return "transformers (forward hooks set)" if self.lean._hooked() else "lean"
 
+    def enable_row_exact(self) -> int:
+        """A target's verifications of one sequence run row-exact from now on, where the lean
+        forward can (``LeanForward.enable_row_exact``); returns up to how many rows (0: not here)."""
+        return self.lean.enable_row_exact() if self.lean is not None else 0
+
     def new_cache(self, capacity: int = 0):
         """An empty cache with ``capacity`` positions preallocated (0: grown as needed)."""
         return new_cache(self.model, capacity)

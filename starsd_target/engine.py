@@ -141,8 +141,7 @@ class TargetEngine:
                              f"full depth is the smallest tree")
         self.loaded = loaded
         self.runner = runner if runner is not None else ModelRunner(loaded)
-        if self.runner.lean is not None:  # bfloat16 verification rows as one-row steps compute them
-            self.runner.lean.enable_row_exact()
+        self.runner.enable_row_exact()  # bfloat16 verification rows as one-row steps compute them
         self.depth = depth
         self.tree_tokens = draft_tokens
         if draft_tokens > depth and (why := self._mask_refusal()) is not None:

@@ -107,7 +107,7 @@ def measure_rows(model_dir: Path, dtype: str, rows: tuple[int, ...] = ROW_COUNTS
     try:
         loaded = load_causal_lm(str(model_dir), dtype=dtype)
         runner = ModelRunner(loaded)
-        exact = runner.lean.enable_row_exact() if runner.lean is not None else 0  # as a target verifies
+        exact = runner.enable_row_exact()  # as a target verifies
         cache = runner.new_cache(context + max(rows))
         vocab = loaded.vocab_size
         ids = torch.randint(0, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
