@@ -16,11 +16,26 @@ checkpoint's own dtype one layer at a time, and keeps a bfloat16 or float16 chec
 table as it is, in its mapped file (its rows are read when looked up and widened to float32, the
 same values a float32 copy holds): a 1.5B model then holds its packed weights and the runtime,
 not a float32 copy beside them nor a second copy of a tied table.
+
+Wide prefill. fbgemm's kernel multiplies in float32 arithmetic, which is what a one-row step
+needs but costs a long prompt dearly: a 512-token prompt took 13 s to prefill in a 1.5B model on
+one core, against 2-3 s in bfloat16 on the same core's matrix units. Where the CPU has bfloat16
+matrix instructions (x86 with AMX or AVX-512 BF16) and a layer's weight was read from the
+checkpoint's mapped file, the layer keeps that view (``Fp16Linear.source``: no memory while
+unread, its pages given back after each use) and a prompt chunk of at least ``WIDE_ROWS`` rows
+multiplies it in bfloat16 with float32 inputs, outputs and accumulation (oneDNN's bf16 math mode
+for float32 matrices; ``wide_linear``). Only prefill goes wide: a verification, whose rows must
+match one-row steps, never does (``common.lean``). A row's result does not depend on how many
+rows share the GEMM (checked from 40 to 600 rows on the 1.5B shapes), so a batched prefill gives
+each prompt what it gets alone. ``STARSD_WIDE_PREFILL=0`` keeps prefill in fbgemm's float32
+arithmetic.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +63,54 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+WIDE_ROWS = 64  # rows from which a prefill's GEMMs go wide: past fbgemm's cost at 64 rows on the 1.5B shapes
+WIDE_PREFILL_ENV = "STARSD_WIDE_PREFILL"
+
+
+def wide_prefill_available() -> tuple[bool, str]:
+    """Whether prefill may multiply in bfloat16 here (see the module docstring), and why not."""
+    if os.environ.get(WIDE_PREFILL_ENV, "1") == "0":
+        return False, f"{WIDE_PREFILL_ENV}=0"
+    cpu = getattr(torch, "cpu", None)
+    if not any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")):
+        return False, "this CPU has no bfloat16 matrix instructions (AMX or AVX-512 BF16)"
+    return True, "AMX or AVX-512 BF16"
+
+
+_SCRATCH = threading.local()  # per thread: the float32 copy a 16-bit source weight is widened into
+
+
+def wide_linear(source: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) times each (weight, bias) of ``source``, outputs side by side, multiplied
+    in bfloat16 with float32 accumulation and outputs. A 16-bit weight is widened into this
+    thread's scratch first (bfloat16 and float16 values are exact in float32)."""
+    mm = torch.backends.mkldnn.matmul
+    before = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        outs = []
+        for w, b in source:
+            if w.dtype != torch.float32:
+                scratch = getattr(_SCRATCH, "buf", None)
+                if scratch is None or scratch.numel() < w.numel():
+                    scratch = _SCRATCH.buf = torch.empty(w.numel())
+                w = scratch[: w.numel()].view(w.shape).copy_(w)
+            outs.append(torch.nn.functional.linear(x, w, b))
+    finally:
+        mm.fp32_precision = before
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def wide_done(source_weights: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
+    """After a wide forward: this thread's scratch dropped, and the source weights' file pages
+    given back, so that serving holds the packed weights only."""
+    from common.memory import release_file_pages
+
+    _SCRATCH.buf = None
+    for w in source_weights:
+        release_file_pages(w, ranges)
+
+
 def fp16_weights_available() -> bool:
     """Whether this PyTorch build has fbgemm: x86 builds do, and so do PyPI's aarch64 builds of
     2.13 (`make edge-check` ran it under emulation); builds without it (older ARM ones) do not."""
@@ -56,6 +119,10 @@ def fp16_weights_available() -> bool:
 
 class Fp16Linear(torch.nn.Module):
     """``nn.Linear`` with its weight in float16, packed for fbgemm; float32 in and out."""
+
+    # the checkpoint's weight as loaded, a view of its mapped file, and the float32 bias, per block
+    # of output columns (several after ``fuse``): what a wide prefill multiplies (``wide_linear``)
+    source: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -81,7 +148,10 @@ class Fp16Linear(torch.nn.Module):
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        return cls(torch.cat(weights), bias)
+        whole = cls(torch.cat(weights), bias)
+        if all(lin.source is not None for lin in linears):
+            whole.source = [part for lin in linears for part in lin.source]
+        return whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
@@ -150,12 +220,19 @@ def pack_model(model: torch.nn.Module) -> int:
     An embedding table read from its mapped file stays a view of it, its pages given back: a
     lookup reads the rows it needs from the page cache, so the table costs resident memory only
     for the tokens in use (a tied output layer, packed, holds its own float16 copy: the table is
-    not held twice). As with every format that serves a checkpoint's tensors as loaded, the file
-    must not be rewritten in place while a daemon serves it (replace it by renaming)."""
+    not held twice). Where wide prefill is available, each packed layer keeps its weight's view
+    of the file as its ``source`` the same way (resident only while a wide prefill reads it). As
+    with every format that serves a checkpoint's tensors as loaded, the file must not be
+    rewritten in place while a daemon serves it (replace it by renaming)."""
     from common.memory import give_back_freed_memory, release_file_pages, weight_file_ranges
 
     ranges = weight_file_ranges()
-    packed = pack_linears(model, done=lambda weight: release_file_pages(weight, ranges))
+    def mapped(weight: torch.Tensor) -> bool:  # read from the mapped file, in a dtype wide_linear takes
+        start = weight.data_ptr()
+        return (weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.is_contiguous()
+                and any(lo <= start < hi for lo, hi in ranges))
+    packed = pack_linears(model, done=lambda weight: release_file_pages(weight, ranges),
+                          keep_source=mapped if wide_prefill_available()[0] else None)
     for m in list(model.modules()):
         if type(m) is torch.nn.Embedding and m.weight.dtype in (torch.bfloat16, torch.float16):
             m.__class__ = CompactEmbedding  # the same module and table
@@ -197,14 +274,15 @@ def in_order(fn, items: list, workers: int | None = None):
                 yield done, fut.result()
 
 
-def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None) -> int:
+def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None, keep_source=None) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by an ``Fp16Linear``, in place; returns how
     many. The module must be on the CPU; each weight is widened to float32 for packing and
     dropped with the layer it replaces. fbgemm packs on one thread and lets go of the GIL, so
     ``workers`` layers (default: torch's threads, at most MAX_PACK_WORKERS) are packed at once,
     and replaced in order: a 1.5B model loaded in 31 s on one core and 24 s on two, of which
     packing took 24 s and about 12 s. ``done(weight)``: called with each weight once its layer
-    is replaced."""
+    is replaced. ``keep_source(weight)``: whether the new layer keeps ``weight`` as its
+    ``source`` (a view of the mapped checkpoint, for wide prefill)."""
     if not fp16_weights_available():
         raise RuntimeError("fp16-weights needs PyTorch's fbgemm kernels; this build has "
                            f"{torch.backends.quantized.supported_engines}: use --dtype float32")
@@ -215,7 +293,12 @@ def pack_linears(module: torch.nn.Module, done=None, workers: int | None = None)
             raise RuntimeError("fp16-weights is a CPU format; the model is on " + str(device))
     packed = 0
     for (parent, name), layer in in_order(lambda slot: Fp16Linear.from_linear(getattr(*slot)), slots, workers):
-        weight = getattr(parent, name).weight
+        old = getattr(parent, name)
+        weight = old.weight
+        if keep_source is not None and keep_source(weight):
+            bias = None if old.bias is None else old.bias.detach().float().clone()
+            layer.source = [(weight.detach(), bias)]
+        del old
         setattr(parent, name, layer)
         if done is not None:
             done(weight)  # packed: what the float16 copy replaces may go

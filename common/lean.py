@@ -26,11 +26,17 @@ with less of both:
   the lean forward's bits are not transformers' (which runs the rows' attention at once);
 - with fp16-weights fused and float32 one-op norms, it runs each decoder layer as two
   TorchScript methods around the cache update (``common.lean_script``: the same ops without
-  Python between them, checked bit for bit at build time).
+  Python between them, checked bit for bit at build time);
+- with fp16-weights read from a mapped checkpoint on a CPU with bfloat16 matrix instructions, a
+  forward that reads no logits but the last (a prefill chunk) over at least ``WIDE_ROWS`` rows
+  multiplies the checkpoint's weights in bfloat16 (``common.fp16_weights``, "Wide prefill"):
+  3-4x faster GEMMs at 256 rows, and the one place where the lean forward computes differently
+  from the model's own forward on purpose.
 
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
 and caches against the model's own forward, in float32, bfloat16 and fp16-weights), but for a
-bfloat16 verification's rows, which get one-row steps' bits (``tests/test_bf16_packed.py``). Measured
+bfloat16 verification's rows, which get one-row steps' bits (``tests/test_bf16_packed.py``), and
+a wide prefill. Measured
 interleaved on one core (demo target, fp16-weights, 200 cached positions): a decode step 22.9 ms
 through transformers, 18.2 ms lean; docs/architecture.md, "The model runner", has more.
 
@@ -45,10 +51,13 @@ optional 2-D or 4-D mask and position ids, ``output_hidden_states`` and ``logits
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import SimpleNamespace
 
 import torch
+
+from common.fp16_weights import WIDE_ROWS, wide_done
 
 log = logging.getLogger("starsd.lean")
 
@@ -278,12 +287,55 @@ class LeanForward:
                 gate_up=None if fused_gu is None else _linear(fused_gu),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
+        self.wide_layers, self.wide_reason = None, "off (a target's engine turns it on)"
         self.row_exact_rows = 0  # a target's engine turns it on (enable_row_exact)
         self.scripted, self.script_reason = None, "off"
         if script:
             from common.lean_script import script_layers
 
             self.scripted, self.script_reason = script_layers(self, base)
+
+    def enable_wide_prefill(self) -> bool:
+        """Prefill chunks of ``WIDE_ROWS`` or more go wide from now on, where the model and the
+        CPU allow (``common.fp16_weights``, "Wide prefill"); returns whether they do, the reason
+        in ``wide_reason``. A target's engine asks for it: its prompts' caches then do not
+        depend on how their chunks are batched. A draft daemon does not (its prefill runs while
+        the target's does, and a seeded sampled session's draws follow its forwards' rounding,
+        which would then depend on the lengths of the feeds batched beside it)."""
+        self.wide_layers, self.wide_reason = self._wide_layers()
+        return self.wide_layers is not None
+
+    def _wide_layers(self) -> tuple[list | None, str]:
+        """The layers as a wide prefill runs them: each fp16-weights GEMM on its checkpoint
+        source in bfloat16, the rest as they are; or None and why not."""
+        from common.fp16_weights import Fp16Linear, wide_linear, wide_prefill_available
+        from common.memory import weight_file_ranges
+
+        ok, why = wide_prefill_available()
+        if not ok:
+            return None, why
+        wide, weights = [], []
+        for L, layer in zip(self.layers, self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            mods = {"o": attn.o_proj, "down": mlp.down_proj}
+            if L.qkv is not None:
+                mods["qkv"] = attn.q_proj.whole
+            else:
+                mods.update(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj)
+            if L.gate_up is not None:
+                mods["gate_up"] = mlp.gate_proj.whole
+            else:
+                mods.update(gate=mlp.gate_proj, up=mlp.up_proj)
+            if any(type(m) is not Fp16Linear or m.source is None for m in mods.values()):
+                return None, "the layers are not fp16-weights read from a mapped checkpoint"
+            W = SimpleNamespace(**vars(L))
+            for name, m in mods.items():
+                setattr(W, name, functools.partial(wide_linear, m.source))
+                weights += [w for w, _ in m.source]
+            wide.append(W)
+        self._wide_weights, self._wide_ranges = weights, weight_file_ranges()
+        log.info("prefill chunks of %d or more tokens multiply the checkpoint's weights in bfloat16 (%s)", WIDE_ROWS, why)
+        return wide, why
 
     def enable_row_exact(self) -> int:
         """Verifications of one sequence run row by row from now on, up to the rows
@@ -423,7 +475,11 @@ class LeanForward:
         if rolled:
             sin = _signed_sin(sin)
         hidden = [] if output_hidden_states else None
-        if self.scripted is not None and x.dtype == torch.float32:
+        # a prefill chunk (no logits but the last) of WIDE_ROWS or more: its GEMMs in bfloat16 on the
+        # checkpoint's weights. By the feed's length, not the batch's rows: a prompt's chunks go wide or
+        # not whatever they are batched with (and a wide row's bits do not depend on the rows beside it)
+        wide = self.wide_layers is not None and logits_to_keep != 0 and x.shape[1] >= WIDE_ROWS
+        if self.scripted is not None and x.dtype == torch.float32 and not wide:
             # adjacent pool rows (a batched verification): the cache write inside the scripted call too
             span = cache.adjacent_rows() if hasattr(cache, "adjacent_rows") else None
             with torch.jit.optimized_execution(False):  # the scripted ops as written (common.lean_script)
@@ -442,7 +498,7 @@ class LeanForward:
             # the linear layers keep whatever their count: each row as a one-row step computes it
             by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
             row_keys = None
-            for L in self.layers:
+            for L in self.wide_layers if wide else self.layers:
                 if hidden is not None:
                     hidden.append(x)
                 q, k, v = self._pre(L, x, cos, sin, rolled)
@@ -450,6 +506,8 @@ class LeanForward:
                 if by_row and row_keys is None:
                     row_keys = self._row_keys(mask, x.shape[1], k.shape[2])
                 x = self._post(L, x, q, k, v, mask, row_keys)
+            if wide:
+                wide_done(self._wide_weights, self._wide_ranges)
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)

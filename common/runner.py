@@ -86,6 +86,7 @@ class ModelRunner:
         self.warm = False  # warm_up() ran: serving shapes are compiled
         self.serving_stance = "eager_on_recompile"  # after the warm-up (tests make it fail_on_recompile)
         self.lean_wanted = lean
+        self._asked: set[str] = set()  # the lean forward's modes asked for (enable_...), kept if it is rebuilt
         self.lean, self.lean_reason = None, "off (--no-lean)" if not lean else "off with --compile"
         if not compile:
             self._build_lean()
@@ -106,6 +107,9 @@ class ModelRunner:
             self.lean, self.lean_reason = LeanForward.build(self.model)
             if self.lean is None:
                 log.info("lean forward unavailable (%s): the model runs through transformers", self.lean_reason)
+            elif self._asked:  # rebuilt after a failed compilation: what the runner's user turned on
+                for ask in self._asked:
+                    getattr(self.lean, ask)()
 
     @property
     def eager(self):
@@ -122,9 +126,26 @@ class ModelRunner:
             return "transformers"
         return "transformers (forward hooks set)" if self.lean._hooked() else "lean"
 
+    @property
+    def wide_prefill_rows(self) -> int:
+        """The chunk length from which a prefill multiplies in bfloat16 (``common.fp16_weights``,
+        "Wide prefill"; 0: never here). A forward goes wide by its feed's length, not its batch's
+        row count: a caller batching prefill chunks keeps chunks on either side of it apart."""
+        from common.fp16_weights import WIDE_ROWS
+
+        eager = not self.compiled and self.lean is not None
+        return WIDE_ROWS if eager and self.lean.wide_layers is not None else 0
+
+    def enable_wide_prefill(self) -> bool:
+        """A target's long prefill chunks go wide from now on, where the lean forward can
+        (``LeanForward.enable_wide_prefill``); returns whether they do."""
+        self._asked.add("enable_wide_prefill")
+        return self.lean.enable_wide_prefill() if self.lean is not None else False
+
     def enable_row_exact(self) -> int:
         """A target's verifications of one sequence run row-exact from now on, where the lean
         forward can (``LeanForward.enable_row_exact``); returns up to how many rows (0: not here)."""
+        self._asked.add("enable_row_exact")
         return self.lean.enable_row_exact() if self.lean is not None else 0
 
     def new_cache(self, capacity: int = 0):

@@ -142,6 +142,7 @@ class TargetEngine:
         self.loaded = loaded
         self.runner = runner if runner is not None else ModelRunner(loaded)
         self.runner.enable_row_exact()  # bfloat16 verification rows as one-row steps compute them
+        self.runner.enable_wide_prefill()  # fp16-weights prompts multiplied in bfloat16 where the CPU has its units
         self.depth = depth
         self.tree_tokens = draft_tokens
         if draft_tokens > depth and (why := self._mask_refusal()) is not None:
@@ -246,6 +247,21 @@ class TargetEngine:
         hidden states [len(ids), H], or those entering ``layers``, fused (``common.features``)."""
         return self.runner.forward(cache, ids, "all" if logits else "none", features, layers)
 
+    def _prefill_groups(self, gens: list["Generation"], keys: list) -> list[Exception | None]:
+        """``prefill_batch`` for the generations of each key apart (a group whose batch fails is
+        prefilled one at a time), outcomes in ``gens``' order."""
+        outcomes: list[Exception | None] = [None] * len(gens)
+        for key in dict.fromkeys(keys):
+            idx = [i for i, k in enumerate(keys) if k == key]
+            group = [gens[i] for i in idx]
+            try:
+                done = self.prefill_batch(group)
+            except BatchFailed:
+                done = [self.prefill_batch([g])[0] for g in group]
+            for i, outcome in zip(idx, done):
+                outcomes[i] = outcome
+        return outcomes
+
     @torch.inference_mode()
     def _forward_batch(self, caches: list[PoolRowCache], feeds: list[list[int]], features: list[bool],
                        trees: list[list[int] | None] | None = None,
@@ -306,8 +322,12 @@ class TargetEngine:
             return outcomes
         if len(gens) > self.max_batch:
             raise ValueError(f"a batch of {len(gens)} exceeds max_batch {self.max_batch}")
-        t0 = time.perf_counter()
         ends = [g.next_chunk_end() for g in gens]
+        wide_from = self.runner.wide_prefill_rows
+        wide = [bool(wide_from) and end - g.prefilled >= wide_from for g, end in zip(gens, ends)]
+        if any(wide) and not all(wide):  # a chunk's arithmetic follows its own length, never its batch's
+            return self._prefill_groups(gens, wide)
+        t0 = time.perf_counter()
         try:
             _, hidden = self._forward_batch([g.cache for g in gens],
                                             [g.tokens[g.prefilled: end] for g, end in zip(gens, ends)],

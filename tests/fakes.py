@@ -151,6 +151,21 @@ def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.
     return sched.run_one(Job(list(prompt), max_tokens, params, draft_params=draft_params))
 
 
+def speculate_with(backend, engine, prompt, max_tokens, params, timeout_s: float = 30.0):
+    """``speculate`` through a draft daemon serving ``backend`` in-process, its link opened and
+    closed around the one generation."""
+    from starsd_target.client import DraftClient
+
+    target = engine.loaded
+    with running_server(backend) as (server, ctx):
+        client = DraftClient(server.endpoint, target.vocab_size, target.fingerprint, ctx=ctx)
+        client.handshake(10)
+        try:
+            return speculate(engine, client, prompt, max_tokens, params, timeout_s)
+        finally:
+            client.close()
+
+
 class LocalDrafts:
     """A draft backend in-process, behind the target engine's DraftSource interface."""
 

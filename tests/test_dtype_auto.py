@@ -218,12 +218,13 @@ def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touche
 @needs_proc_maps
 def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looked_up(tmp_path):
     """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file. After
-    packing, the only one left is the 16-bit embedding table (a tied output layer's too: the
-    packed layer holds its own float16 copy), none of whose pages is left resident: a lookup
+    packing, what is left of them (the 16-bit embedding table, which a tied output layer shares
+    while its packed layer holds its own float16 copy, and the linear weights a wide prefill
+    reads) leaves none of its pages resident: a lookup
     pages in its rows (the kernel maps a fault's neighbours too, up to 64 KiB), which are the
     checkpoint's."""
     from common.memory import weight_file_ranges
-    from tiny_models import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint, mapped_resident_kib
 
     src = make_tiny_checkpoint(tmp_path / "src", "llama", seed=3, hidden=1024, layers=1, tied=True)
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -234,18 +235,8 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
     assert table.dtype == torch.bfloat16 and table.numel() * 2 > 128 * 4096  # 259 rows of 2 KiB
     assert any(lo <= table.data_ptr() < hi for lo, hi in weight_file_ranges())
 
-    def resident_kib() -> int:  # of this process's mappings of the checkpoint file
-        total, mine = 0, False
-        for line in open("/proc/self/smaps"):
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                mine = line.rstrip().endswith(str(path))
-            elif mine and head[0] == "Rss:":
-                total += int(head[1])
-        return total
-
     # the header and the small tensors read (with the pages the kernel maps beside them): not the table's 518 KiB
-    assert resident_kib() <= 128
+    assert mapped_resident_kib(path) <= 128
     ids = torch.tensor([[1, 40, 200]])
     with torch.inference_mode():
         rows = loaded.model.get_input_embeddings()(ids)

@@ -7,9 +7,8 @@ from transformers import AutoModelForCausalLM
 from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, fp16_weights_available, pack_linears
 from common.models import ModelLoadError, load_causal_lm, resolve_dtype
 from common.verify import SamplingParams
-from fakes import running_server, speculate
+from fakes import speculate_with
 from starsd_draftd.backends.model import ModelBackend
-from starsd_target.client import DraftClient
 from starsd_target.engine import TargetEngine
 from tiny_models import EOS_ID, PAD_ID
 
@@ -67,11 +66,7 @@ def test_speculation_in_fp16_weights_is_exact_and_speculates(tiny_target, near_d
     alone = engine.generate(prompt, 40, SamplingParams())
     assert alone.token_ids == ref  # the same model, decoded the plain way
     backend = ModelBackend(load_causal_lm(str(near_draft), dtype=FP16_WEIGHTS))
-    with running_server(backend) as (server, ctx):
-        client = DraftClient(server.endpoint, target.vocab_size, target.fingerprint, ctx=ctx)
-        client.handshake(10)
-        r = speculate(engine, client, prompt, 40, SamplingParams(), 30)
-        client.close()
+    r = speculate_with(backend, engine, prompt, 40, SamplingParams())
     assert r.token_ids == ref
     assert r.stats.fallback_rounds == 0 and r.stats.accepted > 0
 

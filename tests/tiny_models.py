@@ -133,3 +133,15 @@ def make_eagle3_head(target_dir: Path, out: Path, draft_vocab: int = 200, seed: 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(state, str(out / "model.safetensors"))
     return out
+
+
+def mapped_resident_kib(path: Path) -> int:
+    """KiB of this process's mappings of the file ``path`` that are resident (Linux's smaps)."""
+    total, mine = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            mine = line.rstrip().endswith(str(path))
+        elif mine and head[0] == "Rss:":
+            total += int(head[1])
+    return total
