@@ -50,12 +50,13 @@ class LookaheadServing:
         self.pending: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
         self.fresh_step_s: float | None = None  # smoothed seconds of a forward drafting on request (``note_fresh``)
 
-    def answered(self, admitted: list[AdmittedRequest]) -> dict[int, tuple[Draft, float]]:
+    def answered(self, admitted: list[AdmittedRequest], superseded=()) -> dict[int, tuple[Draft, float]]:
         """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
         session drafted ahead for exactly the sequence the request brings, done, or nearly done
         (a late hit: finished now, when what is left costs less than drafting it afresh:
         ``finishing_pays``); at most the depth asked. Any other work ahead is dropped, and its
-        request drafted as without lookahead."""
+        request drafted as without lookahead; so is the work of the requests ``superseded``
+        (indices already answered otherwise: by a suffix draft)."""
         out: dict[int, tuple[Draft, float]] = {}
         st = self.stats.lookahead
         for i, item in enumerate(admitted):
@@ -66,6 +67,10 @@ class LookaheadServing:
                 continue
             session.ahead = None
             self.pending.pop(key, None)
+            if i in superseded:
+                task.close()
+                st["superseded"] += 1
+                continue
             guess = task.match(req.verified)
             late = not task.done
             if guess is not None and late and not self.finishing_pays(task, req.depth):

@@ -66,9 +66,10 @@ class DraftMetrics:
                                     "Rounds drafted ahead of their request, by outcome: hit (answered from it), "
                                     "late_hit (finished on the request's arrival), miss (another sequence came), "
                                     "dropped (its session went first), skipped (not drafted ahead: it rarely "
-                                    "answers that session's requests)", labels=["outcome"])
+                                    "answers that session's requests), superseded (a suffix draft answered the "
+                                    "request)", labels=["outcome"])
         for key, outcome in (("hits", "hit"), ("late_hits", "late_hit"), ("misses", "miss"), ("dropped", "dropped"),
-                             ("skipped", "skipped")):
+                             ("skipped", "skipped"), ("superseded", "superseded")):
             ahead.add_metric([outcome], la.get(key, 0))
         yield ahead
         yield CounterMetricFamily("starsd_draftd_lookahead_idle_seconds",

@@ -611,12 +611,14 @@ class DraftServer:
         stats = self.stats
         drafts: list[Draft | None] = [None] * len(admitted)
         spent = [0.0] * len(admitted)  # each request's drafting time (what its reply reports)
-        # requests answered from work done ahead go out at once, before the others are drafted;
-        # those a suffix draft answers go out next: they cost no forward
-        ahead = self.lookahead.answered(admitted)
-        self._send_early(admitted, ahead, drafts, spent, start)
-        suffixed = self._suffix_drafts(admitted, [i for i in range(len(admitted)) if i not in ahead])
+        # requests a suffix draft answers go out at once: they cost no forward, and each won
+        # against what the backend's drafts keep for its session (SuffixText.choose), work the
+        # backend did ahead included; those answered from work done ahead go out next, before
+        # the others are drafted
+        suffixed = self._suffix_drafts(admitted, list(range(len(admitted))))
         self._send_early(admitted, suffixed, drafts, spent, start)
+        ahead = self.lookahead.answered(admitted, superseded=suffixed)
+        self._send_early(admitted, ahead, drafts, spent, start)
         todo = [i for i in range(len(admitted)) if i not in ahead and i not in suffixed]
         steps = max((admitted[i].request.depth for i in todo), default=0)
         fed = sum(admitted[i].fed for i in todo)

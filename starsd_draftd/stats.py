@@ -39,10 +39,11 @@ class Stats:
         # Lookahead: requests answered from work done ahead (hit: it was done; late_hit: it was
         # finished on arrival), requests whose sequence it had not guessed (miss), work dropped
         # unused with its session (dropped), rounds not drafted ahead for a session it rarely
-        # answers (skipped); the forward steps it ran and their seconds (idle time
+        # answers (skipped), work a suffix draft made unneeded (superseded: the suffix draft answered
+        # its request); the forward steps it ran and their seconds (idle time
         # used: steps run only with nothing queued; finishing a late hit counts as drafting)
         self.lookahead = {"started": 0, "hits": 0, "late_hits": 0, "misses": 0, "dropped": 0, "skipped": 0,
-                          "failed": 0, "steps": 0, "idle_s": 0.0}
+                          "superseded": 0, "failed": 0, "steps": 0, "idle_s": 0.0}
         # Draft trees: replies that were trees, their tokens, and trees drafted smaller than
         # asked because requests were queued behind their batch
         self.trees = {"requests": 0, "tokens": 0, "shrunk": 0}

@@ -228,3 +228,30 @@ def test_protocol_frames_of_a_suffix_reply_decode_as_any_other():
             frames = peer.sock.recv_multipart()
         msg = P.decode(frames)
         assert msg.type is MsgType.DRAFTED and msg.tensors["q_ids"].dtype == np.int32
+
+
+def test_a_suffix_draft_answers_before_the_backends_work_ahead():
+    """A session whose next round the backend drafted ahead (and guessed right) gets the suffix
+    draft where it scores above what the backend's drafts keep: the work ahead is superseded."""
+    from test_lookahead import VOCAB, ScriptedBackend, _wait
+
+    backend = ScriptedBackend()
+    with running_server(backend, suffix=True, max_depth=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        assert peer.hello(VOCAB).type is MsgType.WELCOME
+        copied = [21, 22, 23, 24, 70, 71, 72, 73, 74, 75, 76, 77]
+        _report(peer, 1, [1, 2], [5, 6, 40, *copied, 8, 9])  # another session's output holds the text
+        peer.open(2, [10, 20])
+        la = server.snapshot()["lookahead"]
+        assert peer.draft(2, 1, 0, [], 2, depth=3).header["tokens"] == [21, 22, 23]  # nothing to copy yet
+        # its next round drafted ahead: the guess and three drafts, done
+        _wait(lambda: server.stats.lookahead["steps"] >= la["steps"] + 4 and not server.lookahead.pending)
+        assert server.stats.lookahead["started"] == la["started"] + 1
+        calls = backend.draft_calls
+        # all three kept and 24 added: the work ahead guessed it, but the earlier output goes on with 70...
+        r = peer.draft(2, 2, 3, [24], 6, depth=8)
+        assert r.header["tokens"] == [70, 71, 72, 73] and backend.draft_calls == calls  # its match is 4 long
+        _wait(lambda: server.stats.lookahead["superseded"] == la["superseded"] + 1)  # counted after the reply left
+        now = server.snapshot()["lookahead"]
+        assert now["hits"] == now["late_hits"] == 0 and now["misses"] == la["misses"]
+        peer.sock.close(0)
