@@ -104,6 +104,8 @@ def wide_linear(source: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch
             if scratch is None or scratch.numel() < w.numel():
                 scratch = _SCRATCH.buf = torch.empty(w.numel())
             w = scratch[: w.numel()].view(w.shape).copy_(w)
+        # the mode is the process's, not the thread's: a target runs its forwards on one thread (its
+        # scheduler's) and a draft daemon never goes wide, so no other forward runs meanwhile
         before = mm.fp32_precision
         mm.fp32_precision = "bf16"
         try:
