@@ -73,6 +73,8 @@ def wide_prefill_available() -> tuple[bool, str]:
     """Whether prefill may multiply in bfloat16 here (see the module docstring), and why not."""
     if os.environ.get(WIDE_PREFILL_ENV, "1") == "0":
         return False, f"{WIDE_PREFILL_ENV}=0"
+    if not hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision"):
+        return False, f"PyTorch {torch.__version__} has no oneDNN bf16 math mode (2.9 or later has)"
     cpu = getattr(torch, "cpu", None)
     if not any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")):
         return False, "this CPU has no bfloat16 matrix instructions (AMX or AVX-512 BF16)"

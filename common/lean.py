@@ -497,16 +497,18 @@ class LeanForward:
             # the linear layers keep whatever their count: each row as a one-row step computes it
             by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
             row_keys = None
-            for L in self.wide_layers if wide else self.layers:
-                if hidden is not None:
-                    hidden.append(x)
-                q, k, v = self._pre(L, x, cos, sin, rolled)
-                k, v = cache.update(k, v, L.idx)
-                if by_row and row_keys is None:
-                    row_keys = self._row_keys(mask, x.shape[1], k.shape[2])
-                x = self._post(L, x, q, k, v, mask, row_keys)
-            if wide:
-                wide_done(self._wide_weights, self._wide_ranges)
+            try:
+                for L in self.wide_layers if wide else self.layers:
+                    if hidden is not None:
+                        hidden.append(x)
+                    q, k, v = self._pre(L, x, cos, sin, rolled)
+                    k, v = cache.update(k, v, L.idx)
+                    if by_row and row_keys is None:
+                        row_keys = self._row_keys(mask, x.shape[1], k.shape[2])
+                    x = self._post(L, x, q, k, v, mask, row_keys)
+            finally:
+                if wide:  # its scratch and the pages it read given back, even after a failure
+                    wide_done(self._wide_weights, self._wide_ranges)
         x = self._norm(x)
         if hidden is not None:
             hidden.append(x)

@@ -67,7 +67,8 @@ class LookaheadServing:
                 continue
             session.ahead = None
             self.pending.pop(key, None)
-            if i in superseded:
+            if i in superseded:  # answered without it: for the gate, work that did not answer
+                session.ahead_score += LOOKAHEAD_SMOOTHING * (0.0 - session.ahead_score)
                 task.close()
                 st["superseded"] += 1
                 continue

@@ -257,6 +257,7 @@ class TargetEngine:
             try:
                 done = self.prefill_batch(group)
             except BatchFailed:
+                log.warning("prefilling them one at a time", exc_info=True)
                 done = [self.prefill_batch([g])[0] for g in group]
             for i, outcome in zip(idx, done):
                 outcomes[i] = outcome
@@ -306,7 +307,9 @@ class TargetEngine:
 
     def prefill_batch(self, gens: list["Generation"]) -> list[Exception | None]:
         """The next prefill chunk of each of several generations, in one forward (their chunks
-        right-padded to the longest), exactly as ``Generation.prefill`` one at a time. Returns,
+        right-padded to the longest), exactly as ``Generation.prefill`` one at a time; a chunk
+        that goes wide (``ModelRunner.wide_prefill_rows``) runs in a forward of its own (the
+        scheduler does not batch those). Returns,
         per generation, None or the exception that failed its own part (its features; that
         generation alone is then broken). One generation, or any not in the pool, goes through
         ``prefill``. ``BatchFailed`` when the batch fails before any generation took its chunk:

@@ -435,18 +435,24 @@ class Scheduler:
         at most, and a long one still advances every few passes. The next in turn join its
         forward (``TargetEngine.prefill_batch``, pool rows only, up to ``max_batch``) while the
         padded chunks stay within one chunk's positions: prompts that arrive together prefill
-        together, and no pass runs a longer forward than one chunk. Whether one ran."""
+        together, and no pass runs a longer forward than one chunk. A chunk that goes wide
+        (``ModelRunner.wide_prefill_rows``) runs alone. Whether one ran."""
         prefilling = sorted((a for a in self.active if a.gen.prefilling), key=lambda p: p.prefill_turn)
         if not prefilling:
             return False
+        wide = self.engine.runner.wide_prefill_rows
+
+        def joins(a) -> bool:  # may share a forward: a pool row whose chunk stays below wide prefill's
+            return a.gen.batchable and not (wide and a.gen.next_chunk_end() - a.gen.prefilled >= wide)
+
         batch = [prefilling[0]]
-        if prefilling[0].gen.batchable:
+        if joins(prefilling[0]):
             longest = prefilling[0].gen.next_chunk_end() - prefilling[0].gen.prefilled
             for a in prefilling[1:]:
                 if len(batch) == self.engine.max_batch:
                     break
                 size = a.gen.next_chunk_end() - a.gen.prefilled
-                if a.gen.batchable and (len(batch) + 1) * max(longest, size) <= self.engine.prefill_chunk:
+                if joins(a) and (len(batch) + 1) * max(longest, size) <= self.engine.prefill_chunk:
                     batch.append(a)
                     longest = max(longest, size)
         for a in batch:

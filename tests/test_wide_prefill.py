@@ -163,3 +163,29 @@ def test_speculation_after_a_wide_prefill_is_exact_and_speculates(tiny_target, n
     assert count_wide() == 2  # the target's prefill went wide again; the draft daemon's did not
     assert r.token_ids == alone.token_ids
     assert r.stats.fallback_rounds == 0 and r.stats.accepted > 0
+
+
+def test_the_scheduler_runs_a_wide_chunk_alone_and_counts_its_forwards(tiny_target):
+    """Two prompts whose chunks go wide and two short ones, all at once: each wide chunk in a
+    forward of its own, the short ones together; outputs as the target alone gives them."""
+    from starsd_target.scheduler import Job, Scheduler
+
+    engine = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4, max_batch=4)
+    prompts = [_prompt(WIDE_ROWS + 5, 5), _prompt(WIDE_ROWS + 9, 6), _prompt(5, 7), _prompt(6, 8)]
+    sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4, admit_window_s=0.5)
+    futures = [sched.submit(Job(p, 6, SamplingParams(), no_draft=True)) for p in prompts]
+    sched.start()
+    outs = [f.result(120) for f in futures]
+    load = sched.load()
+    sched.stop()
+    assert (load["prefill_forwards"], load["batched_prefills"]) == (3, 2)
+    alone = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4)
+    assert [o.token_ids for o in outs] == [alone.generate(p, 6, SamplingParams()).token_ids for p in prompts]
+
+
+def test_no_wide_prefill_on_a_pytorch_without_the_bf16_math_mode(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.backends, "mkldnn", SimpleNamespace(is_available=lambda: True))
+    ok, why = wide_prefill_available()
+    assert not ok and "bf16 math mode" in why
