@@ -326,8 +326,7 @@ class TargetEngine:
         if len(gens) > self.max_batch:
             raise ValueError(f"a batch of {len(gens)} exceeds max_batch {self.max_batch}")
         ends = [g.next_chunk_end() for g in gens]
-        wide_from = self.runner.wide_prefill_rows
-        wide = [bool(wide_from) and end - g.prefilled >= wide_from for g, end in zip(gens, ends)]
+        wide = [g.chunk_goes_wide for g in gens]
         if any(wide):  # a wide chunk alone: its GEMMs' rounding follows its length, never its batch's
             return self._prefill_groups(gens, [i if w else -1 for i, w in enumerate(wide)])
         t0 = time.perf_counter()
@@ -552,6 +551,13 @@ class Generation:
         """Where the next prefill chunk ends (a prompt position): at most the engine's
         ``prefill_chunk`` positions on."""
         return min(self.prefilled + self.engine.prefill_chunk, self.to_prefill)
+
+    @property
+    def chunk_goes_wide(self) -> bool:
+        """Its next prefill chunk multiplies in bfloat16 (``ModelRunner.wide_prefill_rows``),
+        in a forward of its own: a bfloat16 GEMM's rounding follows its row count."""
+        wide = self.engine.runner.wide_prefill_rows
+        return bool(wide) and self.next_chunk_end() - self.prefilled >= wide
 
     def prefill(self) -> None:
         """Feed the next chunk of the prompt into the cache (and its features, if collected)."""

@@ -440,19 +440,15 @@ class Scheduler:
         prefilling = sorted((a for a in self.active if a.gen.prefilling), key=lambda p: p.prefill_turn)
         if not prefilling:
             return False
-        wide = self.engine.runner.wide_prefill_rows
-
-        def joins(a) -> bool:  # may share a forward: a pool row whose chunk stays below wide prefill's
-            return a.gen.batchable and not (wide and a.gen.next_chunk_end() - a.gen.prefilled >= wide)
-
         batch = [prefilling[0]]
-        if joins(prefilling[0]):
+        if prefilling[0].gen.batchable and not prefilling[0].gen.chunk_goes_wide:
             longest = prefilling[0].gen.next_chunk_end() - prefilling[0].gen.prefilled
             for a in prefilling[1:]:
                 if len(batch) == self.engine.max_batch:
                     break
                 size = a.gen.next_chunk_end() - a.gen.prefilled
-                if joins(a) and (len(batch) + 1) * max(longest, size) <= self.engine.prefill_chunk:
+                if (a.gen.batchable and not a.gen.chunk_goes_wide
+                        and (len(batch) + 1) * max(longest, size) <= self.engine.prefill_chunk):
                     batch.append(a)
                     longest = max(longest, size)
         for a in batch:
