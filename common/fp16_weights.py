@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.switches import switched_off
+
 FP16_WEIGHTS = "fp16-weights"
 
 # fbgemm's packed weights are a TorchScript object, which torch.compile cannot pass through a
@@ -71,8 +73,8 @@ WIDE_PREFILL_ENV = "STARSD_WIDE_PREFILL"
 
 def wide_prefill_available() -> tuple[bool, str]:
     """Whether prefill may multiply in bfloat16 here (see the module docstring), and why not."""
-    if os.environ.get(WIDE_PREFILL_ENV, "1") == "0":
-        return False, f"{WIDE_PREFILL_ENV}=0"
+    if switched_off(WIDE_PREFILL_ENV):
+        return False, f"{WIDE_PREFILL_ENV}={os.environ[WIDE_PREFILL_ENV]}"
     if not hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision"):
         return False, f"PyTorch {torch.__version__} has no oneDNN bf16 math mode (2.9 or later has)"
     cpu = getattr(torch, "cpu", None)

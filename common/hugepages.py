@@ -31,10 +31,11 @@ import importlib
 import os
 import sys
 
+from common.switches import switched_off
+
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 GLIBC_HUGE = "glibc.malloc.hugetlb=1"
 TORCH_HUGE = "THP_MEM_ALLOC_ENABLE"
-OFF = ("0", "off", "false", "no")
 DONE = "STARSD_HUGE_PAGES_SET"  # set in the environment it starts again with: never twice
 
 
@@ -51,7 +52,7 @@ def kernel_setting(path: str = THP_SETTING) -> str | None:
 def huge_page_env(env: dict[str, str], setting: str | None) -> dict[str, str] | None:
     """The environment a process must start with for its weights to sit in huge pages, or None
     where nothing is to change (already set, turned off, or a kernel that gives none)."""
-    if env.get("STARSD_HUGE_PAGES", "1").strip().lower() in OFF or env.get(DONE) or setting in (None, "never"):
+    if switched_off("STARSD_HUGE_PAGES", env) or env.get(DONE) or setting in (None, "never"):
         return None
     tunables = env.get("GLIBC_TUNABLES", "")
     if GLIBC_HUGE in tunables.split(":") and env.get(TORCH_HUGE) == "1":
