@@ -95,27 +95,27 @@ def wide_linear(source: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch
     outputs; a row's bits do not depend on the rows beside it); a float16 one is widened into
     this thread's scratch first (exact)."""
     outs, low = [], None
+    # the mode is the process's, not the thread's: a target runs its forwards on one thread (its
+    # scheduler's) and a draft daemon never goes wide, so no other forward runs meanwhile
     mm = torch.backends.mkldnn.matmul
-    for w, b in source:
-        if w.dtype == torch.bfloat16:
-            if low is None:
-                low = x.to(torch.bfloat16)
-            y = torch.nn.functional.linear(low, w).float()
-            outs.append(y if b is None else y.add_(b))
-            continue
-        if w.dtype != torch.float32:
-            scratch = getattr(_SCRATCH, "buf", None)
-            if scratch is None or scratch.numel() < w.numel():
-                scratch = _SCRATCH.buf = torch.empty(w.numel())
-            w = scratch[: w.numel()].view(w.shape).copy_(w)
-        # the mode is the process's, not the thread's: a target runs its forwards on one thread (its
-        # scheduler's) and a draft daemon never goes wide, so no other forward runs meanwhile
-        before = mm.fp32_precision
-        mm.fp32_precision = "bf16"
-        try:
+    before = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        for w, b in source:
+            if w.dtype == torch.bfloat16:
+                if low is None:
+                    low = x.to(torch.bfloat16)
+                y = torch.nn.functional.linear(low, w).float()
+                outs.append(y if b is None else y.add_(b))
+                continue
+            if w.dtype != torch.float32:
+                scratch = getattr(_SCRATCH, "buf", None)
+                if scratch is None or scratch.numel() < w.numel():
+                    scratch = _SCRATCH.buf = torch.empty(w.numel())
+                w = scratch[: w.numel()].view(w.shape).copy_(w)
             outs.append(torch.nn.functional.linear(x, w, b))
-        finally:
-            mm.fp32_precision = before
+    finally:
+        mm.fp32_precision = before
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
