@@ -84,6 +84,10 @@ def test_the_section_table_and_its_config_checks():
                                        "timing": {"speculate_us_mean": 8.0, "add_us_per_token": 1.5}}
     assert "| arcticinference | 3.00 | 310 | 190 | speculate 8.0 us, add 1.5 us a token |" in "\n".join(
         section.format_suffix(s))
+    assert "tokens per round by kind (star with suffix drafts): edit 3.40" in text  # no peer by kind: none shown
+    s["replays"]["arcticinference"]["by_kind"] = {"edit": {"tokens_per_round": 3.5}}
+    assert ("tokens per round by kind (star with suffix drafts, ArcticInference's replay in brackets): "
+            "edit 3.40 (3.50)") in "\n".join(section.format_suffix(s))
     assert "suffix" in config.SECTIONS and "suffix" not in config.BenchConfig.quick_config().sections
     with pytest.raises(ValueError, match="demo models"):
         config.BenchConfig(sections=("suffix",), models="tiny").check()
@@ -104,3 +108,23 @@ def test_a_summary_says_where_the_time_went():
     assert s["prefill_s"] == 3.0 and s["prompt_tokens"] == 200 and s["tokens_per_round"] == 2.0
     assert s["round_ms"]["round"] == pytest.approx(60.0) and s["round_ms"]["draft_wait"] == pytest.approx(10.0)
     assert s["round_ms"]["verify_forward"] == pytest.approx(50.0)
+    assert s["per_request"][1] == {"kind": "edit", "tokens": 60, "rounds": 30, "drafted": 30, "accepted": 30}
+    assert s["by_kind"] == {"edit": {"requests": 2, "tokens": 80, "rounds": 40, "tokens_per_round": 2.0}}
+
+
+def test_the_replays_outputs_end_on_the_stop_token_the_target_generated(tmp_path):
+    """A reply that stopped on the end of turn had that token generated in a round: its replay
+    keeps it; one cut at max_tokens has none."""
+    from starsd_draftd.demo.byte_tokenizer import EOS_ID, make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    tok.save_pretrained(tmp_path)
+
+    def done(reason):
+        return {"kind": "tool", "messages": [{"role": "user", "content": "hi"}],
+                "response": {"choices": [{"message": {"content": "ok"}, "finish_reason": reason}]}}
+
+    stopped, cut = section.token_requests([done("stop"), done("length")], tmp_path)
+    body = tok.encode("ok", add_special_tokens=False)
+    assert stopped["output"] == [*body, EOS_ID] and cut["output"] == body
+    assert stopped["prompt"] == cut["prompt"] and stopped["kind"] == "tool"

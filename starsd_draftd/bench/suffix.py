@@ -75,14 +75,8 @@ def _summary(done: list[dict], wall_s: float) -> dict:
     stats = [d["response"]["starsd"] for d in done]
     tokens = sum(d["response"]["usage"]["completion_tokens"] for d in done)
     rounds = sum(s["rounds"] for s in stats)
-    by_kind: dict[str, dict] = {}
-    for d, s in zip(done, stats):
-        k = by_kind.setdefault(d["kind"], {"requests": 0, "tokens": 0, "rounds": 0})
-        k["requests"] += 1
-        k["tokens"] += d["response"]["usage"]["completion_tokens"]
-        k["rounds"] += s["rounds"]
-    for k in by_kind.values():
-        k["tokens_per_round"] = k["tokens"] / k["rounds"] if k["rounds"] else 0.0
+    by_kind = _by_kind([(d["kind"], d["response"]["usage"]["completion_tokens"], s["rounds"])
+                        for d, s in zip(done, stats)])
     return {"requests": len(done), "tokens": tokens, "wall_s": wall_s, "tps": tokens / wall_s, "rounds": rounds,
             "tokens_per_round": tokens / rounds if rounds else 0.0,
             "drafted": sum(s["drafted"] for s in stats), "accepted": sum(s["accepted"] for s in stats),
@@ -92,21 +86,43 @@ def _summary(done: list[dict], wall_s: float) -> dict:
             "prompt_tokens": sum(d["response"]["usage"]["prompt_tokens"] for d in done),
             "prefill_s": sum(s.get("prefill_s", 0.0) for s in stats),
             "round_ms": ms_per_round(merge([s["profile"] for s in stats if "profile" in s])),
+            # per request, in order, to read beside the replays' steps
+            "per_request": [{"kind": d["kind"], "tokens": d["response"]["usage"]["completion_tokens"],
+                             "rounds": s["rounds"], "drafted": s["drafted"], "accepted": s["accepted"]}
+                            for d, s in zip(done, stats)],
             "texts": [d["response"]["choices"][0]["message"]["content"] for d in done]}
+
+
+def _by_kind(rows: list[tuple[str, int, int]]) -> dict[str, dict]:
+    """Requests, tokens, rounds and tokens a round per kind, from (kind, tokens, rounds) rows."""
+    by_kind: dict[str, dict] = {}
+    for kind, tokens, rounds in rows:
+        k = by_kind.setdefault(kind, {"requests": 0, "tokens": 0, "rounds": 0})
+        k["requests"] += 1
+        k["tokens"] += tokens
+        k["rounds"] += rounds
+    for k in by_kind.values():
+        k["tokens_per_round"] = k["tokens"] / k["rounds"] if k["rounds"] else 0.0
+    return by_kind
 
 
 def token_requests(done: list[dict], target_dir: Path) -> list[dict]:
     """The run's requests as token ids for the replays: the prompt as the chat API encodes it,
-    the output as its text re-encoded."""
+    the output as its text re-encoded, and, where the reply ended on a stop token, that token
+    (the end of turn): the target generated it in a round of its own or as a round's last token,
+    as any other, and a replay without it would have a round fewer to take."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     out = []
     for i, d in enumerate(done):
         text = tok.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True)
-        reply = d["response"]["choices"][0]["message"]["content"]
+        choice = d["response"]["choices"][0]
+        output = list(tok.encode(choice["message"]["content"], add_special_tokens=False))
+        if choice.get("finish_reason") == "stop" and tok.eos_token_id is not None:
+            output.append(int(tok.eos_token_id))
         out.append({"id": f"r{i}", "kind": d["kind"], "prompt": list(tok.encode(text, add_special_tokens=False)),
-                    "output": list(tok.encode(reply, add_special_tokens=False))})
+                    "output": output})
     return out
 
 
@@ -192,6 +208,9 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
     saved.write_text(json.dumps(requests))
     replays = {"starsd": replay_starsd(requests), "arcticinference": replay_peer(requests)}
     step("suffix: replays")
+    peer = replays["arcticinference"]
+    if "requests" in peer:  # its steps by kind, beside the star's rounds by kind
+        peer["by_kind"] = _by_kind([(r["kind"], p["tokens"], p["steps"]) for r, p in zip(requests, peer["requests"])])
     return {"budget": BUDGET, "topology": pool.state.get("suffix_topology"), "dtype": pool.state.get("suffix_dtype"),
             "configs": runs, "draftd": draftd, "replays": replays, "replay_requests": str(saved),
             "workload": {k: sum(1 for r in requests if r["kind"] == k) for k in ("edit", "tool", "turn")}}
@@ -219,8 +238,12 @@ def format_suffix(s: dict) -> list[str]:
                             if ms else ""))
     kinds = s["configs"].get("suffix", {}).get("by_kind", {})
     if kinds:
-        lines.append("tokens per round by kind (star with suffix drafts): "
-                     + ", ".join(f"{k} {v['tokens_per_round']:.2f}" for k, v in kinds.items()))
+        peer = s["replays"].get("arcticinference", {}).get("by_kind", {})
+        lines.append("tokens per round by kind (star with suffix drafts"
+                     + (", ArcticInference's replay in brackets): " if peer else "): ")
+                     + ", ".join(f"{k} {v['tokens_per_round']:.2f}"
+                                 + (f" ({peer[k]['tokens_per_round']:.2f})" if k in peer else "")
+                                 for k, v in kinds.items()))
     lines += ["", "| replay, same outputs, same order | tokens/step | drafted | accepted | cost |",
               "|---|---|---|---|---|"]
     for name, r in s["replays"].items():
