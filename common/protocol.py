@@ -82,7 +82,8 @@ PROTOCOL_VERSION = 5  # 2: ERROR names the request it answers (re); WELCOME says
 # that predates them interoperates unchanged: decode() drops fields outside the schema, and a
 # message without them is valid. (The version is compared for equality: a bump would cut every
 # older peer off.) DRAFTED: queued_us, draft_us. DRAFT: min_survival, with WELCOME: stops_drafts
-# (a daemon that predates them drafts `depth`; a target that predates them never asks it to stop).
+# (a daemon that predates them drafts `depth`; a target that predates them never asks it to stop);
+# DRAFT: min_chance (a daemon that predates it stops suffix drafts at min_survival too).
 # WELCOME and PONG: queue, wait_us, sessions (its load). GOODBYE: draining (a target that
 # predates it stops drafting there at once, as it did). ErrorCode NOT_ALLOWED (a target's job
 # socket only; the draft link never sends it).
@@ -230,6 +231,9 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         # a greedy chain may stop before `depth` once the chance that all its drafts are kept
         # falls below this (WELCOME.stops_drafts; absent or 0: `depth` drafts)
         "min_survival": ("prob", False),
+        # the same for a chain the daemon copies from text already seen (its suffix index), which
+        # costs it no drafting (absent: min_survival)
+        "min_chance": ("prob", False),
     },
     MsgType.DRAFTED: {
         "session": ("uint", True),

@@ -553,7 +553,7 @@ class DraftServer:
             greedy = session.params.greedy
             t0 = time.perf_counter()
             found = index.propose(text, h["depth"], h.get("tree_tokens", 0) if greedy else 0,
-                                  h.get("min_survival", 0.0))
+                                  h.get("min_chance", h.get("min_survival", 0.0)))
             if found is None or not text.choose(found.score):
                 continue
             text.last_source, text.last_score = "suffix", found.score

@@ -469,16 +469,19 @@ class DraftClient:
 
     def request(self, session: int, seq: int, accepted: int, new: list[int], pos: int, depth: int,
                 features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
-                min_survival: float = 0.0) -> bool:
+                min_survival: float = 0.0, min_chance: float = 0.0) -> bool:
         """Send a draft request; its reply is then routed to ``take(session, seq)``.
         ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer.
-        ``min_survival`` > 0: a greedy chain may stop early (WELCOME.stops_drafts)."""
+        ``min_survival`` > 0: a greedy chain may stop early (WELCOME.stops_drafts);
+        ``min_chance`` > 0: the lower threshold for a chain copied from text already seen."""
         tensors = {} if features is None else {"features": features}
         header = {"session": session, "seq": seq, "accepted": accepted, "new": list(new), "pos": pos, "depth": depth}
         if tree_tokens > depth:
             header["tree_tokens"] = tree_tokens
         if min_survival > 0.0:
             header["min_survival"] = float(min(min_survival, 1.0))
+        if min_chance > 0.0:
+            header["min_chance"] = float(min(min_chance, 1.0))
         if not self._send(Message(MsgType.DRAFT, header, tensors)):
             return False
         self._pending[(session, seq)] = time.monotonic()

@@ -29,7 +29,10 @@ a run copied from the context goes on to the cap, a guess the draft is unsure of
 The threshold is the marginal rule: one more draft, kept with chance ``s``, adds ``s`` tokens and
 costs ``c + v`` seconds (``v``: the verification forward's cost per token verified, from a
 weighted regression over the rounds' lengths), so it pays while ``s / (c + v)`` exceeds the
-rate the rounds reach, ``R``: ``min_survival = R * (c + v)``.
+rate the rounds reach, ``R``: ``min_survival = R * (c + v)``. A draft the daemon copies from text
+already seen (its suffix index) costs no drafting, so the same rule gives it the lower floor
+``min_chance = R * v`` (sent beside min_survival once ``v`` is measured): copied runs go on while
+their chance pays for the verification alone.
 
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
@@ -135,6 +138,16 @@ class AdaptiveDepth:
         cost = self.per_token_s + (self.verify_slope() or 0.0)
         lo, hi = MIN_SURVIVAL_RANGE
         return min(max(rate * cost, lo), hi)
+
+    def min_chance(self) -> float:
+        """The threshold for drafts that cost no drafting (copied from text already seen): the
+        measured rate times the verification's cost per token verified; 0 (none sent) until both
+        are measured."""
+        rate, slope = self.drafted_rate(), self.verify_slope()
+        if rate is None or slope is None:
+            return 0.0
+        lo, hi = MIN_SURVIVAL_RANGE
+        return min(max(rate * slope, lo), hi)
 
     def choose(self, cap: int) -> int:
         """The draft length for the next round, in 1..cap (0 when cap is 0)."""

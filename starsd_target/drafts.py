@@ -104,7 +104,7 @@ class RemoteDraftSession:
 
     def send(self, tokens: list[int], depth: int, features: np.ndarray | torch.Tensor | None = None,
              tree_tokens: int = 0, feature_layers: tuple[int, ...] | None = None,
-             min_survival: float = 0.0) -> int | None:
+             min_survival: float = 0.0, min_chance: float = 0.0) -> int | None:
         """Ask for drafts following ``tokens``; the sequence number in flight, or None when no
         request could go out (link not up, no features): the round then runs without drafts.
         ``tree_tokens`` > ``depth``: a tree of up to that many tokens may answer, where the
@@ -112,7 +112,8 @@ class RemoteDraftSession:
         states ``features`` were fused from (None: the final one); features the daemon's head
         does not read (another head since the generation started) end its drafting, logged.
         ``min_survival``: where the daemon stops greedy chains early (``stops_drafts``), the
-        chance of all drafts kept below which it stops."""
+        chance of all drafts kept below which it stops; ``min_chance`` the same for drafts its
+        suffix index copies (they cost no drafting)."""
         if self.disabled or not self.pool.ready():
             return None
         client = self._link(tokens)
@@ -151,7 +152,8 @@ class RemoteDraftSession:
         depth = min(depth, welcome.max_depth)
         tree = min(tree_tokens, welcome.max_tree_tokens) if welcome.trees else 0
         if not client.request(self.session, self.seq, self.accepted, new, len(tokens), depth, new_features,
-                              tree if tree > depth else 0, min_survival if welcome.stops_drafts else 0.0):
+                              tree if tree > depth else 0, min_survival if welcome.stops_drafts else 0.0,
+                              min_chance if welcome.stops_drafts else 0.0):
             client.mark_down("not connected")
             self.instance = None  # whatever the daemon holds is unknown now
             return None

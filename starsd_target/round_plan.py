@@ -10,7 +10,7 @@ runner executes). The rules:
 * a tree where the generation's budget and the daemon allow one (its depth then stays: adaptive
   depth models chains);
 * else a chain: where the daemon stops greedy chains itself, the cap with the controller's
-  ``min_survival``; otherwise the controller's length within the cap (the cap without one).
+  ``min_survival`` (and ``min_chance`` for drafts copied from text already seen); otherwise the controller's length within the cap (the cap without one).
 
 A seeded sampled generation keeps the cap every round and always drafts (``keeps_cap``): the
 target's random draws follow its rounds, and the same seed must give the same tokens whatever
@@ -31,6 +31,7 @@ class RoundPlan:
     depth: int = 0  # draft tokens a chain asks for (0: the round asks for none)
     budget: int = 0  # tree tokens the request asks for (0: a chain)
     min_survival: float = 0.0  # > 0: the daemon ends the greedy chain itself, within the depth
+    min_chance: float = 0.0  # > 0: the same for drafts copied from text already seen (no drafting cost)
     crowded: bool = False  # the round runs without drafts because the target is crowded
 
     @property
@@ -82,10 +83,11 @@ def plan_round(cap: int, *, session: bool, crowded: bool = False, trees: bool = 
     if crowded:
         return RoundPlan(wanted=True, crowded=True)
     budget = budget if trees else 0
-    survival = 0.0
+    survival = chance = 0.0
     if depth is not None and not budget:
         if stops_drafts and greedy_drafts:
             survival = depth.min_survival()  # the daemon ends the chain, within the cap
+            chance = min(depth.min_chance(), survival)
         else:
             cap = depth.choose(cap)
-    return RoundPlan(wanted=True, depth=cap, budget=budget, min_survival=survival)
+    return RoundPlan(wanted=True, depth=cap, budget=budget, min_survival=survival, min_chance=chance)

@@ -366,7 +366,8 @@ class Scheduler:
                 a.ready, a.proposal, a.ready_at = True, None, now
                 return
             a.seq = d.send(a.gen.tokens, plan.depth, a.gen.features(), tree_tokens=plan.budget,
-                           feature_layers=a.gen.feature_layers, min_survival=plan.min_survival)
+                           feature_layers=a.gen.feature_layers, min_survival=plan.min_survival,
+                           min_chance=plan.min_chance)
             if a.seq is not None:
                 a.gen.stats.asked_tokens += max(plan.depth, plan.budget)
                 a.sent_at = time.perf_counter()

@@ -134,9 +134,11 @@ class RawPeer:
     def open(self, sid: int, prompt: list[int], temperature: float = 0.0) -> None:
         self.send(Message(MsgType.OPEN, {"session": sid, "prompt": prompt, "sampling": {"temperature": temperature}}))
 
-    def draft(self, sid: int, seq: int, accepted: int, new: list[int], pos: int, depth: int = 3) -> Message:
+    def draft(self, sid: int, seq: int, accepted: int, new: list[int], pos: int, depth: int = 3,
+              **extra) -> Message:
+        """A DRAFT (``extra``: its optional header fields) and its answer."""
         self.send(Message(MsgType.DRAFT, {"session": sid, "seq": seq, "accepted": accepted, "new": new,
-                                          "pos": pos, "depth": depth}))
+                                          "pos": pos, "depth": depth, **extra}))
         return self.recv()
 
 

@@ -144,6 +144,8 @@ GOOD_DRAFT = dict(session=1, seq=1, accepted=0, new=[1], pos=5, depth=3)
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=float("nan"))], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival="0.3")], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=True)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_chance=1.5)], ErrorCode.BAD_REQUEST),
+    ([b"DRAFT", hdr(**GOOD_DRAFT, min_chance=float("nan"))], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=float("inf"))], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(session=1)], ErrorCode.BAD_REQUEST),
     ([b"DRAFT", hdr(**GOOD_DRAFT), b"extra"], ErrorCode.MALFORMED),
@@ -161,9 +163,10 @@ def test_decode_errors_are_typed(frames, code):
     assert info.value.code == code
 
 
-def test_min_survival_is_a_probability():
+def test_min_survival_and_min_chance_are_probabilities():
     for value in (0, 0.0, 0.25, 1.0):
         assert P.decode([b"DRAFT", hdr(**GOOD_DRAFT, min_survival=value)]).header["min_survival"] == value
+        assert P.decode([b"DRAFT", hdr(**GOOD_DRAFT, min_chance=value)]).header["min_chance"] == value
 
 
 def test_fields_outside_the_schema_are_dropped():

@@ -1,5 +1,7 @@
 """The target's round policy (starsd_target.round_plan) on plain values: no scheduler, no model."""
 
+import pytest
+
 from common.verify import SamplingParams
 from starsd_target.depth import AdaptiveDepth, MIN_SURVIVAL_RANGE, PRIOR_MIN_SURVIVAL
 from starsd_target.profile import split_round
@@ -43,9 +45,13 @@ def test_greedy_chains_the_daemon_stops_ask_for_the_cap_with_min_survival():
     plan = plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)
     assert plan.drafts and plan.depth == 6 and plan.budget == 0
     assert plan.min_survival == PRIOR_MIN_SURVIVAL  # no rate measured yet
+    assert plan.min_chance == 0.0  # nor the verification's cost per token: the daemon uses min_survival
     lo, hi = MIN_SURVIVAL_RANGE
     depth.drafted = (3.0, 0.01, 5)  # a measured rate of 300 tokens/s: the threshold hits its ceiling
     assert plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth).min_survival == hi
+    depth.drafted, depth._verify = (3.0, 0.1, 5), (1.0, 3.0, 0.06, 10.0, 0.19)  # v: 10 ms a token verified
+    both = plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)
+    assert both.min_chance == pytest.approx(30.0 * 0.01) and both.min_chance < both.min_survival
     # sampled drafting, or a daemon that does not stop chains: the controller picks the length
     for kw in ({"stops_drafts": True, "greedy_drafts": False}, {"stops_drafts": False, "greedy_drafts": True}):
         p = plan_round(6, session=True, depth=depth, **kw)

@@ -121,6 +121,7 @@ def test_the_target_sets_the_threshold_from_its_rate_and_what_a_draft_costs():
     ctl = AdaptiveDepth()
     assert ctl.min_survival() == PRIOR_MIN_SURVIVAL  # nothing measured yet
     assert ctl.verify_slope() is None
+    assert ctl.min_chance() == 0.0  # none sent until the verification's cost is measured
     # verification at 20 ms plus 2 ms per token verified; 1 ms of drafting per draft; rounds of 40 ms
     for proposed, kept in [(1, 1), (4, 2), (2, 2), (6, 3), (3, 0), (5, 5), (1, 0), (4, 4)] * 3:
         verify = 0.020 + 0.002 * (proposed + 1)
@@ -129,6 +130,7 @@ def test_the_target_sets_the_threshold_from_its_rate_and_what_a_draft_costs():
     rate = ctl.drafted_rate()
     assert rate is not None and rate > 0
     assert ctl.min_survival() == pytest.approx(rate * (0.001 + 0.002), rel=1e-6)
+    assert ctl.min_chance() == pytest.approx(rate * 0.002, rel=1e-6)  # a copied draft: no drafting cost
     lo, hi = MIN_SURVIVAL_RANGE
     assert lo <= ctl.min_survival() <= hi
 

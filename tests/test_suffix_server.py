@@ -2,6 +2,7 @@
 they answer and how, what the backend is spared, sampled and seeded sessions, features, and one
 CURVE key's text kept from another."""
 
+import contextlib
 import shutil
 import threading
 
@@ -44,12 +45,20 @@ class Calls(CountingBackend):
         return super().draft(state, verified, depth, new_features)
 
 
-def test_a_session_quoting_an_earlier_output_gets_it_as_drafts_without_the_backend():
+@contextlib.contextmanager
+def _secret_seen():
+    """A daemon (suffix drafts on, a counting backend) whose session 1 produced SECRET, and a
+    peer: (server, peer, backend)."""
     backend = Calls()
     with running_server(backend, suffix=True, max_depth=16) as (server, ctx):
         peer = RawPeer(ctx, server.endpoint)
         peer.hello()
         _report(peer, 1, [1, 2], SECRET)
+        yield server, peer, backend
+
+
+def test_a_session_quoting_an_earlier_output_gets_it_as_drafts_without_the_backend():
+    with _secret_seen() as (server, peer, backend):
         calls = backend.calls
         peer.open(2, [6, *SECRET[:8]])
         r = peer.draft(2, 1, 0, [], 9, depth=16)
@@ -68,6 +77,21 @@ def test_a_session_quoting_an_earlier_output_gets_it_as_drafts_without_the_backe
         exposed = generate_latest(registry).decode()
         assert "starsd_draftd_suffix_requests_total 1.0" in exposed
         assert 'starsd_draftd_suffix_tokens_total{outcome="kept"} 8.0' in exposed
+
+
+def test_a_copied_chain_stops_at_the_targets_min_chance_not_its_min_survival():
+    """min_survival prices a draft model's token (drafting and verification); a copied token costs
+    no drafting, so the target's lower min_chance is its floor. Text seen once: each copied token
+    has a chance of 1/2."""
+    with _secret_seen() as (server, peer, backend):
+        calls = backend.calls
+        for sid, extra, copied in [(2, {"min_survival": 0.6}, False),  # 1/2 < 0.6: the backend drafts
+                                   (3, {"min_survival": 0.6, "min_chance": 0.4}, True),
+                                   (4, {"min_survival": 0.3, "min_chance": 0.55}, False)]:
+            peer.open(sid, [6, *SECRET[:8]])
+            r = peer.draft(sid, 1, 0, [], 9, depth=16, **extra)
+            assert (r.header["tokens"] == SECRET[8:16]) is copied, extra
+        assert backend.calls == calls + 2  # sessions 2 and 4
 
 
 def test_a_tree_where_the_target_asks_for_one_and_one_hot_q_for_sampled_sessions():
