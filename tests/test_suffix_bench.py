@@ -128,3 +128,26 @@ def test_the_replays_outputs_end_on_the_stop_token_the_target_generated(tmp_path
     body = tok.encode("ok", add_special_tokens=False)
     assert stopped["output"] == [*body, EOS_ID] and cut["output"] == body
     assert stopped["prompt"] == cut["prompt"] and stopped["kind"] == "tool"
+
+
+def test_paired_sends_each_request_alone_then_to_the_star_and_answers_with_the_stars():
+    """The workload's conversations go on from the star's answers; the target alone's responses
+    are kept in order, and each configuration's time is its own requests' (an injected clock)."""
+    sent = []
+
+    def chat(name):
+        def send(req):
+            sent.append(name)
+            return _response(f"{name}:{len(sent)}")
+        return send
+
+    ticks = iter(range(1000))
+    paired = section.Paired(chat("alone"), chat("star"), clock=lambda: next(ticks))
+    done = agentic.run_workload(paired, 8, quick=True)
+    assert sent == ["alone", "star"] * len(done)
+    assert [d["messages"] for d in paired.alone] == [d["messages"] for d in done]
+    assert all(d["response"]["choices"][0]["message"]["content"].startswith("star:") for d in done)
+    assert all(d["response"]["choices"][0]["message"]["content"].startswith("alone:") for d in paired.alone)
+    later = [d for d in done if d["kind"] == "turn"][-1]  # a later turn carries the star's answer
+    assert any(m["role"] == "assistant" and m["content"].startswith("star:") for m in later["messages"])
+    assert paired.seconds == [len(done), len(done)]  # one tick per request each

@@ -1,6 +1,7 @@
 """The suffix section: the agentic workload (``bench.agentic``) through the target's chat API, one
-stream, greedy, with a draft budget of BUDGET tokens a round; the target alone, the star drafting
-with the model alone (``--no-suffix``) and the star with suffix drafts, one after another; then the
+stream, greedy, with a draft budget of BUDGET tokens a round: each request through the target
+alone and then through the star with suffix drafts (``Paired``: the ratio of the two holds out the
+machine's drift), then the star drafting with the model alone (``--no-suffix``); then the
 same greedy outputs replayed, in the same order, through StarSD's suffix index alone and through
 ArcticInference's suffix cache (``bench.suffix_peer``, built in an environment of its own), to
 compare tokens per step at the same budget.
@@ -15,6 +16,7 @@ import logging
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from common.sockets import free_tcp_port
 from starsd_draftd.bench.agentic import Request, run_workload
@@ -67,6 +69,28 @@ def _chat(base: str, alone: bool, timeout_s: float):
         with urllib.request.urlopen(r, timeout=timeout_s) as resp:
             return json.loads(resp.read())
     return chat
+
+
+class Paired:
+    """A chat that sends each request to the target alone and then to the star, and answers with
+    the star's response: the two configurations share every minute of the machine's drift (a
+    shared host's speed wanders by 10-30% over minutes), so their ratio holds it out. ``alone``:
+    the target alone's requests and responses, in order; ``seconds``: each one's time in total."""
+
+    def __init__(self, chat_alone: Callable[[Request], dict], chat_star: Callable[[Request], dict],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.chats, self.clock = (chat_alone, chat_star), clock
+        self.alone: list[dict] = []
+        self.seconds = [0.0, 0.0]
+
+    def __call__(self, req: Request) -> dict:
+        responses = []
+        for i, chat in enumerate(self.chats):
+            t0 = self.clock()
+            responses.append(chat(req))
+            self.seconds[i] += self.clock() - t0
+        self.alone.append({"kind": req.kind, "messages": req.messages, "response": responses[0]})
+        return responses[1]
 
 
 def _summary(done: list[dict], wall_s: float) -> dict:
@@ -182,16 +206,19 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
         chat_alone, chat_star = _chat(base, True, 600), _chat(base, False, 600)
         warm = Request("warm", [{"role": "user", "content": "Say hello."}], 8)
         chat_alone(warm), chat_star(warm)
-        if config == "suffix":  # the target alone, on this target's core, before its star runs
-            t0 = time.perf_counter()
-            done_alone = run_workload(chat_alone, cfg.max_tokens, cfg.quick)
-            runs["alone"] = _summary(done_alone, time.perf_counter() - t0)
-            texts_alone = runs["alone"]["texts"]
-            step("suffix: target alone")
         d0 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
-        t0 = time.perf_counter()
-        done = run_workload(chat_star, cfg.max_tokens, cfg.quick)
-        runs[config] = _summary(done, time.perf_counter() - t0)
+        if config == "suffix":  # each request through the target alone, then through the star
+            paired = Paired(chat_alone, chat_star)
+            done = run_workload(paired, cfg.max_tokens, cfg.quick)
+            done_alone = paired.alone
+            runs["alone"] = _summary(done_alone, paired.seconds[0])
+            texts_alone = runs["alone"]["texts"]
+            runs[config] = _summary(done, paired.seconds[1])
+            step("suffix: target alone and star, suffix drafts")
+        else:
+            t0 = time.perf_counter()
+            done = run_workload(chat_star, cfg.max_tokens, cfg.quick)
+            runs[config] = _summary(done, time.perf_counter() - t0)
         d1 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
         draftd[config] = {"suffix": {k: d1.get("suffix", {}).get(k) for k in
                                      ("requests", "tokens", "kept", "query_us", "update_us_per_token", "bytes",
@@ -199,7 +226,8 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
                           "requests": d1["requests"] - d0["requests"]}
         pool.stop(f"sfx-target-{config}")
         pool.stop(f"sfx-draftd-{config}")
-        step(f"suffix: star, {config} drafts")
+        if config != "suffix":
+            step(f"suffix: star, {config} drafts")
     for name, r in runs.items():
         r["speedup"] = r["tps"] / runs["alone"]["tps"]
         r["same_as_alone"] = r.pop("texts") == texts_alone
