@@ -89,14 +89,22 @@ class AdaptiveDepth:
 
     def observe(self, asked: int, proposed: int, kept: int, times: RoundTimes) -> None:
         """A round that asked for ``asked`` drafts, got ``proposed`` and kept ``kept``; ``times``
-        its parts. A round without a reply from the daemon teaches nothing about drafting."""
-        if asked < 1 or proposed < 1 or not times.reported:
+        its parts. A round without a reply from the daemon teaches nothing about drafting.
+
+        A reply with no drafts (the daemon stopped the chain before its first: nothing was likely
+        enough for the thresholds sent) still counts in the rate and the verification's cost: a
+        round that brought one token. Left out, a threshold set high by a few fast rounds early
+        in a generation would never come down, and every later chain would stop empty."""
+        if asked < 1 or not times.reported:
             return
-        self.kept = DISCOUNT * self.kept + kept
-        self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
         n = proposed + 1  # tokens the verification forward ran over
         self._verify = [SLOPE_DISCOUNT * x + y for x, y in
                         zip(self._verify, (1.0, n, times.verify_forward, n * n, n * times.verify_forward))]
+        if proposed < 1:
+            self._drafted_round(1, times.wall)
+            return
+        self.kept = DISCOUNT * self.kept + kept
+        self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
         # per token drafted: a chain the daemon stopped early cost what it drafted, not what was asked
         c = (times.draft_forward + times.draft_queue) / min(asked, proposed)
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)

@@ -135,6 +135,22 @@ def test_the_target_sets_the_threshold_from_its_rate_and_what_a_draft_costs():
     assert lo <= ctl.min_survival() <= hi
 
 
+def test_thresholds_set_high_by_fast_copied_rounds_come_down_when_chains_stop_empty():
+    """A generation's first rounds copy its prompt (16 drafts kept in 150 ms): the rate they
+    measure prices a coin-toss copy out. Replies with no drafts then bring one token a round;
+    they count in the rate, so the thresholds fall and copies are drafted again."""
+    ctl = AdaptiveDepth()
+    ctl.catching_up = False
+    for proposed in (16, 2, 16, 1):  # copied runs, and short model chains: the slope is measured
+        verify = 0.040 + 0.006 * (proposed + 1)
+        ctl.observe(16, proposed, proposed, split_round(verify + 0.002, 0.002, (0.0, 0.0), verify, 0.0))
+    assert ctl.min_chance() > 0.5 and ctl.min_survival() > 0.5  # a chance of 1/2 no longer pays
+    for _ in range(30):  # the daemon stops every chain before its first draft
+        ctl.observe(16, 0, 0, split_round(0.048, 0.002, (0.0, 0.0), 0.046, 0.0))
+    assert ctl.verify_slope() == pytest.approx(0.006, rel=0.05)
+    assert ctl.min_chance() < 0.25 and ctl.min_survival() < 0.5
+
+
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20)],
                          ids=["greedy", "sampled"])
 def test_the_star_stops_greedy_chains_and_stays_exact(params, near, loaded_target):
