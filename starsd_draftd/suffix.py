@@ -20,8 +20,9 @@ A query finds the occurrences of the context's last tokens (at least MIN_MATCH),
 one's match length exactly (up to MAX_MATCH), and builds a trie of what followed them. A node's
 chance of being kept is its share of the occurrences (``count / (n + 1)``, so one occurrence is
 never a certainty).
-A chain follows the most frequent child while its chance stays at or above a floor (the target's
-``min_survival``, or MIN_CHANCE); a tree takes nodes best first within a budget. An occurrence
+A chain follows the most frequent child while its chance, calibrated by the session's outcomes
+(``SuffixText.ratio``), stays at or above a floor (the target's ``min_chance`` or ``min_survival``,
+or MIN_CHANCE); a tree takes nodes best first within a budget. An occurrence
 drafts at most SPEC_FACTOR times its match length. A draft's score, the drafts it is expected to
 keep (its chances' sum scaled by ``SuffixText.ratio``, how the session's suffix drafts have fared),
 is what the server weighs against the backend's measured drafts kept (``SuffixText.choose``).
@@ -418,6 +419,12 @@ def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: f
     def chance(count: int) -> float:
         return min(count / total, MAX_CHANCE)
 
+    def below(c: float) -> bool:
+        """Whether a node of chance ``c`` is below the floor, calibrated by how the session's
+        suffix drafts fared: a copy of a prompt seen once counts as a coin toss, but a session
+        whose copies were all kept (an edit) keeps them going."""
+        return min(c * ratio, MAX_CHANCE) < floor
+
     tokens: list[int] = []
     chances: list[float] = []
     if budget <= cap:  # a chain: the most frequent child at each level
@@ -425,7 +432,7 @@ def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: f
         while level and len(tokens) < cap:
             tok, node = max(level.items(), key=lambda kv: kv[1][0])
             c = chance(node[0])
-            if c < floor:
+            if below(c):
                 break
             tokens.append(tok)
             chances.append(c)
@@ -440,7 +447,7 @@ def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: f
     while heap and len(tokens) < budget:
         negc, _, tok, node, parent, d = heapq.heappop(heap)
         c = chance(-negc)
-        if c < floor:
+        if below(c):
             break  # the heap gives chances in falling order
         idx = len(tokens)
         tokens.append(tok)
