@@ -119,6 +119,15 @@ def wide_linear(source: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def wide_begin(source_weights: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
+    """Before a wide forward: the source weights' file pages mapped in one call each, where the
+    kernel can (``common.memory.populate_file_pages``); ``wide_done`` gives them back."""
+    from common.memory import populate_file_pages
+
+    for w in source_weights:
+        populate_file_pages(w, ranges)
+
+
 def wide_done(source_weights: list[torch.Tensor], ranges: list[tuple[int, int]]) -> None:
     """After a wide forward: this thread's scratch dropped, and the source weights' file pages
     given back, so that serving holds the packed weights only."""

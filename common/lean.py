@@ -56,7 +56,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.fp16_weights import WIDE_ROWS, wide_done
+from common.fp16_weights import WIDE_ROWS, wide_begin, wide_done
 
 log = logging.getLogger("starsd.lean")
 
@@ -498,6 +498,8 @@ class LeanForward:
             by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
             row_keys = None
             try:
+                if wide:
+                    wide_begin(self._wide_weights, self._wide_ranges)
                 for L in self.wide_layers if wide else self.layers:
                     if hidden is not None:
                         hidden.append(x)

@@ -54,7 +54,8 @@ def describe(report: dict) -> str:
     return text
 
 
-MADV_DONTNEED = 4  # Linux's value on every architecture PyTorch ships for
+MADV_DONTNEED = 4  # Linux's values on every architecture PyTorch ships for
+MADV_POPULATE_READ = 22
 
 
 def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
@@ -72,13 +73,10 @@ def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
     return ranges
 
 
-def release_file_pages(tensor, ranges: list[tuple[int, int]]) -> int:
-    """Tell the kernel this process no longer needs the pages of ``tensor`` where it lies in a
-    mapped weight file (``weight_file_ranges``): they leave resident memory, and a later read
-    pages them in again from the file. That holds for pages never written, as a loaded
-    checkpoint's are (safetensors maps its file private, so a page written in place would be
-    dropped and read back as the file holds it): call it only on weights nothing has modified.
-    Memory that is not a file mapping is never touched. Returns the bytes released."""
+def _file_advice(tensor, ranges: list[tuple[int, int]], advice: int) -> int:
+    """madvise(``advice``) on the whole pages of ``tensor`` where it lies in a mapped weight file
+    (``weight_file_ranges``); memory that is not such a mapping is never touched. Returns the
+    bytes advised (0: none, or the kernel refused the advice)."""
     import ctypes
     import mmap
 
@@ -90,7 +88,26 @@ def release_file_pages(tensor, ranges: list[tuple[int, int]]) -> int:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi - lo if libc.madvise(lo, hi - lo, MADV_DONTNEED) == 0 else 0
+    return hi - lo if libc.madvise(lo, hi - lo, advice) == 0 else 0
+
+
+def release_file_pages(tensor, ranges: list[tuple[int, int]]) -> int:
+    """Tell the kernel this process no longer needs the pages of ``tensor`` where it lies in a
+    mapped weight file (``weight_file_ranges``): they leave resident memory, and a later read
+    pages them in again from the file. That holds for pages never written, as a loaded
+    checkpoint's are (safetensors maps its file private, so a page written in place would be
+    dropped and read back as the file holds it): call it only on weights nothing has modified.
+    Memory that is not a file mapping is never touched. Returns the bytes released."""
+    return _file_advice(tensor, ranges, MADV_DONTNEED)
+
+
+def populate_file_pages(tensor, ranges: list[tuple[int, int]]) -> int:
+    """Map the pages of ``tensor`` where it lies in a mapped weight file, all in one call
+    (MADV_POPULATE_READ, Linux 5.14 and later), rather than a page fault for every 64 KiB read:
+    a wide prefill reads the whole checkpoint, and at 1.5B faulting its 3 GiB in (and giving
+    them back) took a third of a 24-token prefill. Returns the bytes mapped (0 on an older
+    kernel, where reading faults them in as before)."""
+    return _file_advice(tensor, ranges, MADV_POPULATE_READ)
 
 
 def give_back_freed_memory() -> None:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from common import fp16_weights
 from common.fp16_weights import FP16_WEIGHTS, Fp16Linear, fp16_weights_available
 from common.models import ModelLoadError, choose_dtype, load_causal_lm
-from tiny_models import EOS_ID, PAD_ID
+from tiny_models import EOS_ID, PAD_ID, mapped_resident_kib
 
 needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
                                   reason="fbgemm is x86-only; auto picks fp16-weights only on an x86 build of PyTorch")
@@ -195,7 +195,7 @@ def test_daemons_with_their_default_dtype_serve_fp16_weights_exactly_and_specula
 def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touched(tmp_path):
     import mmap
 
-    from common.memory import release_file_pages, weight_file_ranges
+    from common.memory import populate_file_pages, release_file_pages, weight_file_ranges
 
     data = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
     path = tmp_path / "w.safetensors"
@@ -210,6 +210,13 @@ def test_released_file_pages_read_back_the_same_and_other_memory_is_never_touche
     assert torch.equal(view, data)  # paged in again from the file
     assert release_file_pages(data, ranges) == 0  # not a mapped weight file: left alone
     assert torch.equal(data, torch.arange(1 << 20, dtype=torch.float32))
+    # mapped again in one call (a wide prefill's first read), where the kernel can: resident, the same bytes
+    assert release_file_pages(view, ranges) == view.numel() * 4 and mapped_resident_kib(path) == 0
+    populated = populate_file_pages(view, ranges)
+    if tuple(int(x) for x in platform.release().split(".")[:2]) >= (5, 14):
+        assert populated == view.numel() * 4 and mapped_resident_kib(path) == 4096
+    assert populated in (0, view.numel() * 4) and torch.equal(view, data)
+    assert populate_file_pages(data, ranges) == 0
     del view
     mapped.close()
 
@@ -224,7 +231,7 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
     pages in its rows (the kernel maps a fault's neighbours too, up to 64 KiB), which are the
     checkpoint's."""
     from common.memory import weight_file_ranges
-    from tiny_models import make_tiny_checkpoint, mapped_resident_kib
+    from tiny_models import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "src", "llama", seed=3, hidden=1024, layers=1, tied=True)
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
