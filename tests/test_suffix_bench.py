@@ -108,7 +108,8 @@ def test_a_summary_says_where_the_time_went():
     assert s["prefill_s"] == 3.0 and s["prompt_tokens"] == 200 and s["tokens_per_round"] == 2.0
     assert s["round_ms"]["round"] == pytest.approx(60.0) and s["round_ms"]["draft_wait"] == pytest.approx(10.0)
     assert s["round_ms"]["verify_forward"] == pytest.approx(50.0)
-    assert s["per_request"][1] == {"kind": "edit", "tokens": 60, "rounds": 30, "drafted": 30, "accepted": 30}
+    assert s["per_request"][1] == {"kind": "edit", "tokens": 60, "rounds": 30, "drafted": 30, "accepted": 30,
+                                   "fallback_rounds": 0}
     assert s["by_kind"] == {"edit": {"requests": 2, "tokens": 80, "rounds": 40, "tokens_per_round": 2.0}}
 
 

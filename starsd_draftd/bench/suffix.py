@@ -112,7 +112,8 @@ def _summary(done: list[dict], wall_s: float) -> dict:
             "round_ms": ms_per_round(merge([s["profile"] for s in stats if "profile" in s])),
             # per request, in order, to read beside the replays' steps
             "per_request": [{"kind": d["kind"], "tokens": d["response"]["usage"]["completion_tokens"],
-                             "rounds": s["rounds"], "drafted": s["drafted"], "accepted": s["accepted"]}
+                             "rounds": s["rounds"], "drafted": s["drafted"], "accepted": s["accepted"],
+                             "fallback_rounds": s["fallback_rounds"]}
                             for d, s in zip(done, stats)],
             "texts": [d["response"]["choices"][0]["message"]["content"] for d in done]}
 
