@@ -38,7 +38,7 @@ from common.tensors import WIRE_DTYPES, all_finite, dtype_name
 from common.verify import SamplingParams
 from starsd_draftd.backends.base import DraftBackend
 from starsd_draftd.eta import ServiceEstimate
-from starsd_draftd.records import PeerBacklog, QueuedRequest, drafted
+from starsd_draftd.records import PeerBacklog, QueuedRequest, ask_of, drafted
 from starsd_draftd.sessions import Session, SessionTable
 from starsd_draftd.stats import Stats
 
@@ -410,7 +410,7 @@ class Ingress:
             return False  # a seeded session's draws stay a function of its requests, not of their timing
         if (last is None or last.seq != session.last_seq or h["accepted"] or h["new"]
                 or h["pos"] != len(session.verified) or self._queued_keys.get(session.key)
-                or last.ask != (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0))):
+                or last.ask != ask_of(h)):
             return False
         f = msg.tensors.get("features")
         if f is not None and f.shape[0]:

@@ -59,8 +59,14 @@ class LastReply:
     socket's thread, without a batch slot."""
 
     seq: int  # the request it answered (or, once repeated, the last repeat)
-    ask: tuple  # (depth, tree_tokens, min_survival) it was drafted for
+    ask: tuple  # what it was drafted for (``ask_of`` its DRAFT's header)
     draft: Draft
+
+
+def ask_of(header: dict) -> tuple:
+    """What a DRAFT asks for, beyond its session's text: a repeat with the same gets the same."""
+    return (header["depth"], header.get("tree_tokens", 0), header.get("min_survival", 0.0),
+            header.get("min_chance", 0.0))
 
 
 def drafted(session: int, seq: int, draft: Draft, queued_s: float, draft_s: float) -> Message:

@@ -38,7 +38,7 @@ from starsd_draftd.eta import ServiceEstimate
 from starsd_draftd.ingress import Ingress
 from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
-from starsd_draftd.records import AdmittedRequest, LastReply, QueuedRequest, drafted
+from starsd_draftd.records import AdmittedRequest, LastReply, QueuedRequest, ask_of, drafted
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
 from starsd_draftd.suffix import SuffixDraft, SuffixIndex, SuffixText
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
@@ -553,10 +553,10 @@ class DraftServer:
             greedy = session.params.greedy
             t0 = time.perf_counter()
             found = index.propose(text, h["depth"], h.get("tree_tokens", 0) if greedy else 0,
-                                  h.get("min_chance", h.get("min_survival", 0.0)))
+                                  h.get("min_chance") or h.get("min_survival", 0.0))
             if found is None or not text.choose(found.score):
                 continue
-            text.last_source, text.last_score = "suffix", found.score
+            text.drafted(found)
             if features is not None and features.shape[0]:  # the backend takes them with the next request's
                 session.pending_features = [as_torch(features).to(torch.float32, copy=True)]
             won[i] = (_suffix_draft(found, greedy), time.perf_counter() - t0)
@@ -710,8 +710,7 @@ class DraftServer:
                 # a tree's kept path is no prefix of its tokens: the target reports it as new tokens
                 session.last_draft = list(draft.tokens) if draft.parents is None else []
                 h = admitted[i].header
-                session.last_reply = None if draft.parents is not None else LastReply(
-                    h["seq"], (h["depth"], h.get("tree_tokens", 0), h.get("min_survival", 0.0)), draft)
+                session.last_reply = None if draft.parents is not None else LastReply(h["seq"], ask_of(h), draft)
                 if self.config.lookahead and not self.draining and draft.parents is None and not from_suffix:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth), h["seq"])
 

@@ -20,8 +20,8 @@ A query finds the occurrences of the context's last tokens (at least MIN_MATCH),
 one's match length exactly (up to MAX_MATCH), and builds a trie of what followed them. A node's
 chance of being kept is its share of the occurrences (``count / (n + 1)``, so one occurrence is
 never a certainty).
-A chain follows the most frequent child while its chance, calibrated by the session's outcomes
-(``SuffixText.ratio``), stays at or above a floor (the target's ``min_chance`` or ``min_survival``,
+A chain follows the most frequent child while its chance, raised where the session's copies were
+kept more than promised (``SuffixText.ratio``), stays at or above a floor (the target's ``min_chance`` or ``min_survival``,
 or MIN_CHANCE); a tree takes nodes best first within a budget. An occurrence
 drafts at most SPEC_FACTOR times its match length. A draft's score, the drafts it is expected to
 keep (its chances' sum scaled by ``SuffixText.ratio``, how the session's suffix drafts have fared),
@@ -107,7 +107,7 @@ class SuffixText:
     promised: float = 2.0
     model_kept: float | None = None  # the backend's drafts: kept per round, smoothed (None: none measured)
     last_source: str | None = None  # what drafted its last round: "suffix", "model" or None
-    last_score: float = 0.0
+    last_score: float = 0.0  # its last suffix draft's chances summed, uncalibrated (what it promised)
     last_tree: tuple[list[int], list[int]] | None = None  # its last round's tree (tokens, parents), if one
 
     @property
@@ -147,6 +147,12 @@ class SuffixText:
                 break
             kept += 1
         return kept
+
+    def drafted(self, draft: "SuffixDraft") -> None:
+        """Its next round is drafted from the index: ``draft``, whose uncalibrated chances are
+        what ``learn`` weighs the outcome against (the calibrated score would count the ratio
+        in its own measure, which then settles at the square root of the true factor)."""
+        self.last_source, self.last_score = "suffix", float(sum(draft.chances))
 
     def learn(self, accepted: int) -> None:
         """The outcome of its last round (``accepted`` drafts kept), for what drafted it."""
@@ -420,10 +426,11 @@ def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: f
         return min(count / total, MAX_CHANCE)
 
     def below(c: float) -> bool:
-        """Whether a node of chance ``c`` is below the floor, calibrated by how the session's
-        suffix drafts fared: a copy of a prompt seen once counts as a coin toss, but a session
-        whose copies were all kept (an edit) keeps them going."""
-        return min(c * ratio, MAX_CHANCE) < floor
+        """Whether a node of chance ``c`` is below the floor, raised by how the session's suffix
+        drafts fared: a copy of a prompt seen once counts as a coin toss, but a session whose
+        copies were all kept (an edit) keeps them going. Never lowered: the ratio learns only from
+        rounds the index drafted, so a floor it kept a session under would never let it back."""
+        return min(c * max(ratio, 1.0), MAX_CHANCE) < floor
 
     tokens: list[int] = []
     chances: list[float] = []

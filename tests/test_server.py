@@ -58,10 +58,12 @@ def test_a_draft_that_brings_and_asks_nothing_new_is_answered_without_a_batch():
         assert server.snapshot()["batches"] == 2
         assert _wait_for(lambda: _last_chain_recorded(server, 4)), "the chain answering seq 4 was never noted"
         assert code_of(peer.draft(1, 4, 0, [], 3, depth=2)) == "BAD_REQUEST"  # stale, as ever
+        peer.draft(1, 5, 0, [], 3, depth=2, min_chance=0.3)  # another floor for copied drafts: drafted
+        assert server.snapshot()["batches"] == 3
         # the session goes on from its last drafts: two of [13, 14] kept, then the target's 40
-        assert peer.draft(1, 5, 2, [40], 6, depth=2).header["tokens"] == [41, 42]
+        assert peer.draft(1, 6, 2, [40], 6, depth=2).header["tokens"] == [41, 42]
         snap = server.snapshot()
-        assert snap["repeats"] == 2 and snap["batches"] == 3
+        assert snap["repeats"] == 2 and snap["batches"] == 4
 
 
 def test_mismatched_model_is_refused_with_both_values():

@@ -70,19 +70,22 @@ def test_the_session_calibrates_its_suffix_drafts_and_chooses_against_the_model(
     first = index.propose(text, depth=8)
     assert first.score == pytest.approx(4.0) and text.choose(first.score)  # against the prior, 1.0
     assert index.propose(text, depth=8, min_chance=0.6) is None  # text seen once: a coin toss a token
-    for _ in range(5):  # all its copies kept: the same text now clears a floor above 1/2
-        text.last_source, text.last_score = "suffix", first.score
+    for _ in range(12):  # all its copies kept, each round drafted at its calibrated score
+        text.drafted(index.propose(text, depth=8))
         text.learn(8)
-    assert text.ratio > 1.2 and index.propose(text, depth=8, min_chance=0.6).tokens == first.tokens
+    # the ratio measures kept against the uncalibrated chances (8 against 4), not against itself
+    assert text.ratio == pytest.approx(2.0, rel=0.1)
+    assert index.propose(text, depth=8, min_chance=0.6).tokens == first.tokens  # clears a floor above 1/2
     text.kept = text.promised = 2.0  # back to no evidence
     text.model_kept = 5.0  # the backend's drafts keep more for this session: they go
     assert not text.choose(first.score)
     text.model_kept = None
     for _ in range(5):  # its suffix drafts keep nothing: their score falls
-        text.last_source, text.last_score = "suffix", first.score
+        text.drafted(first)
         text.learn(0)
-    assert index.propose(text, depth=8, min_chance=0.02).score < first.score / 3
-    assert index.propose(text, depth=8) is None  # calibrated below the default floor: no suffix draft
+    assert index.propose(text, depth=8).score < first.score / 3
+    # but the floor never reads a chance lowered: a session the ratio kept out could never learn back
+    assert index.propose(text, depth=8, min_chance=0.5).tokens == first.tokens
     text.last_source = "model"
     text.learn(3)  # the backend's rounds are measured too, and move its partition's prior
     assert text.model_kept == pytest.approx(1.0 + 0.3 * 2)
