@@ -498,7 +498,7 @@ class LeanForward:
             by_row = logits_to_keep == 0 and x.shape[0] == 1 and 1 < x.shape[1] <= self.row_exact_rows
             row_keys = None
             try:
-                if wide:
+                if wide:  # the whole checkpoint mapped up front: resident until wide_done, as it was
                     wide_begin(self._wide_weights, self._wide_ranges)
                 for L in self.wide_layers if wide else self.layers:
                     if hidden is not None:

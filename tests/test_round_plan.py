@@ -52,10 +52,15 @@ def test_greedy_chains_the_daemon_stops_ask_for_the_cap_with_min_survival():
     depth.drafted, depth._verify = (3.0, 0.1, 5), (1.0, 3.0, 0.06, 10.0, 0.19)  # v: 10 ms a token verified
     both = plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)
     assert both.min_chance == pytest.approx(30.0 * 0.01) and both.min_chance < both.min_survival
+    depth.per_token_s = 0.0  # a copied chain's threshold is never above a drafted one's
+    depth._verify = [1.0, 3.0, 0.06, 10.0, 0.24]  # v: 60 ms a token, past the ceiling
+    capped = plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)
+    assert capped.min_chance == capped.min_survival == hi
+    depth.per_token_s = 1.0
     # sampled drafting, or a daemon that does not stop chains: the controller picks the length
     for kw in ({"stops_drafts": True, "greedy_drafts": False}, {"stops_drafts": False, "greedy_drafts": True}):
         p = plan_round(6, session=True, depth=depth, **kw)
-        assert p.min_survival == 0.0 and p.depth == 1
+        assert p.min_survival == 0.0 and p.min_chance == 0.0 and p.depth == 1
 
 
 def test_adaptive_depth_chooses_the_length_within_the_cap():
