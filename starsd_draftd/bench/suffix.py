@@ -72,22 +72,27 @@ def _chat(base: str, alone: bool, timeout_s: float):
 
 
 class Paired:
-    """A chat that sends each request to the target alone and then to the star, and answers with
-    the star's response: the two configurations share every minute of the machine's drift (a
-    shared host's speed wanders by 10-30% over minutes), so their ratio holds it out. ``alone``:
-    the target alone's requests and responses, in order; ``seconds``: each one's time in total."""
+    """A chat that sends each request to the target alone and to the star, back to back, and
+    answers with the star's response: the two configurations share every minute of the machine's
+    drift (a shared host's speed wanders by 10-30% over minutes), so their ratio holds it out.
+    Which goes first alternates, so neither is always the one that follows the other (warm
+    caches, the prompt's weights just read). ``alone``: the target alone's requests and
+    responses, in order; ``seconds``: each one's time in total."""
 
     def __init__(self, chat_alone: Callable[[Request], dict], chat_star: Callable[[Request], dict],
                  clock: Callable[[], float] = time.perf_counter):
         self.chats, self.clock = (chat_alone, chat_star), clock
         self.alone: list[dict] = []
         self.seconds = [0.0, 0.0]
+        self.sent = 0
 
     def __call__(self, req: Request) -> dict:
-        responses = []
-        for i, chat in enumerate(self.chats):
+        responses: list[dict | None] = [None, None]
+        order = (0, 1) if self.sent % 2 == 0 else (1, 0)
+        self.sent += 1
+        for i in order:
             t0 = self.clock()
-            responses.append(chat(req))
+            responses[i] = self.chats[i](req)
             self.seconds[i] += self.clock() - t0
         self.alone.append({"kind": req.kind, "messages": req.messages, "response": responses[0]})
         return responses[1]
@@ -133,9 +138,10 @@ def _by_kind(rows: list[tuple[str, int, int]]) -> dict[str, dict]:
 
 def token_requests(done: list[dict], target_dir: Path) -> list[dict]:
     """The run's requests as token ids for the replays: the prompt as the chat API encodes it,
-    the output as its text re-encoded, and, where the reply ended on a stop token, that token
-    (the end of turn): the target generated it in a round of its own or as a round's last token,
-    as any other, and a replay without it would have a round fewer to take."""
+    the output as its text re-encoded, and, where the reply stopped (finish_reason "stop": the
+    workload sets no stop strings), the tokenizer's end-of-sequence token, the chat template's
+    end of turn: the target generated its stop token in a round as any other, and a replay
+    without it would have a round fewer to take."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -169,7 +175,7 @@ def replay_starsd(requests: list[dict], budget: int = BUDGET) -> dict:
                 drafted += len(d.tokens)
                 while kept < len(d.tokens) and pos + kept < len(out) and d.tokens[kept] == out[pos + kept]:
                     kept += 1
-                text.last_source, text.last_score = "suffix", d.score
+                text.drafted(d)
             take = min(kept + 1, len(out) - pos)
             index.extend(text, out[pos: pos + take])
             text.learn(kept)
@@ -239,7 +245,8 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
     step("suffix: replays")
     peer = replays["arcticinference"]
     if "requests" in peer:  # its steps by kind, beside the star's rounds by kind
-        peer["by_kind"] = _by_kind([(r["kind"], p["tokens"], p["steps"]) for r, p in zip(requests, peer["requests"])])
+        kinds = {r["id"]: r["kind"] for r in requests}
+        peer["by_kind"] = _by_kind([(kinds[p["id"]], p["tokens"], p["steps"]) for p in peer["requests"]])
     return {"budget": BUDGET, "topology": pool.state.get("suffix_topology"), "dtype": pool.state.get("suffix_dtype"),
             "configs": runs, "draftd": draftd, "replays": replays, "replay_requests": str(saved),
             "workload": {k: sum(1 for r in requests if r["kind"] == k) for k in ("edit", "tool", "turn")}}
