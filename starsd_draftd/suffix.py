@@ -21,8 +21,9 @@ one's match length exactly (up to MAX_MATCH), and builds a trie of what followed
 chance of being kept is its share of the occurrences (``count / (n + 1)``, so one occurrence is
 never a certainty).
 A chain follows the most frequent child while its chance, raised where the session's copies were
-kept more than promised (``SuffixText.ratio``), stays at or above a floor (the target's ``min_chance`` or ``min_survival``,
-or MIN_CHANCE); a tree takes nodes best first within a budget. An occurrence
+kept more than promised (``SuffixText.ratio``), stays at or above a floor (the target's
+``min_chance`` or ``min_survival``, or MIN_CHANCE); a tree takes nodes best first within a
+budget. An occurrence
 drafts at most SPEC_FACTOR times its match length. A draft's score, the drafts it is expected to
 keep (its chances' sum scaled by ``SuffixText.ratio``, how the session's suffix drafts have fared),
 is what the server weighs against the backend's measured drafts kept (``SuffixText.choose``).

@@ -10,7 +10,8 @@ runner executes). The rules:
 * a tree where the generation's budget and the daemon allow one (its depth then stays: adaptive
   depth models chains);
 * else a chain: where the daemon stops greedy chains itself, the cap with the controller's
-  ``min_survival`` (and ``min_chance`` for drafts copied from text already seen); otherwise the controller's length within the cap (the cap without one).
+  ``min_survival`` (and ``min_chance`` for drafts copied from text already seen); otherwise the
+  controller's length within the cap (the cap without one).
 
 A seeded sampled generation keeps the cap every round and always drafts (``keeps_cap``): the
 target's random draws follow its rounds, and the same seed must give the same tokens whatever
