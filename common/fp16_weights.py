@@ -23,7 +23,7 @@ one core, against 2-3 s in bfloat16 on the same core's matrix units. Where the C
 matrix instructions (x86 with AMX or AVX-512 BF16) and a layer's weight was read from the
 checkpoint's mapped file, the layer keeps that view (``Fp16Linear.source``: no memory while
 unread, its pages given back after each use) and a prompt chunk of at least ``WIDE_ROWS`` rows
-multiplies it in bfloat16 with float32 sums (``wide_linear``): a bfloat16 checkpoint's weights as
+(``WIDE_ROWS_CONVERTED`` where the weights must be converted) multiplies it in bfloat16 with float32 sums (``wide_linear``): a bfloat16 checkpoint's weights as
 they are, a bfloat16 model's arithmetic; a float32 checkpoint's through oneDNN's bf16 math mode.
 Only prefill goes wide: a verification, whose rows must match one-row steps, never does
 (``common.lean``). A bfloat16 GEMM's rounding of a row depends on how many rows it has, so a
@@ -65,9 +65,17 @@ def _(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# the chunk length from which a prefill goes wide: a bfloat16 GEMM passes fbgemm's cost at about 8
-# rows on the 1.5B shapes (the bf16 math mode on a float32 checkpoint's weights at about 16)
+# the chunk length from which a prefill goes wide: a bfloat16 checkpoint's weights pass fbgemm's
+# cost at about 8 rows on the 1.5B shapes; a float32 (or float16) checkpoint's are converted on
+# every call, which on the demo target (135M) cost more than fbgemm's whole forward at 16 rows
+# (166-176 ms wide against 90 plain) and as much at 64 (185 against 183; 128 rows: 205 against 310)
 WIDE_ROWS = 16
+WIDE_ROWS_CONVERTED = 64
+
+
+def wide_rows_for(weights: list[torch.Tensor]) -> int:
+    """The chunk length from which a prefill multiplying ``weights`` (the sources) goes wide."""
+    return WIDE_ROWS if all(w.dtype == torch.bfloat16 for w in weights) else WIDE_ROWS_CONVERTED
 WIDE_PREFILL_ENV = "STARSD_WIDE_PREFILL"
 
 

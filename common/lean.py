@@ -28,7 +28,7 @@ with less of both:
   TorchScript methods around the cache update (``common.lean_script``: the same ops without
   Python between them, checked bit for bit at build time);
 - with fp16-weights read from a mapped checkpoint on a CPU with bfloat16 matrix instructions, a
-  forward that reads no logits but the last (a prefill chunk) over at least ``WIDE_ROWS`` rows
+  forward that reads no logits but the last (a prefill chunk) over at least ``wide_rows`` rows
   multiplies the checkpoint's weights in bfloat16 (``common.fp16_weights``, "Wide prefill"), the
   one place where the lean forward computes differently from the model's own forward on purpose.
 
@@ -56,7 +56,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.fp16_weights import WIDE_ROWS, wide_begin, wide_done
+from common.fp16_weights import wide_begin, wide_done
 
 log = logging.getLogger("starsd.lean")
 
@@ -287,6 +287,7 @@ class LeanForward:
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
                 act=_plain(act) if isinstance(act, torch.nn.Module) else act))
         self.wide_layers, self.wide_reason = None, "off (a target's engine turns it on)"
+        self.wide_rows = 0  # the chunk length from which a prefill goes wide (0: none does)
         self.row_exact_rows = 0  # a target's engine turns it on (enable_row_exact)
         self.scripted, self.script_reason = None, "off"
         if script:
@@ -295,7 +296,7 @@ class LeanForward:
             self.scripted, self.script_reason = script_layers(self, base)
 
     def enable_wide_prefill(self) -> bool:
-        """Prefill chunks of ``WIDE_ROWS`` or more go wide from now on, where the model and the
+        """Prefill chunks of ``wide_rows`` or more go wide from now on, where the model and the
         CPU allow (``common.fp16_weights``, "Wide prefill"); returns whether they do, the reason
         in ``wide_reason``. A target's engine asks for it, and prefills each wide chunk alone. A
         draft daemon does not (its prefill runs while the target's does, and a seeded sampled
@@ -307,7 +308,7 @@ class LeanForward:
     def _wide_layers(self) -> tuple[list | None, str]:
         """The layers as a wide prefill runs them: each fp16-weights GEMM on its checkpoint
         source in bfloat16, the rest as they are; or None and why not."""
-        from common.fp16_weights import Fp16Linear, wide_linear, wide_prefill_available
+        from common.fp16_weights import Fp16Linear, wide_linear, wide_prefill_available, wide_rows_for
         from common.memory import weight_file_ranges
 
         ok, why = wide_prefill_available()
@@ -333,7 +334,9 @@ class LeanForward:
                 weights += [w for w, _ in m.source]
             wide.append(W)
         self._wide_weights, self._wide_ranges = weights, weight_file_ranges()
-        log.info("prefill chunks of %d or more tokens multiply the checkpoint's weights in bfloat16 (%s)", WIDE_ROWS, why)
+        self.wide_rows = wide_rows_for(weights)
+        log.info("prefill chunks of %d or more tokens multiply the checkpoint's weights in bfloat16 (%s)",
+                 self.wide_rows, why)
         return wide, why
 
     def enable_row_exact(self) -> int:
@@ -474,10 +477,10 @@ class LeanForward:
         if rolled:
             sin = _signed_sin(sin)
         hidden = [] if output_hidden_states else None
-        # a prefill chunk (no logits but the last) of WIDE_ROWS or more: its GEMMs in bfloat16 on the
+        # a prefill chunk (no logits but the last) of wide_rows or more: its GEMMs in bfloat16 on the
         # checkpoint's weights (a target's engine prefills such a chunk alone: its rounding then
         # follows the prompt alone)
-        wide = self.wide_layers is not None and logits_to_keep != 0 and x.shape[1] >= WIDE_ROWS
+        wide = self.wide_layers is not None and logits_to_keep != 0 and x.shape[1] >= self.wide_rows
         if self.scripted is not None and x.dtype == torch.float32 and not wide:
             # adjacent pool rows (a batched verification): the cache write inside the scripted call too
             span = cache.adjacent_rows() if hasattr(cache, "adjacent_rows") else None

@@ -131,10 +131,8 @@ class ModelRunner:
         """The chunk length from which a prefill multiplies in bfloat16 (``common.fp16_weights``,
         "Wide prefill"; 0: never here). A forward goes wide by its feed's length; a caller
         batching prefill chunks runs each such chunk alone (its rounding follows its row count)."""
-        from common.fp16_weights import WIDE_ROWS
-
         eager = not self.compiled and self.lean is not None
-        return WIDE_ROWS if eager and self.lean.wide_layers is not None else 0
+        return self.lean.wide_rows if eager and self.lean.wide_layers is not None else 0
 
     def enable_wide_prefill(self) -> bool:
         """A target's long prefill chunks go wide from now on, where the lean forward can

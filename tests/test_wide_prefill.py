@@ -1,12 +1,13 @@
-"""Wide prefill: fp16-weights prompt chunks of WIDE_ROWS or more multiply the checkpoint's own
-weights in bfloat16 with float32 accumulation (common.fp16_weights, "Wide prefill"); nothing else
+"""Wide prefill: fp16-weights prompt chunks of WIDE_ROWS (a bfloat16 checkpoint) or
+WIDE_ROWS_CONVERTED (a float32 one) or more multiply the checkpoint's own weights in bfloat16
+with float32 accumulation (common.fp16_weights, "Wide prefill"); nothing else
 does, and speculation stays exact."""
 
 import pytest
 import torch
 
 from common import lean as lean_mod
-from common.fp16_weights import (FP16_WEIGHTS, WIDE_ROWS, fp16_weights_available, wide_linear,
+from common.fp16_weights import (FP16_WEIGHTS, WIDE_ROWS, WIDE_ROWS_CONVERTED, fp16_weights_available, wide_linear,
                                  wide_prefill_available)
 from common.models import load_causal_lm
 from common.runner import ModelRunner
@@ -83,11 +84,11 @@ def test_only_a_long_prefill_goes_wide_and_its_cache_is_the_plain_one_to_bfloat1
     lean = runner.lean
     assert lean is not None and lean.wide_layers is None and runner.wide_prefill_rows == 0  # a draft's runner
     assert runner.enable_wide_prefill()  # as a target's engine asks
-    assert lean.wide_layers is not None and runner.wide_prefill_rows == WIDE_ROWS
+    assert lean.wide_layers is not None and runner.wide_prefill_rows == WIDE_ROWS_CONVERTED
     source_kib = sum(w.numel() * w.element_size() for w in lean._wide_weights) // 1024
     assert source_kib >= 2048  # the layer's float32 weights, read from the mapped file
     before = mapped_resident_kib(path)
-    prompt = _prompt(WIDE_ROWS + 20)
+    prompt = _prompt(WIDE_ROWS_CONVERTED + 20)
     wide_cache = runner.new_cache()
     runner.forward(wide_cache, prompt, logits="none")
     assert count_wide() == 1
@@ -96,7 +97,7 @@ def test_only_a_long_prefill_goes_wide_and_its_cache_is_the_plain_one_to_bfloat1
     # a verification of as many rows (every row's logits), a short prefill and a step stay in float32
     verify_cache = runner.new_cache()
     runner.forward(verify_cache, prompt, logits="all")
-    runner.forward(runner.new_cache(), prompt[: WIDE_ROWS - 1], logits="none")
+    runner.forward(runner.new_cache(), prompt[: WIDE_ROWS_CONVERTED - 1], logits="none")
     step, _ = runner.forward(wide_cache, prompt[-1:], logits="last")
     assert count_wide() == 1
     # the plain cache (float32 arithmetic) and the wide one agree to bfloat16's precision, not bit for bit
@@ -120,7 +121,7 @@ def test_a_target_goes_wide_and_a_draft_daemon_does_not(tiny_target):
     """A draft's prefill runs while the target's does; a seeded sampled session's draws follow
     its draft forwards' rounding, which must not depend on the feeds batched beside it."""
     engine = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4)
-    assert engine.runner.wide_prefill_rows == WIDE_ROWS
+    assert engine.runner.wide_prefill_rows == WIDE_ROWS_CONVERTED
     backend = ModelBackend(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS))
     assert backend.runner.wide_prefill_rows == 0
 
@@ -136,11 +137,13 @@ def test_a_batched_prefill_runs_wide_chunks_alone(tiny_target, tmp_path, saved, 
         src = tmp_path / "bf16"
         AutoModelForCausalLM.from_pretrained(tiny_target, dtype=saved).save_pretrained(src)
     loaded = load_causal_lm(str(src), dtype=FP16_WEIGHTS)
-    W = WIDE_ROWS
+    # a bfloat16 checkpoint's weights go wide as they are; a float32 one's are converted each call
+    W = WIDE_ROWS if saved == torch.bfloat16 else WIDE_ROWS_CONVERTED
     prompts = [_prompt(3 * W + 1, 1), _prompt(8, 2), _prompt(2 * W + 1, 3), _prompt(6, 4)]
     caches = []
     for max_batch in (4, 1):
         engine = TargetEngine(loaded, depth=4, max_batch=max_batch, prefill_chunk=2 * W)
+        assert engine.runner.wide_prefill_rows == W
         gens = [engine.start(p, 8, SamplingParams()) for p in prompts]
         while any(g.prefilling for g in gens):
             engine.prefill_batch([g for g in gens if g.prefilling])
@@ -155,9 +158,9 @@ def test_a_batched_prefill_runs_wide_chunks_alone(tiny_target, tmp_path, saved, 
 def test_speculation_after_a_wide_prefill_is_exact_and_speculates(tiny_target, near_draft, count_wide):
     target = load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS)
     engine = TargetEngine(target, depth=4)
-    prompt = _prompt(3 * WIDE_ROWS, 4)
+    prompt = _prompt(3 * WIDE_ROWS_CONVERTED, 4)
     alone = engine.generate(prompt, 40, SamplingParams())
-    assert count_wide() == 1  # the 191 prompt tokens before the last, one chunk
+    assert count_wide() == 1  # the prompt's tokens before the last, one chunk
     backend = ModelBackend(load_causal_lm(str(near_draft), dtype=FP16_WEIGHTS))
     r = speculate_with(backend, engine, prompt, 40, SamplingParams())
     assert count_wide() == 2  # the target's prefill went wide again; the draft daemon's did not
@@ -171,7 +174,7 @@ def test_the_scheduler_runs_a_wide_chunk_alone_and_counts_its_forwards(tiny_targ
     from starsd_target.scheduler import Job, Scheduler
 
     engine = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4, max_batch=4)
-    prompts = [_prompt(WIDE_ROWS + 5, 5), _prompt(WIDE_ROWS + 9, 6), _prompt(5, 7), _prompt(6, 8)]
+    prompts = [_prompt(WIDE_ROWS_CONVERTED + 5, 5), _prompt(WIDE_ROWS_CONVERTED + 9, 6), _prompt(5, 7), _prompt(6, 8)]
     sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4, admit_window_s=0.5)
     futures = [sched.submit(Job(p, 6, SamplingParams(), no_draft=True)) for p in prompts]
     sched.start()
