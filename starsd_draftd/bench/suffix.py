@@ -1,7 +1,7 @@
 """The suffix section: the agentic workload (``bench.agentic``) through the target's chat API, one
 stream, greedy, with a draft budget of BUDGET tokens a round: each request through the target
-alone and then through the star with suffix drafts (``Paired``: the ratio of the two holds out the
-machine's drift), then the star drafting with the model alone (``--no-suffix``); then the
+alone and through the star with suffix drafts, back to back, the first of the two alternating
+(``Paired``: the ratio of the two holds out the machine's drift), then the star drafting with the model alone (``--no-suffix``); then the
 same greedy outputs replayed, in the same order, through StarSD's suffix index alone and through
 ArcticInference's suffix cache (``bench.suffix_peer``, built in an environment of its own), to
 compare tokens per step at the same budget.
@@ -214,7 +214,7 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
         warm = Request("warm", [{"role": "user", "content": "Say hello."}], 8)
         chat_alone(warm), chat_star(warm)
         d0 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
-        if config == "suffix":  # each request through the target alone, then through the star
+        if config == "suffix":  # each request through the target alone and the star, back to back
             paired = Paired(chat_alone, chat_star)
             done = run_workload(paired, cfg.max_tokens, cfg.quick)
             done_alone = paired.alone
