@@ -106,6 +106,11 @@ def model_options(f):
         option("--prefill-chunk", type=click.IntRange(1), default=_d("prefill_chunk"),
                help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
                     "generations' rounds, so it delays them by one chunk at most."),
+        option("--prefix-cache-mib", type=click.IntRange(0), default=_d("prefix_cache_mib"),
+               help="Memory for recent prompts' keys and values, in whole prefill chunks: a prompt that begins "
+                    "as a recent one did (a conversation's next turn, an agent's next step, a shared system "
+                    "prompt) skips the prefill of the chunks they share, with the same output as without "
+                    "(prompts used longest ago are dropped first; 0: off)."),
         option("--compile/--no-compile", "compile_", default=_d("compile_"), help=COMPILE_HELP),
         option("--lean/--no-lean", default=_d("lean"), help=LEAN_HELP),
         logging_options(option),

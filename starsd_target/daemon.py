@@ -52,7 +52,8 @@ class TargetDaemon:
         self.engine = TargetEngine(self.loaded, depth=config.depth, prefill_chunk=config.prefill_chunk,
                                    runner=ModelRunner(self.loaded, compile=config.compile, lean=config.lean),
                                    max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
-                                   draft_tokens=config.draft_tokens)
+                                   draft_tokens=config.draft_tokens,
+                                   prefix_cache_bytes=config.prefix_cache_mib << 20)
         self.client: DraftPool | None = None  # the draft daemons' links
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)
@@ -208,4 +209,4 @@ class TargetDaemon:
                 "memory": memory_report(self.loaded.weights_bytes), "compiled": runner.compiled, "compile_s": round(runner.compile_s, 3), "forward": runner.forward_kind,
                 "max_batch": self.engine.max_batch, "batching_off": self.engine.batch_off,
                 "draft_connected": self.client is not None and self.client.up, **sched, "draft_link": link,
-                "round_profile": profile}
+                "round_profile": profile, "prefix_cache": self.engine.prefix.snapshot()}

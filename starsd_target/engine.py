@@ -26,6 +26,7 @@ from common.verify import (SamplingParams, dense_q, logits_to_probs, make_genera
 from starsd_target import warmup
 from starsd_target.config import TargetConfig
 from starsd_target.detokenizer import IncrementalText
+from starsd_target.prefix_cache import PrefixCache
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
 log = logging.getLogger("starsd.target.engine")
@@ -124,13 +125,15 @@ class TargetEngine:
     def __init__(self, loaded: LoadedModel, depth: int = TargetConfig.depth,
                  prefill_chunk: int = TargetConfig.prefill_chunk,
                  runner: ModelRunner | None = None, max_batch: int = 1, rows: int | None = None,
-                 draft_tokens: int | None = None):
+                 draft_tokens: int | None = None, prefix_cache_bytes: int = 0):
         """``runner``: how the model runs (compiled or eager); eager by default. ``max_batch``:
         the most generations one verification forward takes (1: one at a time); their caches
         are ``rows`` rows of one pool (default ``max_batch``; a generation beyond them gets a
         cache of its own and is verified alone). ``draft_tokens``: the most draft tokens a
         round verifies (None: ``depth``, a chain); above ``depth``, rounds ask for draft trees
-        of that many tokens at most, ``depth`` deep."""
+        of that many tokens at most, ``depth`` deep. ``prefix_cache_bytes``: memory for recent
+        prompts' whole prefill chunks, which later prompts that begin alike reuse
+        (``starsd_target.prefix_cache``; 0: none)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_batch < 1:
@@ -150,6 +153,7 @@ class TargetEngine:
                              f"tree attention mask, which this model cannot take: {why}")
         self.round_tokens = max(depth, draft_tokens)  # the most positions a round feeds after the root
         self.prefill_chunk = prefill_chunk
+        self.prefix = PrefixCache(prefix_cache_bytes, prefill_chunk)
         self.context = context_length(loaded.model)  # None: the model declares none
         self.max_batch, self.batch_off = 1, self._batch_refusal(max_batch)
         self.pool: SlotPool | None = None
@@ -539,6 +543,12 @@ class Generation:
             self.feats = FeatureBuffer(width, feature_wire_dtype(loaded.dtype))
         self.to_prefill = len(prompt) - 1  # the prompt but its last token (a round feeds that one)
         self.prefilled = 0  # of those, in the cache so far
+        # whole prefill chunks kept from earlier prompts are exact only at the chunk length they
+        # were computed with (not the warm-up's), and keep no features
+        prefix = engine.prefix
+        self._prefix = prefix if prefix.enabled and engine.prefill_chunk == prefix.chunk and not features else None
+        if self._prefix is not None:  # the longest run of whole chunks an earlier prompt shares with this one
+            self.prefilled = self.stats.cached_prompt_tokens = self._prefix.fill(self.cache, prompt, self.to_prefill)
         self.last_forward_s = 0.0  # the last round's model forward (logits to host included),
         self.last_math_s = 0.0  # and the rest of its verify(): what starsd_target.profile calls verify_math
 
@@ -715,6 +725,10 @@ class Generation:
         """Free the KV cache (a pool row goes back to the pool); the generation runs no more rounds.
         ``scrub``: the generation failed, so its row may hold NaN keys: they are zeroed, since a
         batched forward reads (masked) slots past each row's length, where a NaN still spreads."""
+        if self._prefix is not None and not scrub and self.cache is not None:
+            with torch.inference_mode():  # its prompt's whole chunks, for later prompts that begin alike
+                self._prefix.remember(self.tokens[: self.to_prefill], self.prefilled, self.cache)
+            self._prefix = None
         if self._release is not None:
             if scrub and isinstance(self.cache, PoolRowCache):
                 self.cache.scrub()

@@ -168,7 +168,8 @@ class ChatRequest(_Sampling):
 
 def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.token_ids),
-            "total_tokens": prompt_tokens + len(result.token_ids)}
+            "total_tokens": prompt_tokens + len(result.token_ids),
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_prompt_tokens}}
 
 
 class _Stream:

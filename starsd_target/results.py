@@ -19,6 +19,7 @@ class GenerationStats:
     invalid_drafts: int = 0
     generated: int = 0
     prefill_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt positions taken from an earlier prompt's kept chunks, not prefilled
     wall_s: float = 0.0
     accepted_by_position: list[int] = field(default_factory=list)
     max_draft_tokens: int = 0  # the draft tokens a round verifies at most (0: this generation speculates not)

@@ -90,6 +90,28 @@ def test_logprobs_and_per_request_speculation(client, tiny_target, loaded_target
     assert info.value.body["param"] == "starsd.max_draft_tokens"
 
 
+
+def test_a_prompt_that_begins_as_an_earlier_one_reuses_its_prefill_exactly(client, loaded_target, tiny_target):
+    """A conversation's next turn: its prompt begins with the whole first one (over one 256-token
+    prefill chunk), so the target takes that chunk's keys and values from the earlier prompt
+    (usage's cached_tokens) and answers exactly as the target alone, speculating."""
+    from starsd_target.engine import TargetEngine
+
+    first = "".join(f"# step {i}: read the {i}th record, check it, store it\n" for i in range(6))
+    second = first + "def run(records):\n    "
+    engine = TargetEngine(loaded_target)
+    kw = dict(model="tiny", max_tokens=24, temperature=0)
+    a = client.completions.create(prompt=first, **kw)
+    b = client.completions.create(prompt=second, **kw)
+    assert len(engine.encode(first)) > 256 and len(engine.encode(second)) < 512 - 24
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == 256
+    assert b.model_extra["starsd"]["cached_prompt_tokens"] == 256
+    ids = reference_greedy(tiny_target, engine.encode(second), 24)
+    assert b.choices[0].text == loaded_target.tokenizer.decode(ids, skip_special_tokens=True)
+    s = b.model_extra["starsd"]
+    assert s["accepted"] > 0 and s["fallback_rounds"] == 0
+
 def test_streamed_completion_adds_up_to_the_whole(client):
     kwargs = dict(model="tiny", prompt="import os\n", max_tokens=30, temperature=0)
     whole = client.completions.create(**kwargs).choices[0].text

@@ -1,0 +1,121 @@
+"""Prompt prefixes kept across generations (starsd_target.prefix_cache): a later prompt that
+begins alike reuses whole prefill chunks, bit for bit what its own prefill would compute, and
+the store keeps within its budget."""
+
+import pytest
+import torch
+
+from common.slot_cache import SlotCache
+from common.verify import SamplingParams
+from starsd_target.engine import TargetEngine
+from starsd_target.prefix_cache import PrefixCache
+
+CHUNK = 8
+
+
+def _finish(g) -> list[int]:
+    """Prefill ``g`` and run it to its end alone, then release it as the scheduler does."""
+    while g.prefilling:
+        g.prefill()
+    while not g.done:
+        g.verify(None, wanted=False)
+    out = list(g.out)
+    g.release()
+    return out
+
+
+def _kv(cache, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2], ids=["own-cache", "pool-row"])
+def test_a_reused_prefix_holds_the_bits_a_fresh_prefill_computes(loaded_target, max_batch):
+    """A second prompt sharing 21 tokens with a finished one takes its first two whole chunks
+    (16 positions, not 21: a chunk cut short was computed with other rows), and its cache after
+    prefill, and its output, are bit for bit a fresh engine's."""
+    engine = TargetEngine(loaded_target, depth=3, prefill_chunk=CHUNK, max_batch=max_batch,
+                          prefix_cache_bytes=16 << 20)
+    fresh = TargetEngine(loaded_target, depth=3, prefill_chunk=CHUNK, max_batch=max_batch)
+    first = engine.encode("def area(w, h):\n    return w * h\n")
+    second = first[:21] + engine.encode("print(area(3, 4))\n")[1:]
+    params = SamplingParams()
+    _finish(engine.start(first, 6, params))
+    assert engine.prefix.snapshot()["prompts"] == 1
+
+    g = engine.start(second, 12, params)
+    want = fresh.start(second, 12, params)
+    assert g.stats.cached_prompt_tokens == g.prefilled == 16 and want.prefilled == 0
+    for gen in (g, want):
+        while gen.prefilling:
+            gen.prefill()
+    n = g.to_prefill
+    for (k, v), (k0, v0) in zip(_kv(g.cache, n), _kv(want.cache, n)):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert _finish(g) == _finish(want)
+    assert engine.prefix.stats["hits"] == 1 and engine.prefix.stats["tokens_reused"] == 16
+
+
+def test_no_reuse_where_it_would_not_be_exact(loaded_target):
+    """Prompts shorter than a chunk keep nothing; a generation that collects features (EAGLE)
+    neither reuses nor keeps; an engine whose chunk length changed since (the warm-up's) ignores
+    what was kept at the other length; a failed generation (scrubbed) keeps nothing."""
+    engine = TargetEngine(loaded_target, depth=3, prefill_chunk=CHUNK, prefix_cache_bytes=16 << 20)
+    prompt = engine.encode("for i in range(10):\n    print(i)\n")
+    params = SamplingParams()
+    _finish(engine.start(prompt[:CHUNK], 2, params))  # 7 positions to prefill: no whole chunk
+    assert len(engine.prefix) == 0
+    _finish(engine.start(prompt, 2, params, features=True))
+    assert len(engine.prefix) == 0
+    g = engine.start(prompt, 2, params)
+    while g.prefilling:
+        g.prefill()
+    g.release(scrub=True)
+    assert len(engine.prefix) == 0
+    _finish(engine.start(prompt, 2, params))
+    assert len(engine.prefix) == 1
+    assert engine.start(prompt, 2, params, features=True).prefilled == 0
+    engine.prefill_chunk = 4
+    assert engine.start(prompt, 2, params).prefilled == 0
+    engine.prefill_chunk = CHUNK
+    assert engine.start(prompt, 2, params).prefilled == (len(prompt) - 1) // CHUNK * CHUNK
+
+
+def _filled(config, tokens: int, seed: int) -> SlotCache:
+    torch.manual_seed(seed)
+    cache = SlotCache(config)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    with torch.inference_mode():
+        for li in range(config.num_hidden_layers):
+            cache.update(torch.randn(1, heads, tokens, dim), torch.randn(1, heads, tokens, dim), li)
+    return cache
+
+
+def test_the_store_keeps_whole_chunks_longest_match_first_within_its_budget(loaded_target):
+    config = loaded_target.model.config
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4
+    store = PrefixCache(budget_bytes=40 * per_position, chunk=CHUNK)
+    a = list(range(100, 130))  # 30 tokens: 3 whole chunks (24 positions)
+    store.remember(a, 30, _filled(config, 30, 0))
+    assert store.snapshot()["tokens"] == 24 and store.bytes == 24 * per_position
+    # a prompt sharing 19 tokens reuses 16, at most what its own prefill would feed
+    hit = store.lookup(a[:19] + [7, 7, 7, 7, 7, 7], limit=24)
+    assert hit[0] == 16 and hit[1][0][0].shape[2] == 16
+    assert store.lookup(a, limit=12)[0] == 8
+    assert store.lookup([1] + a[1:], limit=29) is None  # differs in its first chunk
+    # a prompt the kept one begins with is held already; one that begins with it replaces it
+    store.remember(a[:20], 20, _filled(config, 20, 1))
+    assert len(store) == 1 and store.snapshot()["tokens"] == 24
+    longer = a + list(range(200, 210))  # 40 tokens: 40 positions
+    store.remember(longer, 40, _filled(config, 40, 2))
+    assert len(store) == 1 and store.snapshot()["tokens"] == 40
+    # over the budget, the prompt used longest ago goes
+    b = list(range(300, 317))
+    store.remember(b, 17, _filled(config, 17, 3))
+    assert len(store) == 1 and store.stats["evicted"] == 1 and store.lookup(longer, 40) is None
+    assert store.lookup(b, 16)[0] == 16 and store.bytes <= store.budget_bytes
+    # the keys and values handed back are those kept
+    want = _filled(config, 17, 3)
+    got = store.lookup(b, 16)[1]
+    assert all(torch.equal(k, layer.keys[:, :, :16]) for (k, _), layer in zip(got, want.layers))
+    assert PrefixCache(0, CHUNK).lookup(b, 16) is None  # off
