@@ -78,7 +78,7 @@ def test_the_section_table_and_its_config_checks():
     assert "prefill" not in text  # a report from before the bench said where the time went
     runs["suffix"].update(wall_s=40.0, prefill_s=10.0, prompt_tokens=5000,
                           round_ms={"round": 60.0, "draft_wait": 5.0, "verify_forward": 53.0})
-    assert ("suffix: prefill 10.0 s of 40.0 (5000 prompt tokens); a round 60.0 ms: draft wait 5.0, verify "
+    assert ("suffix: prefill 10.0 s of 40.0 (5000 prompt tokens, 0 of them reused from earlier prompts); a round 60.0 ms: draft wait 5.0, verify "
             "forward 53.0, the rest 2.0") in "\n".join(section.format_suffix(s))
     s["replays"]["arcticinference"] = {"totals": {"tokens_per_step": 3.0, "drafted": 310, "accepted": 190},
                                        "timing": {"speculate_us_mean": 8.0, "add_us_per_token": 1.5}}

@@ -33,26 +33,33 @@ CONFIGS = ("alone", "model", "suffix")  # the target alone; the star with model 
 
 def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config: str) -> str:
     """Fresh daemons for one configuration ("model" or "suffix"): a draft daemon and a target
-    with its chat API; returns the API's base URL (the target alone is the "suffix" target asked
-    for no drafts)."""
+    with its chat API; returns the API's base URL. "alone": a target with no draft daemon, on
+    the same core as the star's target (a daemon of its own, so that each keeps the prompt
+    prefixes of its own requests only)."""
     from starsd_draftd.demo.run import DemoConfig, topology
 
     target_dir, draft_dir = models
     topo = topology(DemoConfig(targets=1, pin=cfg.real_pin))
     dtype = bench_dtype(cfg)
     pool.state["suffix_topology"], pool.state["suffix_dtype"] = topo.describe(), dtype
-    draft = pool.start(f"sfx-draftd-{config}", lambda ep: [
-        "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
-        "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
-        "--suffix" if config == "suffix" else "--no-suffix", "--log-level", "warning"], cpus=topo.draft)
+    draft = None
+    if config != "alone":
+        draft = pool.start(f"sfx-draftd-{config}", lambda ep: [
+            "starsd_draftd", "serve", "--backend", "model", "--model", str(draft_dir), "--bind", ep,
+            "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
+            "--suffix" if config == "suffix" else "--no-suffix", "--log-level", "warning"], cpus=topo.draft)
     port = free_tcp_port("127.0.0.1")
+    link = ["--draft", draft, "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30"] if draft \
+        else ["--no-draft"]
     pool.start(f"sfx-target-{config}", lambda ep: [
-        "starsd_target", "serve", "--model", str(target_dir), "--draft", draft, "--listen", ep,
+        "starsd_target", "serve", "--model", str(target_dir), *link, "--listen", ep,
         "--http", f"127.0.0.1:{port}", "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
-        "--name", f"sfx-{config}", "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30",
-        "--log-level", "warning"], cpus=topo.targets[0], jobs=True)
-    pool.ready(f"sfx-draftd-{config}", f"sfx-target-{config}")
-    pool.procs.wait_draft_link([pool.endpoints[f"sfx-target-{config}"]], cfg.startup_timeout_s)
+        "--name", f"sfx-{config}", "--log-level", "warning"], cpus=topo.targets[0], jobs=True)
+    if draft:
+        pool.ready(f"sfx-draftd-{config}", f"sfx-target-{config}")
+        pool.procs.wait_draft_link([pool.endpoints[f"sfx-target-{config}"]], cfg.startup_timeout_s)
+    else:
+        pool.ready(f"sfx-target-{config}")
     return f"http://127.0.0.1:{port}"
 
 
@@ -114,6 +121,7 @@ def _summary(done: list[dict], wall_s: float) -> dict:
             # where the time went: the prompts' prefill (both configurations pay it alike) and the rounds
             "prompt_tokens": sum(d["response"]["usage"]["prompt_tokens"] for d in done),
             "prefill_s": sum(s.get("prefill_s", 0.0) for s in stats),
+            "cached_prompt_tokens": sum(s.get("cached_prompt_tokens", 0) for s in stats),
             "round_ms": ms_per_round(merge([s["profile"] for s in stats if "profile" in s])),
             # per request, in order, to read beside the replays' steps
             "per_request": [{"kind": d["kind"], "tokens": d["response"]["usage"]["completion_tokens"],
@@ -210,9 +218,12 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
     done_alone: list[dict] = []
     for config in ("suffix", "model"):
         base = start_suffix(cfg, pool, models, config)
-        chat_alone, chat_star = _chat(base, True, 600), _chat(base, False, 600)
+        chat_star = _chat(base, False, 600)
+        chat_alone = _chat(start_suffix(cfg, pool, models, "alone"), True, 600) if config == "suffix" else None
         warm = Request("warm", [{"role": "user", "content": "Say hello."}], 8)
-        chat_alone(warm), chat_star(warm)
+        for chat in (chat_alone, chat_star):
+            if chat is not None:
+                chat(warm)
         d0 = _stats(pool.endpoints[f"sfx-draftd-{config}"], pool.ctx)
         if config == "suffix":  # each request through the target alone and the star, back to back
             paired = Paired(chat_alone, chat_star)
@@ -233,6 +244,8 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
                           "requests": d1["requests"] - d0["requests"]}
         pool.stop(f"sfx-target-{config}")
         pool.stop(f"sfx-draftd-{config}")
+        if config == "suffix":
+            pool.stop("sfx-target-alone")
         if config != "suffix":
             step(f"suffix: star, {config} drafts")
     for name, r in runs.items():
@@ -268,7 +281,8 @@ def format_suffix(s: dict) -> list[str]:
     for name, r in s["configs"].items():
         ms = r.get("round_ms") or {}
         if "prefill_s" in r:
-            lines.append(f"{name}: prefill {r['prefill_s']:.1f} s of {r['wall_s']:.1f} ({r['prompt_tokens']} prompt tokens)"
+            lines.append(f"{name}: prefill {r['prefill_s']:.1f} s of {r['wall_s']:.1f} ({r['prompt_tokens']} prompt tokens, "
+                         f"{r.get('cached_prompt_tokens', 0)} of them reused from earlier prompts)"
                          + (f"; a round {ms['round']:.1f} ms: draft wait {ms['draft_wait']:.1f}, verify forward "
                             f"{ms['verify_forward']:.1f}, the rest {ms['round'] - ms['draft_wait'] - ms['verify_forward']:.1f}"
                             if ms else ""))
