@@ -26,7 +26,8 @@ SERVER_OPTIONS = ConfigOptions(ServerConfig, {
     "max_peer_queue_mib": ("max_peer_queue_bytes", MIB), "max_kv_mib": ("max_kv_bytes", MIB),
     "max_peer_kv_mib": ("max_peer_kv_bytes", MIB), "max_session_kv_mib": ("max_session_kv_bytes", MIB),
     "session_ttl": "session_ttl_s", "peer_ttl": "peer_ttl_s", "evict_idle": "evict_idle_s",
-    "drain_timeout": "drain_s", "suffix_cache_mib": ("suffix_cache_bytes", MIB)})
+    "drain_timeout": "drain_s", "suffix_cache_mib": ("suffix_cache_bytes", MIB),
+    "prefix_cache_mib": ("prefix_cache_bytes", MIB)})
 _serve, _server = SERVE_OPTIONS.default, SERVER_OPTIONS.default
 
 TOOLING = {"bench": "starsd_draftd.bench.cli:bench", "plan": "starsd_draftd.bench.cli:plan",
@@ -147,6 +148,10 @@ def main() -> None:
         help="Whose outputs a session's suffix drafts may come from: key: those of sessions of the same CURVE "
              "key only, so one tenant's text never drafts for another (without CURVE all targets share one "
              "index); all: every target's; off: its own text only.")
+@option("--prefix-cache-mib", type=click.IntRange(0), default=_server("prefix_cache_mib"),
+        help="Memory for finished sessions' keys and values (--backend model): a session whose text begins as "
+             "a recent one's did skips computing what they share, within --suffix-share's partitions (not "
+             "seeded sampled sessions). Oldest used first out; 0: off.")
 @option("--compile/--no-compile", "compile_", default=_serve("compile_"), help=COMPILE_HELP)
 @option("--lean/--no-lean", default=_serve("lean"), help="--backend model: " + LEAN_HELP)
 @option("--draft-vocab", default=_serve("draft_vocab"), metavar="auto|off|FILE", help=DRAFT_VOCAB_HELP)

@@ -82,6 +82,9 @@ class ServerConfig:
     suffix: bool = True
     suffix_cache_bytes: int = 256 << 20
     suffix_share: str = "key"
+    # Finished sessions' keys and values kept for later sessions whose text begins alike, in the
+    # suffix index's partitions (backends that support it: the model backend)
+    prefix_cache_bytes: int = 64 << 20
     # The session table's bounds (TableLimits, fields of the same names)
     max_sessions: int = _TABLE.max_sessions
     max_sessions_per_peer: int = _TABLE.max_sessions_per_peer
@@ -140,6 +143,7 @@ class DraftServer:
             if config.suffix_share != "off" and config.curve_secret is None:
                 log.info("suffix drafts: without CURVE every target's outputs may draft for every other's sessions "
                          "(--suffix-share off keeps each session to its own text)")
+        backend.keep_prompts(config.prefix_cache_bytes)
         self.lookahead = LookaheadServing(backend, self.sessions, self.stats)
         self.metrics = DraftMetrics(self.snapshot)
         self._busy_mark = (time.monotonic(), 0.0)
@@ -447,7 +451,7 @@ class DraftServer:
                 self._requeue(item, 0)
                 return
             if session.state is None:
-                session.state = self.backend.new_state(session.params)
+                session.state = self._new_state(session)
             state, verified = session.state, list(session.verified)
         t0 = time.perf_counter()
         try:
@@ -473,6 +477,18 @@ class DraftServer:
                 self.ingress.queued_fed += fed - item.fed
                 return
 
+    def _new_state(self, session: Session) -> object:
+        """A session's backend state, bound to the partition of kept prompts its text may come
+        from: the suffix index's (its CURVE key's with --suffix-share key, everyone's with all); a
+        seeded sampled session, whose drafts follow its own requests alone, and --suffix-share off
+        keep none."""
+        state = self.backend.new_state(session.params)
+        share = self.config.suffix_share
+        if share != "off" and (session.params.greedy or session.params.seed is None):
+            self.backend.bind_share(state, "all" if share == "all" else
+                                    session.key[0] if self.sessions.durable else b"")
+        return state
+
     def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
         """Validate a DRAFT request against its session, reserve its cache memory and apply what
         it reports; refused (BUSY, TOO_LARGE), the session is as it was. ``keep``: the sessions
@@ -481,7 +497,7 @@ class DraftServer:
         sid, seq = h["session"], h["seq"]
         session = self.sessions.get(principal, sid, seq)
         if session.state is None:  # opened since its last request: its backend state is made here
-            session.state = self.backend.new_state(session.params)
+            session.state = self._new_state(session)
         features = msg.tensors.get("features") if self.backend.feature_size else None
         if features is not None and session.features + features.shape[0] != h["pos"] - 1:
             raise ProtocolError(

@@ -42,7 +42,7 @@ class TargetConfig:
     # at 128, 1.6 s and 4.8 s, for a whole prefill 14% longer. On a GPU any of these is milliseconds.
     prefill_chunk: int = 256
     # memory for recent prompts' whole prefill chunks, reused by later prompts that begin alike
-    # (starsd_target.prefix_cache; 0: none); a 1.5B target's float32 keys and values take 57 KiB
+    # (common.prefix_cache; 0: none); a 1.5B target's float32 keys and values take 57 KiB
     # a position, so the default holds about 2,300 positions
     prefix_cache_mib: int = 128
     listen_curve_secret: Path | None = None  # the job socket's .key_secret file

@@ -26,7 +26,7 @@ from common.verify import (SamplingParams, dense_q, logits_to_probs, make_genera
 from starsd_target import warmup
 from starsd_target.config import TargetConfig
 from starsd_target.detokenizer import IncrementalText
-from starsd_target.prefix_cache import PrefixCache
+from common.prefix_cache import PrefixCache
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
 log = logging.getLogger("starsd.target.engine")
@@ -133,7 +133,7 @@ class TargetEngine:
         round verifies (None: ``depth``, a chain); above ``depth``, rounds ask for draft trees
         of that many tokens at most, ``depth`` deep. ``prefix_cache_bytes``: memory for recent
         prompts' whole prefill chunks, which later prompts that begin alike reuse
-        (``starsd_target.prefix_cache``; 0: none)."""
+        (``common.prefix_cache``; 0: none)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_batch < 1:
@@ -726,8 +726,8 @@ class Generation:
         ``scrub``: the generation failed, so its row may hold NaN keys: they are zeroed, since a
         batched forward reads (masked) slots past each row's length, where a NaN still spreads."""
         if self._prefix is not None and not scrub and self.cache is not None:
-            with torch.inference_mode():  # its prompt's whole chunks, for later prompts that begin alike
-                self._prefix.remember(self.tokens[: self.to_prefill], self.prefilled, self.cache)
+            # its prompt's whole chunks, for later prompts that begin alike
+            self._prefix.remember(self.tokens[: self.to_prefill], self.prefilled, self.cache)
             self._prefix = None
         if self._release is not None:
             if scrub and isinstance(self.cache, PoolRowCache):

@@ -1,4 +1,4 @@
-"""Prompt prefixes kept across generations (starsd_target.prefix_cache): a later prompt that
+"""Prompt prefixes kept across generations (common.prefix_cache): a later prompt that
 begins alike reuses whole prefill chunks, bit for bit what its own prefill would compute, and
 the store keeps within its budget."""
 
@@ -8,7 +8,7 @@ import torch
 from common.slot_cache import SlotCache
 from common.verify import SamplingParams
 from starsd_target.engine import TargetEngine
-from starsd_target.prefix_cache import PrefixCache
+from common.prefix_cache import PrefixCache
 
 CHUNK = 8
 
@@ -119,3 +119,62 @@ def test_the_store_keeps_whole_chunks_longest_match_first_within_its_budget(load
     got = store.lookup(b, 16)[1]
     assert all(torch.equal(k, layer.keys[:, :, :16]) for (k, _), layer in zip(got, want.layers))
     assert PrefixCache(0, CHUNK).lookup(b, 16) is None  # off
+
+
+def test_a_draft_session_takes_what_a_finished_one_of_its_share_computed(near_draft):
+    """The draft daemon's model backend: a session's first feed starts from the longest run a
+    finished session of the same share had in common with it (any length: drafts are verified),
+    never from another share's, and unbound sessions neither keep nor take."""
+    from common.models import load_causal_lm
+    from starsd_draftd.backends.model import ModelBackend
+
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    backend.keep_prompts(16 << 20)
+    first = list(range(40, 70))
+    second = first[:21] + [5, 6, 7, 8]
+    params = SamplingParams()
+
+    def session(share=None, bound=True):
+        st = backend.new_state(params)
+        if bound:
+            backend.bind_share(st, share)
+        return st
+
+    a = session("tenant-a")
+    backend.draft(a, first, 3)
+    backend.release(a)
+    kept = backend.counters()["kept_prompts"]
+    assert kept["prompts"] == 1 and kept["tokens"] >= len(first)
+    b = session("tenant-b")  # another share: computes its own
+    backend.draft(b, second, 3)
+    assert backend.prompts.stats["hits"] == 0
+    unbound = session(bound=False)
+    backend.draft(unbound, second, 3)
+    backend.release(unbound)
+    assert backend.prompts.stats["hits"] == 0 and backend.prompts.stats["kept"] == 1
+    c = session("tenant-a")
+    backend.prefill(c, second, budget=0)  # takes the shared run, feeds nothing more
+    assert c.cached == first[:21] and c.cache.get_seq_length() == 21
+    assert backend.prompts.stats["hits"] == 1 and backend.prompts.stats["tokens_reused"] == 21
+    draft = backend.draft(c, second, 3)
+    assert len(draft.tokens) == 3 and c.cached[:len(second)] == second
+
+
+def test_the_draft_daemon_binds_sessions_to_the_suffix_indexs_partitions(near_draft):
+    from common.models import load_causal_lm
+    from starsd_draftd.backends.model import ModelBackend
+    from starsd_draftd.server import DraftServer, ServerConfig
+    from starsd_draftd.sessions import Session
+
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    greedy, seeded = SamplingParams(), SamplingParams(temperature=0.8, seed=3)
+    for share, params, want in (("key", greedy, (True, b"")), ("all", greedy, (True, "all")),
+                                ("off", greedy, (False, None)), ("key", seeded, (False, None)),
+                                ("key", SamplingParams(temperature=0.8), (True, b""))):
+        server = DraftServer(backend, ServerConfig(bind="tcp://127.0.0.1:0", suffix_share=share))
+        try:
+            st = server._new_state(Session(key=(b"peer-1", 7), params=params, state=None, verified=[1, 2]))
+            assert (st.reuses, st.share) == want, (share, params)
+        finally:
+            server.ingress.stop()
+    assert backend.prompts.budget_bytes == ServerConfig().prefix_cache_bytes

@@ -443,6 +443,14 @@ class DraftBackend(abc.ABC):
     def bind_text(self, state: object, text: object) -> None:
         """A session's text in that index (``SuffixText``), for such backends (default: unused)."""
 
+    def keep_prompts(self, budget_bytes: int) -> None:
+        """Keep finished sessions' keys and values within ``budget_bytes``, for later sessions of
+        the same share whose text begins alike (``common.prefix_cache``; default: unsupported)."""
+
+    def bind_share(self, state: object, share: object) -> None:
+        """The partition a session's kept keys and values go to and come from (see
+        ``keep_prompts``; default: unused). Unbound sessions neither keep nor reuse."""
+
     def release(self, state: object) -> None:
         """Free a session's state (default: let garbage collection do it)."""
 

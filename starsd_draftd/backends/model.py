@@ -12,6 +12,7 @@ import torch
 
 from common.draft_vocab import SubsetHead
 from common.models import LoadedModel, common_prefix_len, crop_cache, kv_bytes_per_token
+from common.prefix_cache import PrefixCache
 from common.runner import ModelRunner
 from common.tree import ROOT, additive_mask, mask_refusal
 from common.verify import SamplingParams, make_generator
@@ -35,6 +36,8 @@ class ModelSession:
     calibration: Calibration = field(default_factory=Calibration)  # greedy stopping's chances (base.Stopping)
     min_survival: float = 0.0  # its last request's stopping threshold (its work ahead stops by it too)
     text: object | None = None  # its text in the daemon's suffix index (a suffix.SuffixText; None: own tokens only)
+    share: object = None  # its partition of the kept prompts (ModelBackend.keep_prompts)
+    reuses: bool = False  # it takes and leaves kept prompts (bound to a share)
 
 
 class ModelBackend(DraftBackend):
@@ -74,6 +77,7 @@ class ModelBackend(DraftBackend):
         cfg = loaded.model.config
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, loaded.dtype)
+        self.prompts = PrefixCache(0)  # finished sessions' keys and values (keep_prompts)
 
     def warm_up(self, batch_max: int = 1) -> float:
         """With a compiled runner, compile the kinds of forward drafting runs before serving: a
@@ -101,10 +105,23 @@ class ModelBackend(DraftBackend):
     def counters(self) -> dict:
         return {"lookup": self.lookup is not None, "lookup_hits": self.lookup_hits, "model_picks": self.model_picks,
                 "output_ids": self.output_ids, "logits_size": self.loaded.logits_size,
-                "forward": self.runner.forward_kind}
+                "forward": self.runner.forward_kind, "kept_prompts": self.prompts.snapshot()}
 
     def attach_suffix(self, index: SuffixIndex | None) -> None:
         self.lookup = index
+
+    def keep_prompts(self, budget_bytes: int) -> None:
+        # the draft's keys and values only shape drafts, which the target verifies: a run of any
+        # length is reused, computed however it was
+        self.prompts = PrefixCache(budget_bytes, chunk=1)
+
+    def bind_share(self, state: object, share: object) -> None:
+        state.share, state.reuses = share, True  # type: ignore[attr-defined]
+
+    def release(self, state: object) -> None:
+        st: ModelSession = state  # type: ignore[assignment]
+        if st.reuses and st.cached:
+            self.prompts.remember(st.cached, len(st.cached), st.cache, st.share)
 
     def bind_text(self, state: object, text: object) -> None:
         state.text = text  # type: ignore[attr-defined]
@@ -130,12 +147,14 @@ class ModelBackend(DraftBackend):
         st.cached.extend(tokens)
         return logits[: self.vocab_size]
 
-    @staticmethod
-    def _rewind(st: ModelSession, verified: list[int]) -> int:
+    def _rewind(self, st: ModelSession, verified: list[int]) -> int:
         """Keep the cached prefix that still matches ``verified``, always leaving at least one
-        token to re-feed (its forward yields the logits of the next position); its length."""
+        token to re-feed (its forward yields the logits of the next position); its length. A
+        session's first feed starts from the longest run a kept session of its share had in common."""
         if not verified:
             raise ValueError("cannot draft after an empty sequence")
+        if not st.cached and st.reuses and self.prompts.enabled:
+            st.cached = list(verified[: self.prompts.fill(st.cache, verified, len(verified) - 1, st.share)])
         keep = min(common_prefix_len(st.cached, verified), len(verified) - 1)
         crop_cache(st.cache, keep)
         del st.cached[keep:]
