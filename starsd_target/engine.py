@@ -17,6 +17,7 @@ import torch
 
 from common.features import fused_features
 from common.models import LoadedModel, context_length, crop_cache
+from common.prefix_cache import PrefixCache
 from common.runner import ModelRunner
 from common.slot_cache import PoolBatch, PoolRowCache, SlotPool
 from common.tensors import as_torch, to_wire
@@ -26,7 +27,6 @@ from common.verify import (SamplingParams, dense_q, logits_to_probs, make_genera
 from starsd_target import warmup
 from starsd_target.config import TargetConfig
 from starsd_target.detokenizer import IncrementalText
-from common.prefix_cache import PrefixCache
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
 log = logging.getLogger("starsd.target.engine")
