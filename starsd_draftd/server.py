@@ -466,6 +466,10 @@ class DraftServer:
         # what the request still feeds: the rest of the prompt (its last token is drafting's) and its
         # new tokens; a chunk that fed nothing (what is left comes with the request) lets it go whole
         with self.lock:
+            if self.sessions.sessions.get(item.key) is session and session.state is state:
+                # what the backend holds now, so that the session's next requests are charged only
+                # what it has not taken in (a request the suffix index answers feeds none of it)
+                session.backend_held = max(session.backend_held, len(verified) - left)
             self._requeue(item, 0 if fed_now == 0 else left - 1 + len(item.msg.header["new"]))
 
     def _requeue(self, item: QueuedRequest, fed: int) -> None:

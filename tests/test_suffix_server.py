@@ -279,3 +279,43 @@ def test_a_suffix_draft_answers_before_the_backends_work_ahead():
         now = server.snapshot()["lookahead"]
         assert now["hits"] == now["late_hits"] == 0 and now["misses"] == la["misses"]
         peer.sock.close(0)
+
+
+class Feeds(Calls):
+    """Feeds prompts in chunks (``prefills``): counts the chunks and what it holds of each session."""
+
+    prefills = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.chunks = 0
+
+    def prefill(self, state, verified, budget):
+        self.chunks += 1
+        held = state.get("held", 0)
+        upto = min(len(verified) - 1, held + budget)
+        state["held"] = upto
+        return upto - held, len(verified) - upto
+
+
+def test_a_prompt_fed_in_chunks_is_not_charged_again_after_a_suffix_answer():
+    """A long prompt is fed to the backend in chunks, then its request answered from the suffix
+    index; the session's next request brings four tokens and is charged those (and the prompt's
+    last), not the whole prompt again: it needs no chunk fed before its drafts (which cost a
+    forward on the round's critical path: 5-60 ms a round on the agentic bench's demo draft)."""
+    backend = Feeds()
+    with running_server(backend, suffix=True, max_depth=16, batch_prefill_tokens=8) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        prompt = [6, 7, 5, 4, 3, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, *SECRET[:8]]
+        peer.open(2, prompt)
+        r = peer.draft(2, 1, 0, [], len(prompt), depth=16)
+        assert r.header["tokens"] == SECRET[8:16]  # from the index
+        chunks, calls = backend.chunks, backend.calls
+        assert chunks >= 3 and server.snapshot()["prefill_chunks"] == chunks
+        session = next(s for s in server.sessions.sessions.values() if s.key[1] == 2)
+        assert session.backend_held == session.state["held"] >= len(prompt) - 8  # what the chunks fed
+        r = peer.draft(2, 2, 4, [SECRET[12]], len(prompt) + 5, depth=16)
+        assert r.type is MsgType.DRAFTED and r.header["tokens"][:3] == SECRET[13:16]
+        assert backend.chunks == chunks and backend.calls == calls  # no chunk, no model draft: the index's
