@@ -94,7 +94,14 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
         code = d.procs["draft_a"].wait(30)
         gone_s = time.monotonic() - t0
         served_b = _requests(b)
-        time.sleep(1.0)  # the streams go on against the one daemon left
+        # the streams go on against the one daemon left: at least a second, and until a generation
+        # begun half a second after the fault has finished (on a loaded host one takes longer)
+        settled = t0 + gone_s + 0.5
+        deadline = time.monotonic() + 60
+        time.sleep(1.0)
+        while (not any(began > settled for _, _, _, began, _ in list(results)) and not errors
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         stop.set()
         for th in threads:
             th.join(300)
@@ -116,7 +123,7 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
                 for t in range(3)}
     before = {t: sum(r["stats"]["fallback_rounds"] for tt, _, r, _, end in results if tt == t and end < t0)
               for t in range(3)}
-    after = [r for _, _, r, began, _ in results if began > t0 + gone_s + 0.5]
+    after = [r for _, _, r, began, _ in results if began > settled]
     assert after and sum(r["stats"]["accepted"] for r in after) > 0, "drafts went on after the fault"
     assert _requests(b) > served_b
     print(f"signal {sig}: exit {code} after {gone_s:.2f}s; {len(results)} generations; rounds without drafts per "
