@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.models import common_prefix_len
 from common.slot_cache import SlotLayer
-
-BLOCK = 64  # tokens compared at once before the first difference is looked for token by token
 
 
 @dataclass
@@ -45,17 +44,6 @@ def cache_layers_kept(cache) -> bool:
     """Whether a cache's layers can be copied out and back (full-attention slot layers all)."""
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(isinstance(layer, SlotLayer) for layer in layers)
-
-
-def common_run(a: list[int], b: list[int], limit: int) -> int:
-    """How many tokens ``a`` and ``b`` share from their start, at most ``limit``."""
-    end = min(len(a), len(b), limit)
-    n = 0
-    while n + BLOCK <= end and a[n: n + BLOCK] == b[n: n + BLOCK]:
-        n += BLOCK
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class PrefixCache:
@@ -87,7 +75,7 @@ class PrefixCache:
 
     def _shared(self, kept: list[int], tokens: list[int], limit: int) -> int:
         """Whole chunks ``kept`` and ``tokens`` share from their start, up to ``limit`` positions."""
-        return common_run(kept, tokens, limit) // self.chunk * self.chunk
+        return min(common_prefix_len(kept, tokens), limit) // self.chunk * self.chunk
 
     def lookup(self, tokens: list[int], limit: int, share: object = None
                ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
