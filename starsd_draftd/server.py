@@ -40,7 +40,7 @@ from starsd_draftd.lookahead import LookaheadServing, ahead_depth
 from starsd_draftd.metrics import DraftMetrics
 from starsd_draftd.records import AdmittedRequest, LastReply, QueuedRequest, ask_of, drafted
 from starsd_draftd.sessions import Session, SessionTable, TableLimits
-from starsd_draftd.suffix import SuffixDraft, SuffixIndex, SuffixText
+from starsd_draftd.suffix import SuffixDraft, SuffixIndex, SuffixText, partition
 from starsd_draftd.stats import REQUEST_PARTS, Stats  # noqa: F401 (REQUEST_PARTS: part of this module's face)
 
 log = logging.getLogger("starsd.draftd")
@@ -487,11 +487,15 @@ class DraftServer:
         seeded sampled session, whose drafts follow its own requests alone, and --suffix-share off
         keep none."""
         state = self.backend.new_state(session.params)
-        share = self.config.suffix_share
-        if share != "off" and (session.params.greedy or session.params.seed is None):
-            self.backend.bind_share(state, "all" if share == "all" else
-                                    session.key[0] if self.sessions.durable else b"")
+        part = partition(self.config.suffix_share, self._text_principal(session.key[0]))
+        if part is not None and (session.params.greedy or session.params.seed is None):
+            self.backend.bind_share(state, part)
         return state
+
+    def _text_principal(self, principal: bytes) -> bytes:
+        """Whose text a peer's sessions are: its key with CURVE; without, one principal for all
+        (a connection is no tenant)."""
+        return principal if self.sessions.durable else b""
 
     def _admit(self, principal: bytes, msg: Message, keep: set) -> DraftRequest:
         """Validate a DRAFT request against its session, reserve its cache memory and apply what
@@ -541,8 +545,8 @@ class DraftServer:
         if text is None:
             seeded = not session.params.greedy and session.params.seed is not None
             # a seeded sampled session's drafts must follow its own requests alone: no shared text
-            text = session.suffix = index.open(principal if self.sessions.durable else b"",
-                                               session.verified[:before], shared=not seeded)
+            text = session.suffix = index.open(self._text_principal(principal), session.verified[:before],
+                                               shared=not seeded)
             self.backend.bind_text(session.state, text)
         else:
             kept = text.kept_of(h["accepted"], h["new"])

@@ -192,6 +192,14 @@ class SuffixDraft:
         return float(sum(self.chances)) * self.ratio
 
 
+def partition(share: str, principal: bytes) -> bytes | None:
+    """Whose text a session of ``principal`` shares under ``share`` (``--suffix-share``): its
+    key's (``key``), everyone's (``all``: b""), or none (``off``: None)."""
+    if share == "off":
+        return None
+    return principal if share == "key" else b""
+
+
 class SuffixIndex:
     """The draft daemon's suffix index (module docstring). Changed and queried on the batcher's
     thread (changes under the server's lock); ``snapshot`` reads counters from any thread.
@@ -222,7 +230,7 @@ class SuffixIndex:
         output enters the shared index unless sharing is off."""
         doc = None
         if self.share != "off" and self.max_bytes > 0:
-            part = self._parts.setdefault(principal if self.share == "key" else b"", _Part())
+            part = self._parts.setdefault(partition(self.share, principal), _Part())
             self._serial += 1
             doc = _Doc(self._serial, part, array("i", prompt), len(prompt))
             self._docs[doc.serial] = doc

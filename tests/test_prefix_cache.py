@@ -168,7 +168,7 @@ def test_the_draft_daemon_binds_sessions_to_the_suffix_indexs_partitions(near_dr
 
     backend = ModelBackend(load_causal_lm(str(near_draft)))
     greedy, seeded = SamplingParams(), SamplingParams(temperature=0.8, seed=3)
-    for share, params, want in (("key", greedy, (True, b"")), ("all", greedy, (True, "all")),
+    for share, params, want in (("key", greedy, (True, b"")), ("all", greedy, (True, b"")),
                                 ("off", greedy, (False, None)), ("key", seeded, (False, None)),
                                 ("key", SamplingParams(temperature=0.8), (True, b""))):
         server = DraftServer(backend, ServerConfig(bind="tcp://127.0.0.1:0", suffix_share=share))
@@ -178,3 +178,7 @@ def test_the_draft_daemon_binds_sessions_to_the_suffix_indexs_partitions(near_dr
         finally:
             server.ingress.stop()
     assert backend.prompts.budget_bytes == ServerConfig().prefix_cache_bytes
+    # with CURVE a key's sessions share only among themselves (the suffix index's partitions)
+    from starsd_draftd.suffix import partition
+
+    assert (partition("key", b"key-a"), partition("all", b"key-a"), partition("off", b"key-a")) == (b"key-a", b"", None)
