@@ -23,8 +23,9 @@ one core, against 2-3 s in bfloat16 on the same core's matrix units. Where the C
 matrix instructions (x86 with AMX or AVX-512 BF16) and a layer's weight was read from the
 checkpoint's mapped file, the layer keeps that view (``Fp16Linear.source``: no memory while
 unread, its pages given back after each use) and a prompt chunk of at least ``WIDE_ROWS`` rows
-(``WIDE_ROWS_CONVERTED`` where the weights must be converted) multiplies it in bfloat16 with float32 sums (``wide_linear``): a bfloat16 checkpoint's weights as
-they are, a bfloat16 model's arithmetic; a float32 checkpoint's through oneDNN's bf16 math mode.
+(``WIDE_ROWS_CONVERTED`` where the weights must be converted) multiplies it in bfloat16 with
+float32 sums (``wide_linear``): a bfloat16 checkpoint's weights as they are, a bfloat16 model's
+arithmetic; a float32 checkpoint's through oneDNN's bf16 math mode.
 Only prefill goes wide: a verification, whose rows must match one-row steps, never does
 (``common.lean``). A bfloat16 GEMM's rounding of a row depends on how many rows it has, so a
 target prefills each wide chunk alone (its length follows from the prompt's, never from what
@@ -76,6 +77,8 @@ WIDE_ROWS_CONVERTED = 64
 def wide_rows_for(weights: list[torch.Tensor]) -> int:
     """The chunk length from which a prefill multiplying ``weights`` (the sources) goes wide."""
     return WIDE_ROWS if all(w.dtype == torch.bfloat16 for w in weights) else WIDE_ROWS_CONVERTED
+
+
 WIDE_PREFILL_ENV = "STARSD_WIDE_PREFILL"
 
 

@@ -1,10 +1,10 @@
 """The suffix section: the agentic workload (``bench.agentic``) through the target's chat API, one
 stream, greedy, with a draft budget of BUDGET tokens a round: each request through the target
 alone and through the star with suffix drafts, back to back, the first of the two alternating
-(``Paired``: the ratio of the two holds out the machine's drift), then the star drafting with the model alone (``--no-suffix``); then the
-same greedy outputs replayed, in the same order, through StarSD's suffix index alone and through
-ArcticInference's suffix cache (``bench.suffix_peer``, built in an environment of its own), to
-compare tokens per step at the same budget.
+(``Paired``: the ratio of the two holds out the machine's drift), then the star drafting with the
+model alone (``--no-suffix``); then the same greedy outputs replayed, in the same order, through
+StarSD's suffix index alone and through ArcticInference's suffix cache (``bench.suffix_peer``,
+built in an environment of its own), to compare tokens per step at the same budget.
 
 The draft daemons run on the draft core and the target on the target core (pinned with 2+ cores);
 each configuration gets fresh daemons, so no index holds an earlier run's text."""
