@@ -78,7 +78,8 @@ def main() -> None:
              "its second choice there), one batched forward at a time, so a request that comes waits one forward; "
              "a request that brings one of those sequences is answered at once. Sessions it rarely answers are "
              "drafted ahead every 8th round only; seeded sampled sessions are not. Lossless like every "
-             "draft (--backend model; an EAGLE head drafts on request).")
+             "draft (--backend model; an EAGLE head drafts on request). Idle passes also feed the draft model "
+             "the tokens it missed while suffix drafts answered a session, a step's worth at a time.")
 @option("--q-topk", type=click.IntRange(1), default=_serve("q_topk"),
         help="Sampling mode: drafts are drawn from the top-k of q and that sparse q is sent along.")
 @option("--tree-topk", type=click.IntRange(1), default=_serve("tree_topk"),
@@ -217,7 +218,8 @@ def _describe(connect: str, s: dict) -> list[str]:
             f"  requests {s['requests']} ({s['requests'] / up:.1f}/s), drafted tokens {s['drafted_tokens']}, "
             f"batches {s['batches']}",
             f"  errors {s['errors'] or 'none'}, dropped replies {s['dropped_replies']}"] + _profile_line(s) + \
-        _lookahead_line(s) + _trees_line(s) + _suffix_line(s) + _vocab_line(s) + memory_status_line(s)
+        _lookahead_line(s) + _catch_up_line(s) + _trees_line(s) + _suffix_line(s) + _vocab_line(s) + \
+        memory_status_line(s)
 
 
 def _suffix_line(s: dict) -> list[str]:
@@ -257,6 +259,15 @@ def _lookahead_line(s: dict) -> list[str]:
     rate = f"{100 * answered / tried:.0f}% of {tried}" if tried else "none yet"
     return [f"  lookahead: {la['started']} rounds drafted ahead, requests answered from them {rate} "
             f"({la['late_hits']} finished on arrival), {la['idle_s']:.1f}s of idle time used"]
+
+
+def _catch_up_line(s: dict) -> list[str]:
+    """What idle passes fed the draft model (none from an older daemon, or before any)."""
+    cu = s.get("catch_up")
+    if not cu or not cu["feeds"]:
+        return []
+    return [f"  idle feeds: {cu['tokens']} verified tokens the suffix drafts' sessions missed, in {cu['feeds']} "
+            f"forwards, {cu['seconds']:.1f}s"]
 
 
 def _profile_line(s: dict) -> list[str]:

@@ -5,16 +5,22 @@ queues the work ahead (``start``), runs one forward of it per loop pass while no
 (``step``), has the requests that bring a guessed sequence answered from it (``answered``) and
 drops it when it frees the session (``drop``). The backend drafts the guesses
 (``DraftBackend.lookahead``; docs/architecture.md, "Lookahead and adaptive draft length").
+
+Idle passes also feed the draft model what it missed while the suffix index answered a session
+(``note_behind``, ``idle_step``): those rounds' verified tokens, which its next drafting would
+otherwise feed in one forward on the target's critical path.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 
 from common.protocol import ProtocolError
 from starsd_draftd.backends.base import Draft, DraftBackend, Lookahead
+from starsd_draftd.eta import ServiceEstimate
 from starsd_draftd.records import AdmittedRequest
 from starsd_draftd.sessions import Session, SessionTable
 from starsd_draftd.stats import Stats
@@ -28,6 +34,9 @@ LOOKAHEAD_SMOOTHING = 0.25
 LOOKAHEAD_MIN_SCORE = 0.25
 LOOKAHEAD_PROBE_EVERY = 8
 FRESH_SMOOTHING = 0.2  # weight of each new measure of a fresh draft forward's seconds
+# verified tokens a session's draft model lags by (suffix-answered rounds) before idle passes feed
+# them: fewer cost its next drafting about nothing more, a forward being a pass over the weights
+CATCH_UP_MIN = 8
 
 
 def ahead_depth(max_depth: int, asked: int) -> int:
@@ -49,6 +58,13 @@ class LookaheadServing:
         # sessions whose lookahead has steps left, the one replied to longest ago (back soonest) first
         self.pending: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
         self.fresh_step_s: float | None = None  # smoothed seconds of a forward drafting on request (``note_fresh``)
+        # sessions whose draft model lags behind their verified tokens, the one noted first first
+        self.behind: collections.OrderedDict[tuple[bytes, int], Session] = collections.OrderedDict()
+
+    @property
+    def has_work(self) -> bool:
+        """Whether an idle pass has anything to do (``idle_step``)."""
+        return bool(self.pending or self.behind)
 
     def answered(self, admitted: list[AdmittedRequest], superseded=()) -> dict[int, tuple[Draft, float]]:
         """The admitted requests lookahead answers, as (drafts, seconds it took now): those whose
@@ -149,6 +165,64 @@ class LookaheadServing:
         self.pending[session.key] = session
         self.stats.lookahead["started"] += 1
 
+    def idle_step(self, estimate: ServiceEstimate, lock: threading.Lock, chunk_max: int) -> None:
+        """One forward while nothing is queued: of work ahead where any is pending, else of a
+        lagging session's verified tokens (``catch_up``). ``estimate`` learns that a request
+        arriving now waits for it."""
+        if self.pending:
+            estimate.started(1, 0)
+            self.step()
+            estimate.finished(0.0, 0, 0)
+        else:
+            self.catch_up(estimate, lock, chunk_max)
+
+    def note_behind(self, session: Session) -> None:
+        """A suffix draft answered ``session``'s request (call with the server's lock held): its
+        draft model has not taken in the tokens verified since it last drafted. Where they are
+        CATCH_UP_MIN or more, idle passes feed them. Not for a seeded sampled session: how its
+        prompt is split into forwards changes its drafts' last bits, and so its output."""
+        if (not self.backend.prefills or session.state is None
+                or (not session.params.greedy and session.params.seed is not None)):
+            return
+        if len(session.verified) - 1 - session.backend_held >= CATCH_UP_MIN:
+            self.behind[session.key] = session
+
+    def catch_up(self, estimate: ServiceEstimate, lock: threading.Lock, chunk_max: int) -> None:
+        """Feed the lagging session noted first at most a chunk of its verified tokens: about as
+        many as cost one draft step (at least CATCH_UP_MIN, at most ``chunk_max`` when > 0), so
+        that a request arriving meanwhile waits about what it would wait for a step of work
+        ahead. The session is noted again while CATCH_UP_MIN or more are left."""
+        key, session = self.behind.popitem(last=False)
+        with lock:
+            if (self.sessions.sessions.get(key) is not session or session.state is None
+                    or session.ahead is not None):
+                return  # gone, or drafting ahead for it (which feeds what it drafts from)
+            state, verified = session.state, list(session.verified)
+            if len(verified) - 1 - session.backend_held < CATCH_UP_MIN:
+                return  # its request came meanwhile and the model drafted for it
+        chunk = max(CATCH_UP_MIN, int(estimate.cost_s(1, 0) / max(estimate.cost_s(0, 1), 1e-9)))
+        chunk = min(chunk, chunk_max) if chunk_max > 0 else chunk
+        estimate.started(0, chunk)
+        t0 = time.perf_counter()
+        try:
+            fed, left = self.backend.prefill(state, verified, chunk)
+        except Exception:  # optional work: its next drafting feeds them instead
+            log.exception("feeding verified tokens while idle failed for session %d", key[1])
+            estimate.finished(0.0, 0, 0)
+            return
+        seconds = time.perf_counter() - t0
+        estimate.finished(seconds, 0, fed)
+        if fed > 0:
+            st = self.stats.catch_up
+            st["feeds"] += 1
+            st["tokens"] += fed
+            st["seconds"] += seconds
+        with lock:
+            if self.sessions.sessions.get(key) is session and session.state is state:
+                session.backend_held = max(session.backend_held, len(verified) - left)
+                if left - 1 >= CATCH_UP_MIN and fed > 0:
+                    self.behind[key] = session
+
     def step(self) -> None:
         """One forward of the lookahead of the session replied to longest ago."""
         key, session = next(iter(self.pending.items()))
@@ -172,6 +246,8 @@ class LookaheadServing:
 
     def drop(self, session: Session) -> None:
         """Drop any work done ahead for ``session`` (which is going: its state is freed next)."""
+        if self.behind.get(session.key) is session:
+            del self.behind[session.key]
         task = session.ahead
         if task is not None:
             session.ahead = None

@@ -124,6 +124,11 @@ class DraftMetrics:
                                       "Drafts not made because a chain stopped early", value=stop["drafts_saved"])
         yield CounterMetricFamily("starsd_draftd_drafted_tokens", "Draft tokens sent", value=s["drafted_tokens"])
         yield from self._suffix(s.get("suffix"))
+        cu = s.get("catch_up")
+        if cu is not None:
+            yield CounterMetricFamily("starsd_draftd_catch_up_tokens",
+                                      "Verified tokens fed to the draft model while idle, which it missed while "
+                                      "suffix drafts answered their sessions", value=cu["tokens"])
         parts = CounterMetricFamily("starsd_draftd_request_seconds",
                                     "Time of the draft requests served, by part: queue (waiting for its batch), "
                                     "draft_forward (its batch's backend call), rest (decode, checks, encode, send)",

@@ -6,8 +6,8 @@ queues DRAFT requests. Each pass here
 takes a batch of the waiting requests (oldest first, one per address in turn before any address
 gets a second), admits each against its session, drafts them in one backend call and queues
 the replies, which the ingress's thread sends. The loop blocks only when no work is waiting, so the draft
-model is busy whenever any target is waiting for drafts; with nothing queued it drafts ahead
-(``starsd_draftd.lookahead``).
+model is busy whenever any target is waiting for drafts; with nothing queued it drafts ahead and
+feeds what suffix-answered sessions' draft models missed (``starsd_draftd.lookahead``).
 """
 
 from __future__ import annotations
@@ -291,16 +291,14 @@ class DraftServer:
         arrived = self.ingress.arrived
         arrived.clear()  # before looking: what arrives after the look sets it again
         self._free_dropped()
-        if not self.q_in and not (self.lookahead.pending and not self.draining):
+        if not self.q_in and not (self.lookahead.has_work and not self.draining):
             arrived.wait(0.1)
             self._free_dropped()
         if self.q_in:
             self._fill_batch()
             self._serve_batch()
-        elif self.lookahead.pending and not self.draining:
-            self.estimate.started(1, 0)  # a request arriving now waits for this forward
-            self.lookahead.step()  # one forward, then the queue is looked at again
-            self.estimate.finished(0.0, 0, 0)
+        elif self.lookahead.has_work and not self.draining:  # one forward, then the queue is looked at again
+            self.lookahead.idle_step(self.estimate, self.lock, self.config.batch_prefill_tokens)
         now = time.monotonic()
         if now >= self._next_sweep:
             with self.lock:
@@ -737,6 +735,8 @@ class DraftServer:
                 session.last_reply = None if draft.parents is not None else LastReply(h["seq"], ask_of(h), draft)
                 if self.config.lookahead and not self.draining and draft.parents is None and not from_suffix:
                     self.lookahead.start(session, draft, ahead_depth(self.config.max_depth, req.depth), h["seq"])
+                elif self.config.lookahead and from_suffix:  # its draft model missed this round's tokens
+                    self.lookahead.note_behind(session)
 
     def _reply(self, item: AdmittedRequest, draft: Draft, start: float, seconds: float) -> None:
         """Queue one DRAFTED reply: its drafts, its wait in the queue (to ``start``, when its

@@ -53,6 +53,9 @@ class Stats:
         # Suffix drafts (starsd_draftd.suffix): requests they answered, their tokens, and the
         # drafts of theirs kept (learnt at each session's next request)
         self.suffix = {"requests": 0, "tokens": 0, "kept": 0}
+        # Idle passes' feeds of verified tokens the draft model missed while suffix drafts
+        # answered (starsd_draftd.lookahead.LookaheadServing.catch_up): forwards, tokens, seconds
+        self.catch_up = {"feeds": 0, "tokens": 0, "seconds": 0.0}
         self.profiled = 0  # the requests those sums are over (each served one, once its reply went out)
         self.errors: collections.Counter[str] = collections.Counter()
 
@@ -88,4 +91,5 @@ class Stats:
             "trees": dict(self.trees),
             "stopping": dict(self.stopping),
             "suffix": dict(self.suffix),
+            "catch_up": dict(self.catch_up),
         }

@@ -61,3 +61,32 @@ def test_seeded_output_repeats_while_the_shared_index_changes(tiny_target, loade
             assert again.token_ids == first.token_ids, i
         client.close()
     assert used > 0 and first.stats.accepted > 0  # its own repeated prompt gave it suffix drafts
+
+
+def test_greedy_output_stays_the_targets_when_idle_passes_feed_the_draft_model(loaded_target, near_draft):
+    """Rounds the suffix index answers leave the draft model behind; idle passes (here one runs
+    between every two rounds: the target waits for the daemon's passes) feed it what it missed,
+    and the rounds it drafts after that are kept as before, the output the target's own."""
+    import time
+
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    engine = TargetEngine(loaded_target, depth=4)
+    prompt = engine.encode(REPEATED)
+    alone = engine.generate(prompt, 32, SamplingParams())
+    with running_server(backend, suffix=True, max_depth=4) as (server, ctx):
+        def passes(*_):
+            for _ in range(2):  # the second pass begins after an idle feed the first could run
+                mark = server.last_pass
+                while server.last_pass <= mark:
+                    time.sleep(0.001)
+
+        client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
+        client.handshake(10)
+        runs = [speculate(engine, client, prompt, 32, SamplingParams(), 30, on_round=passes) for _ in range(2)]
+        snap = server.snapshot()
+        client.close()
+    for r in runs:
+        assert r.token_ids == alone.token_ids and r.stats.fallback_rounds == 0
+    assert snap["catch_up"]["tokens"] >= snap["catch_up"]["feeds"] > 0
+    assert snap["requests"] > snap["suffix"]["requests"] > 0  # both the index and the model drafted
+    assert runs[0].stats.accepted > 0 and runs[1].stats.accepted > runs[1].stats.drafted // 2

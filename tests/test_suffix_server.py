@@ -319,3 +319,62 @@ def test_a_prompt_fed_in_chunks_is_not_charged_again_after_a_suffix_answer():
         r = peer.draft(2, 2, 4, [SECRET[12]], len(prompt) + 5, depth=16)
         assert r.type is MsgType.DRAFTED and r.header["tokens"][:3] == SECRET[13:16]
         assert backend.chunks == chunks and backend.calls == calls  # no chunk, no model draft: the index's
+
+
+def _lagging(server, peer, prompt: list[int], sampling: dict | None = None) -> object:
+    """Session 2, whose first request the suffix index answers (``prompt`` ends in SECRET's
+    first 8 tokens, which it has seen before): its draft model has taken in none of its prompt.
+    Returns the session."""
+    peer.send(Message(MsgType.OPEN, {"session": 2, "prompt": prompt, "sampling": sampling or {"temperature": 0.0}}))
+    r = peer.draft(2, 1, 0, [], len(prompt), depth=16)
+    assert r.header["tokens"] == SECRET[8:16]  # the index's
+    return next(s for s in server.sessions.sessions.values() if s.key[1] == 2)
+
+
+def test_idle_passes_feed_what_suffix_answered_sessions_missed():
+    """A session the suffix index answered lags its draft model by its prompt; with nothing
+    queued the daemon feeds those tokens (all but the last, drafting's), so the model's next
+    drafting for it is charged one round's tokens, not the whole lag, on the target's critical
+    path."""
+    from test_lookahead import _wait
+
+    backend = Feeds()
+    with running_server(backend, suffix=True, max_depth=16) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        calls = backend.calls
+        session = _lagging(server, peer, [6, *SECRET[:8]])
+        assert backend.calls == calls
+        _wait(lambda: server.snapshot()["catch_up"]["tokens"] == 8)
+        cu = server.snapshot()["catch_up"]
+        assert cu["feeds"] == 1 and backend.chunks == 1 and session.state["held"] == 8
+        assert session.backend_held == 8  # its next request is charged its own tokens only
+        r = peer.draft(2, 2, 8, [7], 18, depth=4)  # nothing follows "..., 90, 7": the backend drafts
+        assert r.header["tokens"] == [8, 9, 10, 11] and backend.calls == calls + 1
+        registry = CollectorRegistry()
+        registry.register(server.metrics)
+        assert "starsd_draftd_catch_up_tokens_total 8.0" in generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("sampling, cfg", [({"temperature": 0.7, "seed": 5}, {}), (None, {"lookahead": False})],
+                         ids=["seeded-sampled", "no-lookahead"])
+def test_no_idle_feeds_for_seeded_sessions_or_without_lookahead(sampling, cfg):
+    """A seeded sampled session's drafts must not depend on when idle passes ran (how its text is
+    split into forwards changes their last bits); --no-lookahead turns idle work off. (A seeded
+    session's suffix drafts come from its own text: its prompt holds SECRET.)"""
+    from test_lookahead import _wait
+
+    backend = Feeds()
+    with running_server(backend, suffix=True, max_depth=16, **cfg) as (server, ctx):
+        peer = RawPeer(ctx, server.endpoint)
+        peer.hello()
+        _report(peer, 1, [1, 2], SECRET)
+        prompt = [*SECRET, 6, *SECRET[:8]]
+        session = _lagging(server, peer, prompt, sampling)
+        r = peer.draft(2, 2, 0, [SECRET[8]], len(prompt) + 1, depth=4)
+        assert r.type is MsgType.DRAFTED
+        for _ in range(3):  # passes begun after the reply: an idle feed noted with it has run by the last
+            mark = server.last_pass
+            _wait(lambda: server.last_pass > mark)
+        assert server.snapshot()["catch_up"]["feeds"] == 0 and backend.chunks == 0 and "held" not in session.state
