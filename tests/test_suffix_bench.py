@@ -88,6 +88,10 @@ def test_the_section_table_and_its_config_checks():
     s["replays"]["arcticinference"]["by_kind"] = {"edit": {"tokens_per_round": 3.5}}
     assert ("tokens per round by kind (star with suffix drafts, ArcticInference's replay in brackets): "
             "edit 3.40 (3.50)") in "\n".join(section.format_suffix(s))
+    assert "idle feeds" not in text  # a report from before the daemon fed while idle
+    s["draftd"]["suffix"]["catch_up"] = {"feeds": 12, "tokens": 340, "seconds": 0.25}
+    assert ("idle feeds: 340 verified tokens the draft model missed while suffix drafts answered, fed in 12 "
+            "forwards (0.2 s) with no request waiting") in "\n".join(section.format_suffix(s))
     assert "suffix" in config.SECTIONS and "suffix" not in config.BenchConfig.quick_config().sections
     with pytest.raises(ValueError, match="demo models"):
         config.BenchConfig(sections=("suffix",), models="tiny").check()

@@ -241,7 +241,9 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
         draftd[config] = {"suffix": {k: d1.get("suffix", {}).get(k) for k in
                                      ("requests", "tokens", "kept", "query_us", "update_us_per_token", "bytes",
                                       "tokens_indexed")},
-                          "requests": d1["requests"] - d0["requests"]}
+                          "requests": d1["requests"] - d0["requests"],
+                          "catch_up": {k: v - d0.get("catch_up", {}).get(k, 0)
+                                       for k, v in d1.get("catch_up", {}).items()}}
         pool.stop(f"sfx-target-{config}")
         pool.stop(f"sfx-draftd-{config}")
         if config == "suffix":
@@ -278,6 +280,10 @@ def format_suffix(s: dict) -> list[str]:
         lines += ["", f"suffix drafts: {sd['requests']} requests, {sd['tokens']} tokens drafted, {sd['kept']} kept; "
                       f"query {sd['query_us']:.0f} us, update {sd['update_us_per_token']:.1f} us a token, "
                       f"{sd['bytes'] / max(sd['tokens_indexed'] or 1, 1):.0f} bytes a token indexed"]
+    cu = s["draftd"].get("suffix", {}).get("catch_up") or {}
+    if cu.get("feeds"):
+        lines.append(f"idle feeds: {cu['tokens']} verified tokens the draft model missed while suffix drafts "
+                     f"answered, fed in {cu['feeds']} forwards ({cu['seconds']:.1f} s) with no request waiting")
     for name, r in s["configs"].items():
         ms = r.get("round_ms") or {}
         if "prefill_s" in r:
