@@ -393,8 +393,9 @@ class LeanForward:
     def _attend(L, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """transformers' ``sdpa_attention_forward`` on CPU and CUDA for a causal module, without
         its per-call environment lookups: the same GQA choice (SDPA's own GQA without a mask,
-        query heads packed per key head for one query with a mask, keys repeated otherwise), the
-        same causal flag and the same call."""
+        query heads packed per key head for one query with a mask, keys repeated otherwise, but
+        on a CPU SDPA's own GQA for several queries with a mask too, which gives repeated keys'
+        bits without their copies), the same causal flag and the same call."""
         q_len = q.shape[2]
         extra = {}
         if L.groups > 1:
@@ -402,6 +403,13 @@ class LeanForward:
                 extra["enable_gqa"] = True
             elif q_len == 1:
                 q, mask = _pack_gqa(q, L.groups), _pack_gqa(mask, L.groups)
+            elif q.device.type == "cpu" and k.shape[-1] == v.shape[-1] <= 256:
+                # transformers repeats the key and value heads here, copying the cache's keys and
+                # values in every layer (half the attention's time at 5 rows, 200 cached positions);
+                # SDPA's CPU kernel takes the key heads as they are and computes each query head as
+                # over repeated keys, bit for bit (float32 and bfloat16, 2-100 rows, 1-700 cached
+                # positions, head widths 8-128; tests/test_lean.py holds it to transformers' bits)
+                extra["enable_gqa"] = True
             else:
                 k, v = _repeat_kv(k, L.groups), _repeat_kv(v, L.groups)
         causal = q_len > 1 and mask is None
