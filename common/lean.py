@@ -191,6 +191,34 @@ def _pack_gqa(x: torch.Tensor | None, groups: int) -> torch.Tensor | None:
     return x.reshape(x.shape[0], x.shape[1] // groups, groups, x.shape[3])
 
 
+def mask_gqa_dtypes(heads: int, kv_heads: int, head_dim: int) -> frozenset:
+    """The dtypes (of float32 and bfloat16) in which SDPA's own grouped-query attention, for
+    several queries with a mask on this CPU and PyTorch build, gives the bits of keys and values
+    repeated to the query heads (transformers' way), on a few shapes like verifications' (2-17
+    rows after 1-300 cached positions). Where it does, the lean forward skips the repeat, which
+    copies the cache's keys and values in every layer."""
+    if kv_heads >= heads or head_dim > 256:
+        return frozenset()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ok = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        try:
+            for rows, cached in ((2, 1), (5, 37), (17, 300)):
+                q = torch.randn(1, heads, rows, head_dim, generator=g).to(dtype)
+                k, v = (torch.randn(1, kv_heads, cached + rows, head_dim, generator=g).to(dtype) for _ in range(2))
+                allowed = torch.ones(rows, cached + rows, dtype=torch.bool).tril(cached)
+                mask = torch.zeros(1, 1, rows, cached + rows, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+                want = sdpa(q, _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads), attn_mask=mask)
+                if not torch.equal(sdpa(q, k, v, attn_mask=mask, enable_gqa=True), want):
+                    break
+            else:
+                ok.add(dtype)
+        except (RuntimeError, TypeError):  # a PyTorch whose SDPA takes no enable_gqa, or not with a mask
+            pass
+    return frozenset(ok)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """Key or value heads [B, Hkv, S, D] repeated to the query heads (transformers' ``repeat_kv``)."""
     b, h, s, d = x.shape
@@ -269,6 +297,9 @@ class LeanForward:
         self._norm = _norm(base.norm)
         self._inline_attention = _sdpa_inline()
         self._head = _linear(model.lm_head)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        mask_gqa = mask_gqa_dtypes(config.num_attention_heads, config.num_key_value_heads,
+                                   base.layers[0].self_attn.head_dim) if on_cpu and base.layers else frozenset()
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -279,7 +310,7 @@ class LeanForward:
                 idx=attn.layer_idx, attn=attn, head_dim=attn.head_dim, scaling=attn.scaling,
                 heads=config.num_attention_heads, qk_heads=config.num_attention_heads + config.num_key_value_heads,
                 inter=mlp.gate_proj.out_features,
-                groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True),
+                groups=attn.num_key_value_groups, causal=getattr(attn, "is_causal", True), mask_gqa=mask_gqa,
                 in_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
                 qkv=None if fused_qkv is None else _linear(fused_qkv),
                 q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(attn.o_proj),
@@ -403,12 +434,13 @@ class LeanForward:
                 extra["enable_gqa"] = True
             elif q_len == 1:
                 q, mask = _pack_gqa(q, L.groups), _pack_gqa(mask, L.groups)
-            elif q.device.type == "cpu" and k.shape[-1] == v.shape[-1] <= 256:
+            elif q.dtype in L.mask_gqa and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
                 # transformers repeats the key and value heads here, copying the cache's keys and
                 # values in every layer (half the attention's time at 5 rows, 200 cached positions);
                 # SDPA's CPU kernel takes the key heads as they are and computes each query head as
-                # over repeated keys, bit for bit (float32 and bfloat16, 2-100 rows, 1-700 cached
-                # positions, head widths 8-128; tests/test_lean.py holds it to transformers' bits)
+                # over repeated keys, bit for bit where ``mask_gqa_dtypes`` found it so at the build
+                # (torch 2.13: float32 and bfloat16, 2-100 rows, 1-700 cached positions, head widths
+                # 8-128; tests/test_lean.py holds it to transformers' bits)
                 extra["enable_gqa"] = True
             else:
                 k, v = _repeat_kv(k, L.groups), _repeat_kv(v, L.groups)

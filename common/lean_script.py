@@ -54,6 +54,7 @@ class ScriptedLayer(torch.nn.Module):
         self.inter = int(L.inter)
         self.groups = int(L.groups)
         self.scaling = float(L.scaling)
+        self.mask_gqa = torch.float32 in L.mask_gqa  # fp16-weights' activations are float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x  # the layer runs as pre and post, around the cache
@@ -94,8 +95,8 @@ class ScriptedLayer(torch.nn.Module):
                 q = q.reshape(q.shape[0], q.shape[1] // self.groups, self.groups, q.shape[3])
                 if mask is not None and mask.shape[1] != 1:
                     mask = mask.reshape(mask.shape[0], mask.shape[1] // self.groups, self.groups, mask.shape[3])
-            elif q.device.type == "cpu" and k.shape[-1] == v.shape[-1] and v.shape[-1] <= 256:
-                gqa = True  # repeated keys' bits without their copies (common.lean.LeanForward._attend)
+            elif self.mask_gqa and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
+                gqa = True  # repeated keys' bits without their copies (common.lean.mask_gqa_dtypes)
             else:
                 kb, kh, ks, kd = k.shape
                 k = k[:, :, None].expand(kb, kh, self.groups, ks, kd).reshape(kb, kh * self.groups, ks, kd)

@@ -87,6 +87,9 @@ def test_lean_batched_and_tree_forwards_are_bit_exact(checkpoints, dtype, one_to
     them a draft tree, with hidden states; and a batch of one token per row (one query with a
     mask: attention packs the query heads per key head)."""
     lean, plain = _pair(checkpoints["qwen2"], dtype)
+    # several masked queries read the key heads as they are (SDPA's own GQA, the bits checked at the
+    # build): the comparisons below hold that path to transformers' repeated keys
+    assert {torch.float32, torch.bfloat16} <= lean.lean.layers[0].mask_gqa
     torch.manual_seed(4)
     out = []
     real_update, updates = PoolBatch._update, []
