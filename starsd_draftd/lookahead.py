@@ -184,6 +184,9 @@ class LookaheadServing:
         if (not self.backend.prefills or session.state is None
                 or (not session.params.greedy and session.params.seed is not None)):
             return
+        held = self.backend.held(session.state, session.verified)  # the kept drafts of its last chain too
+        if held is not None:
+            session.backend_held = max(session.backend_held, min(held, len(session.verified) - 1))
         if len(session.verified) - 1 - session.backend_held >= CATCH_UP_MIN:
             self.behind[session.key] = session
 
@@ -208,10 +211,10 @@ class LookaheadServing:
             fed, left = self.backend.prefill(state, verified, chunk)
         except Exception:  # optional work: its next drafting feeds them instead
             log.exception("feeding verified tokens while idle failed for session %d", key[1])
-            estimate.finished(0.0, 0, 0)
             return
+        finally:  # not learnt from: a short chunk's fixed cost would read as a dearer token
+            estimate.finished(0.0, 0, 0)
         seconds = time.perf_counter() - t0
-        estimate.finished(seconds, 0, fed)
         if fed > 0:
             st = self.stats.catch_up
             st["feeds"] += 1

@@ -171,3 +171,18 @@ def test_a_prompt_fed_in_chunks_drafts_what_a_whole_one_does(near_draft):
         steps = [backend.prefill(chunked, prompt, 30) for _ in range(4)]
         assert steps == [(30, 47), (30, 17), (16, 1), (0, 1)]  # the last token is left to drafting
         assert backend.draft(chunked, prompt, 4).tokens == backend.draft(whole, prompt, 4).tokens
+
+
+def test_the_model_backend_says_what_its_cache_holds_the_kept_drafts_included(near_draft):
+    """``held``: what an idle feed (``LookaheadServing.catch_up``) need not feed again: the
+    prompt fed, and of a chain drafted after it the drafts the target kept (the cache took all
+    but the last draft in)."""
+    backend = ModelBackend(load_causal_lm(str(near_draft)))
+    prompt = [3 + (7 * i) % 240 for i in range(20)]
+    state = backend.new_state(SamplingParams())
+    assert backend.held(state, prompt) == 0
+    assert backend.prefill(state, prompt, 8) == (8, 12) and backend.held(state, prompt) == 8
+    d = backend.draft(state, prompt, 4).tokens
+    assert backend.held(state, prompt + d[:2] + [5]) == len(prompt) + 2  # two kept, then the target's own
+    assert backend.held(state, prompt + d + [5]) == len(prompt) + 3  # the last draft was never fed
+    assert backend.held(state, prompt[:10] + [250]) == 10  # another text from the 11th token on

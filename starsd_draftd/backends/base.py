@@ -419,6 +419,11 @@ class DraftBackend(abc.ABC):
         never waits behind all of it; the next ``draft`` reuses what was fed. Returns the tokens
         fed now and those of ``verified`` still to feed (at least one: drafting feeds the last)."""
         raise NotImplementedError
+
+    def held(self, state: object, verified: list[int]) -> int | None:
+        """How many of ``verified``'s first tokens the session's cache holds (with ``prefills``),
+        the drafts of its last chain the target kept included; None where the backend does not say."""
+        return None
     stops_drafts: bool = False  # greedy chains stop early by confidence (DraftRequest.min_survival; ``Stopping``)
 
     def lookahead_rows(self, draft: Draft) -> int:

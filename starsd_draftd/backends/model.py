@@ -141,6 +141,10 @@ class ModelBackend(DraftBackend):
             st.cached.extend(verified[keep:upto])
         return upto - keep, len(verified) - upto
 
+    def held(self, state: object, verified: list[int]) -> int | None:
+        st: ModelSession = state  # type: ignore[assignment]
+        return common_prefix_len(st.cached, verified)
+
     def _forward(self, st: ModelSession, tokens: list[int]) -> torch.Tensor:
         """Feed tokens after the cached ones; return the last position's logits over the vocabulary."""
         logits, _ = self.runner.forward(st.cache, tokens, "last")
