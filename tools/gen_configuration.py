@@ -2,10 +2,11 @@
 
 Run `python tools/gen_configuration.py` (or `make docs`) after changing an option; tests/test_docs.py
 fails while the page differs from what this prints. The help is what the installed commands print
-(`starsd-draftd serve --help`, ...), rendered in this process by click's test runner at a fixed
-terminal width with no STARSD_* variable set, so the text is the same on every machine (a process
-per command took 27 s of the test suite's time for the same bytes). Tooling, not product: no
-daemon imports it.
+(`starsd-draftd serve --help`, ...), rendered by click's test runner at a fixed terminal width with
+no STARSD_* variable set, so the text is the same on every machine. All of them render in one fresh
+Python process (``--stdout``): click keeps state on a command object once it has run (its help
+option), which a test suite's earlier invocations would leave behind; a process per command took
+27 s of the suite's time for the same bytes. Tooling, not product: no daemon imports it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,6 +68,16 @@ def help_text(prog: str, sub: str) -> str:
 
 
 def render() -> str:
+    """The page, rendered in a fresh Python process (``--stdout``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STARSD_")}
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--stdout"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"rendering the configuration page failed ({res.returncode}): {res.stderr[-2000:]}")
+    return res.stdout
+
+
+def render_here() -> str:
     parts = [HEADER]
     parts.append("Commands: " + ", ".join(f"[`{p} {s}`](#{p}-{s})" for p, s in COMMANDS) + ".\n")
     texts = [help_text(*c) for c in COMMANDS]
@@ -77,7 +89,11 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is stale")
+    ap.add_argument("--stdout", action="store_true", help="print the page, rendered in this process")
     args = ap.parse_args(argv)
+    if args.stdout:
+        sys.stdout.write(render_here())
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     text = render()
     if args.check:
