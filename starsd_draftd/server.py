@@ -422,7 +422,8 @@ class DraftServer:
         (``fed``) fit ``batch_prefill_tokens``, and the first that does not, for a chunk of its
         prompt (where the backend feeds prompts in chunks; one whose backend does not is drafted
         whole in a batch of its own, when it is oldest). A batch is never empty for the budget's
-        sake: one request always goes, or a chunk is fed."""
+        sake: one request always goes, or a chunk is fed. A seeded session's prompt that fits a whole
+        budget waits for one, never split where others left room (its output must not follow them)."""
         budget = self.config.batch_prefill_tokens
         if budget <= 0:
             return taken, None
@@ -432,7 +433,7 @@ class DraftServer:
             if fed <= left:
                 keep.append(i)
                 left -= fed
-            elif chunk is None and self.backend.prefills:
+            elif chunk is None and self.backend.prefills and not (fed <= budget and self.sessions.seeded(items[i].key)):
                 chunk = items[i]
             elif not keep and chunk is None:
                 keep.append(i)  # drafted whole (no chunks), alone

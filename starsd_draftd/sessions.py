@@ -180,6 +180,12 @@ class SessionTable:
     def conns_on(self, fd: int) -> list[Conn]:
         return [c for c in self.conns.values() if c.fd == fd]
 
+    def seeded(self, key: tuple[bytes, int]) -> bool:
+        """Whether the session ``key`` is a live seeded sampled one: its drafts must follow its own
+        requests alone, never what else the daemon was doing."""
+        session = self.sessions.get(key)
+        return session is not None and not session.params.greedy and session.params.seed is not None
+
     def disconnected(self, conns: list[Conn]) -> int:
         """These connections are gone (the socket monitor said so): forget those still known as
         they were (a connection registered since, on a reused socket, stays)."""

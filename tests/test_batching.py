@@ -186,3 +186,16 @@ def test_the_model_backend_says_what_its_cache_holds_the_kept_drafts_included(ne
     assert backend.held(state, prompt + d[:2] + [5]) == len(prompt) + 2  # two kept, then the target's own
     assert backend.held(state, prompt + d + [5]) == len(prompt) + 3  # the last draft was never fed
     assert backend.held(state, prompt[:10] + [250]) == 10  # another text from the 11th token on
+
+
+def test_a_seeded_sampled_session_drafts_the_same_bits_in_a_batch_as_alone(backend):
+    """Which sessions share a batch depends on timing; a seeded session's drafts (their q too,
+    which its target's acceptance reads) must not: it is drafted on its own."""
+    seeded = SamplingParams(temperature=0.9, seed=3)
+    prompt, other = [3 + (7 * i) % 240 for i in range(100)], [5 + (11 * i) % 200 for i in range(37)]
+    alone = backend.draft(backend.new_state(seeded), prompt, 4)
+    batched, _ = backend.draft_many([DraftRequest(backend.new_state(seeded), prompt, 4),
+                                     DraftRequest(backend.new_state(SamplingParams(temperature=0.9)), other, 4)])
+    assert batched.tokens == alone.tokens
+    assert torch.equal(torch.as_tensor(batched.q_ids), torch.as_tensor(alone.q_ids))
+    assert torch.equal(torch.as_tensor(batched.q_probs), torch.as_tensor(alone.q_probs))

@@ -378,3 +378,28 @@ def test_no_idle_feeds_for_seeded_sessions_or_without_lookahead(sampling, cfg):
             mark = server.last_pass
             _wait(lambda: server.last_pass > mark)
         assert server.snapshot()["catch_up"]["feeds"] == 0 and backend.chunks == 0 and "held" not in session.state
+
+
+def test_a_seeded_sessions_prompt_is_never_split_where_another_left_room():
+    """The prefill budget: a request that does not fit what the batch's earlier requests left
+    gets a chunk of its prompt fed, which splits the prompt where they left room. A seeded
+    sampled session's drafts must not depend on what else was queued, so its prompt, when a
+    whole budget holds it, waits for the next batch instead; a longer one is split at whole
+    budgets from its start, whatever else came."""
+    from common.verify import SamplingParams
+    from starsd_draftd.records import QueuedRequest
+    from starsd_draftd.sessions import Session
+
+    server = DraftServer(Feeds(), ServerConfig(bind="tcp://127.0.0.1:0", batch_prefill_tokens=16, suffix=False))
+    items = []
+    for sid, (params, fed) in enumerate([(SamplingParams(), 10), (SamplingParams(temperature=0.8, seed=1), 12),
+                                         (SamplingParams(temperature=0.8), 12), (SamplingParams(temperature=0.8,
+                                                                                                seed=2), 30)]):
+        server.sessions.sessions[(b"p", sid)] = Session((b"p", sid), params, None, [1] * fed)
+        items.append(QueuedRequest(b"i", b"p", Message(MsgType.DRAFT, {"session": sid}), 0, "a", 0.0, 0.0, fed))
+    # 10 fits; the seeded 12 would be split at the 6 left: it waits; the unseeded 12 gets the chunk
+    assert server._within_budget(items, [0, 1, 2]) == ([0], items[2])
+    assert server._within_budget(items, [0, 1]) == ([0], None)
+    assert server._within_budget(items, [1, 0]) == ([1], items[0])  # first in a batch, it fits whole
+    # a seeded prompt longer than a whole budget is fed in whole budgets from its start
+    assert server._within_budget(items, [0, 3]) == ([0], items[3])

@@ -418,12 +418,18 @@ class ModelBackend(DraftBackend):
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
         """Draft for several sessions with one batched forward per step (ragged prefixes);
         sampled trees among them (their extra nodes are leaves). Greedy trees are drafted one
-        session at a time."""
+        session at a time, and so are seeded sampled sessions: a batched forward's q differs from
+        a single one's in its last bits (about 1e-6 here), and which sessions share a batch
+        depends on timing, which a seeded session's output must not."""
         out: list[Draft | None] = [None] * len(requests)
         batch = []
         for i, r in enumerate(requests):
-            if r.state.params.greedy and self.drafts_tree(r.depth, r.tree_tokens):  # type: ignore[attr-defined]
+            params = r.state.params  # type: ignore[attr-defined]
+            if params.greedy and self.drafts_tree(r.depth, r.tree_tokens):
                 out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
+            elif not params.greedy and params.seed is not None:
+                out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens,
+                                    min_survival=r.min_survival)
             else:
                 batch.append(i)
         if len(batch) == 1:
