@@ -471,3 +471,19 @@ def test_auto_packs_a_head_that_fits_float16_and_keeps_float32_for_one_that_does
     assert loaded.lm_head_packed is None and loaded.dtype == torch.float32
     with pytest.raises(ModelLoadError, match=r"1 of \d+ linear weights .* exceed float16's range"):
         load_eagle_head(wide, tiny_target, dtype="fp16-weights")
+
+
+def test_a_seeded_sampled_session_drafts_the_same_bits_in_a_batch_as_alone(backend, loaded_target):
+    """As with the model backend (tests/test_batching.py): which sessions share a batch depends
+    on timing, and a seeded session's drafts, q included, must not; it is drafted on its own."""
+    seeded = SamplingParams(temperature=0.9, top_k=30, seed=4)
+    prompt, other = [3 + (7 * i) % 240 for i in range(20)], [5 + (11 * i) % 200 for i in range(9)]
+
+    def request(params, ids):
+        return DraftRequest(backend.new_state(params), ids, 4, _features(loaded_target.model, ids[:-1]).half())
+
+    one = request(seeded, prompt)
+    alone = backend.draft(one.state, one.verified, one.depth, one.new_features)
+    batched, _ = backend.draft_many([request(seeded, prompt), request(SamplingParams(temperature=0.9), other)])
+    assert batched.tokens == alone.tokens
+    assert torch.equal(torch.as_tensor(batched.q_probs), torch.as_tensor(alone.q_probs))

@@ -566,11 +566,16 @@ class EagleBackend(DraftBackend):
         """The sessions' new features in one head forward, then their chains batched: one head
         step per draft position for every session (sampled trees among them: their extra nodes
         are leaves). Greedy trees take one head forward per level for all of them
-        (``_greedy_trees``)."""
+        (``_greedy_trees``). A seeded sampled session is drafted on its own: a batched forward's
+        q differs from a single one's in its last bits, and a seeded output must not follow
+        which sessions shared a batch."""
         out: list[Draft | None] = [None] * len(requests)
         batch, trees = [], []
         for i, r in enumerate(requests):
-            if r.state.params.greedy and self.drafts_tree(r.depth, r.tree_tokens):  # type: ignore[attr-defined]
+            params = r.state.params  # type: ignore[attr-defined]
+            if not params.greedy and params.seed is not None:
+                out[i] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens, r.min_survival)
+            elif params.greedy and self.drafts_tree(r.depth, r.tree_tokens):
                 st: EagleSession = r.state  # type: ignore[assignment]
                 hidden = self._absorb(st, r.verified, None if r.new_features is None else as_torch(r.new_features))
                 if hidden is None:
