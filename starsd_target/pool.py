@@ -357,8 +357,8 @@ class DraftPool:
         links) unless that one is clearly busier than the better of two others chosen at random."""
         if len(ok) == 1:
             return ok[0]
-        key = repr(list(tokens[:AFFINITY_TOKENS])).encode()
-        preferred = max(ok, key=lambda link: hashlib.blake2b(key + link.endpoint.encode(), digest_size=8).digest())
+        name = preferred_endpoint(tokens, [link.endpoint for link in ok])
+        preferred = next(link for link in ok if link.endpoint == name)
         other = self._better_of_two(ok)
         if other is not preferred and _expected_wait(preferred) > BUSIER_FACTOR * _expected_wait(other) + BUSIER_MARGIN_S:
             return other
@@ -383,6 +383,13 @@ class DraftPool:
                 errors[k] = errors.get(k, 0) + v
         total["errors"] = errors
         return total
+
+
+def preferred_endpoint(tokens: Sequence[int], endpoints: Sequence[str]) -> str:
+    """Of ``endpoints``, the one a new session whose prompt is ``tokens`` prefers: rendezvous
+    hashing over the prompt's first AFFINITY_TOKENS tokens and each endpoint's name."""
+    key = repr(list(tokens[:AFFINITY_TOKENS])).encode()
+    return max(endpoints, key=lambda ep: hashlib.blake2b(key + ep.encode(), digest_size=8).digest())
 
 
 def _expected_wait(link: DraftClient) -> float:

@@ -27,14 +27,28 @@ PROMPTS = ["def parse(line):\n    ", "import os\nimport sys\n", "class Point:\n"
 TOKENS = 120
 
 
-def _streams(eps, stop: threading.Event, results: list, errors: list) -> list[threading.Thread]:
+def _covering(engine, endpoints: list[str]) -> list[str]:
+    """PROMPTS, and more where they need it, so that each of ``endpoints`` is some prompt's
+    preferred daemon: new sessions follow their prompt's hash (``preferred_endpoint``), and with
+    two random ports all eight may name the same one (1 time in 256; it happened)."""
+    from starsd_target.pool import preferred_endpoint
+
+    prompts, n = list(PROMPTS), 0
+    while {preferred_endpoint(engine.encode(p), endpoints) for p in prompts} != set(endpoints):
+        n += 1
+        prompts.append(f"# step {n}\n")
+    return prompts
+
+
+def _streams(eps, stop: threading.Event, results: list, errors: list, prompts: list[str] = PROMPTS
+             ) -> list[threading.Thread]:
     """One stream per target: generations one after another (a different prompt each) until ``stop``."""
     def one(t: int, ep: str) -> None:
         try:
             with ControlClient(ep) as cc:
                 n = 0
                 while not stop.is_set() or n < 2:
-                    prompt = PROMPTS[(3 * t + n) % len(PROMPTS)]
+                    prompt = prompts[(3 * t + n) % len(prompts)]
                     began = time.monotonic()
                     reply = cc.call(Message(MsgType.GENERATE, {"id": n + 1, "prompt": prompt, "max_tokens": TOKENS}),
                                     300)
@@ -80,7 +94,7 @@ def _run(star, tiny_target, near_draft, engine, sig: int):
     assert all(_links_up(ep) == 2 for ep in eps), [_stats(ep)["draft_link"] for ep in eps]
     stop = threading.Event()
     results, errors = [], []
-    threads = _streams(eps, stop, results, errors)
+    threads = _streams(eps, stop, results, errors, _covering(engine, [a, b]))
     try:
         deadline = time.monotonic() + 120
         while min(_requests(a), _requests(b)) < 10 and time.monotonic() < deadline and not errors:
