@@ -2,11 +2,12 @@
 
 Run `python tools/gen_configuration.py` (or `make docs`) after changing an option; tests/test_docs.py
 fails while the page differs from what this prints. The help is what the installed commands print
-(`starsd-draftd serve --help`, ...), rendered by click's test runner at a fixed terminal width with
-no STARSD_* variable set, so the text is the same on every machine. All of them render in one fresh
-Python process (``--stdout``): click keeps state on a command object once it has run (its help
-option), which a test suite's earlier invocations would leave behind; a process per command took
-27 s of the suite's time for the same bytes. Tooling, not product: no daemon imports it.
+(`starsd-draftd serve --help`, ...): each console script's entry point, run at a fixed terminal
+width with no STARSD_* variable set, so the text is the same on every machine. All of them run in
+one fresh Python process (``--stdout``): click keeps state on a command object once it has run
+(its help option), which a test suite's earlier invocations would leave behind; a process per
+command took 27 s of the suite's time for the same bytes. Tooling, not product: no daemon imports
+it, and it imports no command's code.
 """
 
 from __future__ import annotations
@@ -50,21 +51,30 @@ README's option table picks out the ones most deployments set.
 
 
 def help_text(prog: str, sub: str) -> str:
-    """One command's --help as the installed command prints it in a terminal WIDTH columns wide
-    (click then wraps at min(WIDTH, the commands' max_content_width of 100) - 2), as if no
-    STARSD_* variable were set."""
-    from click.testing import CliRunner
+    """One command's --help as the installed command prints it in a terminal WIDTH columns wide,
+    as if no STARSD_* variable were set: its console script's entry point, run in this process
+    with that command line (the ``--stdout`` child of ``render``, whose environment has none)."""
+    import contextlib
+    import io
+    from importlib.metadata import entry_points
 
-    from starsd_draftd.cli import main as draftd
-    from starsd_target.cli import main as target
+    from common.hugepages import DONE
 
-    group = {"starsd-draftd": draftd, "starsd-target": target}[prog]
-    env = {k: None for k in os.environ if k.startswith("STARSD_")}
-    env["COLUMNS"] = str(WIDTH)
-    res = CliRunner().invoke(group, [sub, "--help"], prog_name=prog, env=env, terminal_width=min(WIDTH, 100) - 2)
-    if res.exit_code != 0:
-        raise RuntimeError(f"{prog} {sub} --help failed ({res.exit_code}): {res.output}")
-    return res.output.rstrip() + "\n"
+    (entry,) = [ep for ep in entry_points(group="console_scripts") if ep.name == prog]
+    os.environ.update({"COLUMNS": str(WIDTH), DONE: "1"})  # DONE: --help needs no huge pages (no restart)
+    argv, sys.argv = sys.argv, [prog, sub, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            entry.load()()
+        code = 0
+    except SystemExit as exc:  # click ends a --help with exit 0
+        code = exc.code or 0
+    finally:
+        sys.argv = argv
+    if code != 0:
+        raise RuntimeError(f"{prog} {sub} --help failed ({code}): {out.getvalue()}")
+    return out.getvalue().rstrip() + "\n"
 
 
 def render() -> str:
