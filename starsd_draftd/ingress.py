@@ -56,6 +56,15 @@ FEATURE_DTYPES = frozenset(WIRE_DTYPES[name] for name in ("float16", "bfloat16",
 HEADER_EXPANSION = 12
 MESSAGE_OVERHEAD = 1024  # the Message, its dicts and the queue's record
 
+# pyzmq's constants are enum members, and an operation on one builds another: the socket thread
+# handles every message, so it uses plain ints
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_SRCFD = int(zmq.SRCFD)
+_DRAFT = MsgType.DRAFT.value
+
 
 def queue_cost(frames: list) -> int:
     """What a queued request costs in memory, from its frame sizes (frames[0]: the type,
@@ -69,7 +78,7 @@ def _origin(frame: zmq.Frame) -> tuple[int, str]:
         address = frame.get("Peer-Address")
     except zmq.ZMQError:
         address = ""
-    return frame.get(zmq.SRCFD), address
+    return frame.get(_SRCFD), address
 
 
 def message_limits(backend: DraftBackend) -> P.Limits:
@@ -184,16 +193,21 @@ class Ingress:
         poller = zmq.Poller()
         for s in (self.sock, self.monitor, self._wake_rx):
             poller.register(s, zmq.POLLIN)
+        wake, sock, monitor = self._wake_rx, self.sock, self.monitor
+        timeout_ms = int(1000 * self.POLL_S)
         try:
             while not self._stopping.is_set():
-                ready = dict(poller.poll(int(1000 * self.POLL_S)))
-                if self._wake_rx in ready:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv(zmq.NOBLOCK)
-                if self.sock in ready or self.monitor in ready:
+                ready = dict(poller.poll(timeout_ms))
+                woken = wake in ready
+                if woken:
+                    while wake.getsockopt(_EVENTS) & _POLLIN:
+                        wake.recv(_NOBLOCK)
+                if sock in ready or monitor in ready:
                     self.read()
-                self._send_out()
-                self._sent.set()
+                if self.q_out:
+                    self._send_out()
+                if woken:  # a flush waits for this (it wakes the thread once it has queued)
+                    self._sent.set()
                 if self._wake_batcher:  # after the sends: the batcher then has the GIL to itself
                     self._wake_batcher = False
                     self.arrived.set()
@@ -238,7 +252,7 @@ class Ingress:
     def _drain_monitor(self) -> list:
         """The connections the socket monitor says have closed since the last look."""
         gone = []
-        while self.monitor.poll(0):
+        while self.monitor.getsockopt(_EVENTS) & _POLLIN:
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
@@ -251,14 +265,21 @@ class Ingress:
         reported before the reading take effect after it: the messages those connections sent
         before closing were queued before the event, so this drain reads them; and a connection
         registered during it (on a reused socket) is not among those dropped."""
-        with self.lock:
-            gone = self._drain_monitor()
+        gone = []
+        if self.monitor.getsockopt(_EVENTS) & _POLLIN:
+            with self.lock:
+                gone = self._drain_monitor()
         # ZMQ_EVENTS says whether a message is waiting; cheaper than a receive that raises Again
         sock = self.sock
+        recv = sock.recv
         for _ in range(budget):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
                 break
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = recv(_NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:  # the rest of a multipart message has arrived with its first frame
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             with self.lock:
                 self._on_frames(frames)
         if gone:
@@ -300,10 +321,16 @@ class Ingress:
     def _send_out(self) -> None:
         """Send queued messages (the socket's thread). A peer that stopped reading (its pipe is
         full) loses that reply rather than stalling everyone behind it; it resynchronises on its own."""
-        while self.q_out:
-            frames = self.q_out.popleft()
+        send, q_out = self.sock.send, self.q_out
+        while q_out:
+            frames = q_out.popleft()
+            copy = P.needs_copy(frames)
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=P.needs_copy(frames))
+                # the frames one by one, as send_multipart sends them: ZeroMQ delivers a multipart
+                # message whole or not at all, and only its first frame can fail to route
+                last = len(frames) - 1
+                for i, f in enumerate(frames):
+                    send(f, _NOBLOCK if i == last else _MORE_NOBLOCK, copy=copy)
             except zmq.Again:
                 self.stats.dropped_replies += 1
             except zmq.ZMQError as exc:
@@ -331,7 +358,7 @@ class Ingress:
             if self.allow is not None:
                 principal = frames[1].get("User-Id").encode()
             cost = 0
-            if len(frames) > 2 and frames[1].bytes == MsgType.DRAFT.value:
+            if len(frames) > 2 and frames[1].bytes == _DRAFT:
                 cost = queue_cost(frames[1:])
                 if cost > min(self.config.max_peer_queue_bytes, self.config.max_queue_bytes):
                     raise ProtocolError(ErrorCode.TOO_LARGE, f"a draft request of {cost} bytes (estimated in "
