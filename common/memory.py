@@ -74,6 +74,36 @@ def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
     return ranges
 
 
+def file_location(tensor) -> tuple[str, int] | None:
+    """(path, byte offset) of the file a tensor's bytes are mapped from, where all of them lie in
+    one mapping of a weight file that is still the file at that path (the same inode: a file
+    renamed over it since is not what the mapping holds). None elsewhere (not Linux, not a file
+    mapping, or the file was replaced)."""
+    import os
+
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) != 6 or not parts[5].endswith(".safetensors"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if not lo <= start < end <= hi:
+            continue
+        path, inode = parts[5], int(parts[4])
+        try:
+            if os.stat(path).st_ino != inode:
+                return None
+        except OSError:
+            return None
+        return path, int(parts[2], 16) + (start - lo)
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _madvise():
     """libc's madvise, loaded once: a wide prefill advises every weight twice (about 200 calls at

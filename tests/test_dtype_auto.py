@@ -239,9 +239,10 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
     """Loaded in its own dtype, a checkpoint's tensors start as views of its mapped file. After
     packing, what is left of them (the 16-bit embedding table, which a tied output layer shares
     while its packed layer holds its own float16 copy, and the linear weights a wide prefill
-    reads) leaves none of its pages resident: a lookup
-    pages in its rows (the kernel maps a fault's neighbours too, up to 64 KiB), which are the
-    checkpoint's."""
+    reads) leaves none of its pages resident, and lookups read their rows from the file
+    (``FileRows``) rather than through the mapping, whose faults would bring in their
+    neighbours too (64 KiB of fault-around, or a whole large page-cache folio): rows looked up
+    all over the table leave it as little resident as before, and are the checkpoint's."""
     from common.memory import weight_file_ranges
     from tiny_models import make_tiny_checkpoint
 
@@ -256,11 +257,45 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
 
     # the header and the small tensors read (with the pages the kernel maps beside them): not the table's 518 KiB
     assert mapped_resident_kib(path) <= 128
-    ids = torch.tensor([[1, 40, 200]])
+    embed = loaded.model.get_input_embeddings()
+    assert embed.rows is not None
+    ids = torch.arange(0, table.shape[0], 8)[:32].reshape(2, -1)  # a row in every 16 KiB of the table
     with torch.inference_mode():
-        rows = loaded.model.get_input_embeddings()(ids)
-    assert rows.dtype == torch.float32
-    assert torch.equal(rows[0], load_file(path)["model.embed_tokens.weight"][ids[0]].float())
+        rows = embed(ids)
+    assert mapped_resident_kib(path) <= 128  # through the mapping: about all of its 518 KiB
+    assert rows.dtype == torch.float32 and rows.shape == (*ids.shape, table.shape[1])
+    assert torch.equal(rows, load_file(path)["model.embed_tokens.weight"][ids].float())
+    with pytest.raises(IndexError):
+        embed(torch.tensor([[1, table.shape[0]]]))
+    with pytest.raises(IndexError):
+        embed(torch.tensor([-1]))
+
+
+@needs_proc_maps
+def test_embedding_rows_are_read_from_a_file_only_while_it_is_the_one_mapped(tmp_path):
+    """``FileRows`` reads a table's rows from the file its mapping came from; once that path
+    names another file (a checkpoint renamed over it), none is built and the mapping is read."""
+    import mmap
+
+    from common.fp16_weights import FileRows
+    from common.memory import file_location
+
+    table = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16).to(torch.bfloat16)
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(b"\0" * 4096 + table.view(torch.uint8).numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    view = torch.frombuffer(mapped, dtype=torch.uint8)[4096:].view(torch.bfloat16).reshape(64, 16)
+    assert file_location(view) == (str(path), 4096)
+    rows = FileRows.for_table(view)
+    ids = torch.tensor([[63, 0, 17], [17, 5, 40]])
+    assert torch.equal(rows.lookup(ids), table[ids].float())
+    assert file_location(torch.zeros(8)) is None  # not a file mapping
+    (tmp_path / "new.safetensors").write_bytes(path.read_bytes())
+    os.replace(tmp_path / "new.safetensors", path)
+    assert file_location(view) is None and FileRows.for_table(view) is None
+    del view, rows
+    mapped.close()
 
 
 def test_zero_threads_means_one_per_core_this_process_may_run_on(monkeypatch):
