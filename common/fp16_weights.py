@@ -247,7 +247,8 @@ class CompactEmbedding(torch.nn.Embedding):
     rows: FileRows | None = None  # where set, looked-up rows are read from the checkpoint's file
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and not torch.compiler.is_compiling():  # (a graph reads the mapping)
+        if (self.rows is not None and input.dtype in (torch.int64, torch.int32)
+                and not torch.compiler.is_compiling()):  # (a graph reads the mapping)
             return self.rows.lookup(input)
         return super().forward(input).float()
 
@@ -260,13 +261,29 @@ class FileRows:
     keeps none. The bytes are the mapping's own (the same file, checked on setup); a lookup of a
     few hundred tokens costs a syscall each, next to a forward over them."""
 
-    def __init__(self, weight: torch.Tensor, path: str, offset: int):
+    def __init__(self, weight: torch.Tensor, path: str, offset: int, inode: int):
         self.num, self.dim = weight.shape
         self.dtype = weight.dtype
         self.row_bytes = self.dim * weight.element_size()
-        self.offset = offset
-        self.fd = os.open(path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self.fd)
+        self.path, self.offset, self.inode = path, offset, inode
+        self._open()
+
+    def _open(self) -> None:
+        """Open the file, where it is still the one mapped (else ValueError): the path is looked
+        at again after opening, so a file renamed over it in between is never read."""
+        fd = os.open(self.path, os.O_RDONLY)
+        if os.fstat(fd).st_ino != self.inode:
+            os.close(fd)
+            raise ValueError(f"{self.path} is no longer the file the embedding table is mapped from")
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def __getstate__(self) -> dict:  # a copy opens the file for itself: a descriptor is not shared
+        return {k: v for k, v in self.__dict__.items() if k != "fd"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
 
     @classmethod
     def for_table(cls, weight: torch.Tensor) -> FileRows | None:
@@ -274,7 +291,7 @@ class FileRows:
         last rows read from there equal the table's; else None (the mapping is read as ever)."""
         from common.memory import file_location
 
-        if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] == 0:
+        if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] == 0 or weight.shape[1] == 0:
             return None
         where = file_location(weight)
         if where is None:
@@ -282,7 +299,7 @@ class FileRows:
         try:
             rows = cls(weight, *where)
             ends = torch.tensor([0, weight.shape[0] - 1])
-            if not torch.equal(rows.lookup(ends, widen=False), weight[ends]):
+            if not torch.equal(rows.lookup(ends, widen=False).view(torch.uint8), weight[ends].view(torch.uint8)):
                 return None
         except (OSError, ValueError):
             return None
@@ -292,7 +309,9 @@ class FileRows:
         """``input``'s rows as an embedding lookup gives them (float32 where ``widen``); an id
         outside the table raises IndexError, as the lookup does."""
         ids = input.reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num):
+        if not ids.numel():
+            return torch.empty(*input.shape, self.dim, dtype=torch.float32 if widen else self.dtype)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num:
             raise IndexError(f"index out of range in self: token ids must be in [0, {self.num})")
         out = torch.empty(ids.numel(), self.dim, dtype=self.dtype)
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")

@@ -74,8 +74,8 @@ def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
     return ranges
 
 
-def file_location(tensor) -> tuple[str, int] | None:
-    """(path, byte offset) of the file a tensor's bytes are mapped from, where all of them lie in
+def file_location(tensor) -> tuple[str, int, int] | None:
+    """(path, byte offset, inode) of the file a tensor's bytes are mapped from, where all of them lie in
     one mapping of a weight file that is still the file at that path (the same inode: a file
     renamed over it since is not what the mapping holds). None elsewhere (not Linux, not a file
     mapping, or the file was replaced)."""
@@ -100,7 +100,7 @@ def file_location(tensor) -> tuple[str, int] | None:
                 return None
         except OSError:
             return None
-        return path, int(parts[2], 16) + (start - lo)
+        return path, int(parts[2], 16) + (start - lo), inode
     return None
 
 

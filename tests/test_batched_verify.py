@@ -264,11 +264,13 @@ def test_prefill_batches_stay_within_one_chunk(loaded_target):
         assert out.token_ids == alone.generate(p, 6, SamplingParams()).token_ids
 
 
-@pytest.mark.parametrize("window_s", [0.5, 0.0])
+@pytest.mark.parametrize("window_s", [2.0, 0.0])
 def test_an_idle_target_starts_a_burst_of_requests_together(loaded_target, window_s):
     """Requests that reach an idle scheduler one after another, each within the admission window
     of the last, start together: one prefill forward, their rounds verified together from the
-    first. With no window the first starts alone, a pass ahead. Outputs are the same either way."""
+    first. With no window the first starts alone, a pass ahead. Outputs are the same either way.
+    (The window is 20 of the gaps between the requests: a loaded test machine stretched a 0.5 s
+    window's gaps past it.)"""
     import time
 
     engine = TargetEngine(loaded_target, depth=4, max_batch=4)

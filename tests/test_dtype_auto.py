@@ -1,6 +1,8 @@
 """--dtype auto: the fastest exact format for the device, said in the log, and refused or
 taken back where a checkpoint's weights do not fit float16."""
 
+import copy
+import gc
 import logging
 import os
 import platform
@@ -286,15 +288,23 @@ def test_embedding_rows_are_read_from_a_file_only_while_it_is_the_one_mapped(tmp
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     view = torch.frombuffer(mapped, dtype=torch.uint8)[4096:].view(torch.bfloat16).reshape(64, 16)
-    assert file_location(view) == (str(path), 4096)
+    assert file_location(view) == (str(path), 4096, path.stat().st_ino)
     rows = FileRows.for_table(view)
     ids = torch.tensor([[63, 0, 17], [17, 5, 40]])
     assert torch.equal(rows.lookup(ids), table[ids].float())
+    assert rows.lookup(torch.empty(2, 0, dtype=torch.long)).shape == (2, 0, 16)
+    twin = copy.deepcopy(rows)  # a descriptor of its own
+    assert twin.fd != rows.fd and torch.equal(twin.lookup(ids), table[ids].float())
+    del rows
+    gc.collect()
+    assert torch.equal(twin.lookup(ids), table[ids].float())
     assert file_location(torch.zeros(8)) is None  # not a file mapping
     (tmp_path / "new.safetensors").write_bytes(path.read_bytes())
     os.replace(tmp_path / "new.safetensors", path)
     assert file_location(view) is None and FileRows.for_table(view) is None
-    del view, rows
+    with pytest.raises(ValueError):
+        copy.deepcopy(twin)  # its path names another file now
+    del view, twin
     mapped.close()
 
 
