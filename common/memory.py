@@ -75,10 +75,10 @@ def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
 
 
 def file_location(tensor) -> tuple[str, int, int] | None:
-    """(path, byte offset, inode) of the file a tensor's bytes are mapped from, where all of them lie in
-    one mapping of a weight file that is still the file at that path (the same inode: a file
-    renamed over it since is not what the mapping holds). None elsewhere (not Linux, not a file
-    mapping, or the file was replaced)."""
+    """(path, byte offset, inode) of the file a tensor's bytes are mapped from, where all of them
+    lie in one mapping of a weight file that is still the file at that path (the same inode: a
+    file renamed over it since is not what the mapping holds). None elsewhere (not Linux, not a
+    file mapping, or the file was replaced)."""
     import os
 
     start = tensor.data_ptr()
