@@ -88,10 +88,16 @@ def wide_prefill_available() -> tuple[bool, str]:
         return False, f"{WIDE_PREFILL_ENV}={os.environ[WIDE_PREFILL_ENV]}"
     if not hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision"):
         return False, f"PyTorch {torch.__version__} has no oneDNN bf16 math mode (2.9 or later has)"
-    cpu = getattr(torch, "cpu", None)
-    if not any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")):
+    if not bf16_matrix_units():
         return False, "this CPU has no bfloat16 matrix instructions (AMX or AVX-512 BF16)"
     return True, "AMX or AVX-512 BF16"
+
+
+def bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX-512 BF16); without, PyTorch's
+    bfloat16 products convert to float32 and multiply there."""
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 _SCRATCH = threading.local()  # per thread: the float32 copy a 16-bit source weight is widened into

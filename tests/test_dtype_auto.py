@@ -273,6 +273,23 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
         embed(torch.tensor([-1]))
 
 
+@needs_fbgemm
+@pytest.mark.parametrize("units", [False, True])
+def test_bfloat16_without_bfloat16_units_is_loaded_with_a_warning_that_names_auto(tiny_target, caplog,
+                                                                                   monkeypatch, units):
+    """A user who asks for bfloat16 on a CPU that converts its products to float32 is told it is
+    slower there than fp16-weights, which auto picks; with the units, nothing is said."""
+    from common import fp16_weights
+
+    monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: units)
+    with caplog.at_level(logging.WARNING, logger="starsd.models"):
+        loaded = load_causal_lm(str(tiny_target), dtype="bfloat16")
+    assert loaded.dtype_name == "bfloat16"
+    said = [r.getMessage() for r in caplog.records if "matrix instructions" in r.getMessage()]
+    assert len(said) == (0 if units else 1)
+    assert units or "--dtype auto picks fp16-weights" in said[0]
+
+
 @needs_proc_maps
 def test_embedding_rows_are_read_from_a_file_only_while_it_is_the_one_mapped(tmp_path):
     """``FileRows`` reads a table's rows from the file its mapping came from; once that path
