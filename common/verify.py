@@ -56,6 +56,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: the same seed must give the same tokens, so nothing about such a
+        generation (its draft length, how its drafts are batched or fed) may follow timing."""
+        return not self.greedy and self.seed is not None
+
     def to_wire(self) -> dict:
         return {"temperature": float(self.temperature), "top_k": int(self.top_k),
                 "top_p": float(self.top_p), "seed": self.seed}

@@ -433,7 +433,7 @@ class Ingress:
         h = msg.header
         last = session.last_reply
         params = session.params
-        if not params.greedy and params.seed is not None:
+        if params.seeded:
             return False  # a seeded session's draws stay a function of its requests, not of their timing
         if (last is None or last.seq != session.last_seq or h["accepted"] or h["new"]
                 or h["pos"] != len(session.verified) or self._queued_keys.get(session.key)

@@ -148,7 +148,7 @@ class LookaheadServing:
             self.stats.lookahead["skipped"] += 1
             return
         session.ahead_skipped = 0
-        if not self.backend.drafts_ahead or (not session.params.greedy and session.params.seed is not None):
+        if not self.backend.drafts_ahead or session.params.seeded:
             return  # a seeded sampled session's drafts come from one kind of forward: its output stays put
         length = len(session.verified) + len(draft.tokens) + 2 + depth  # the furthest position a guess drafts
         if self.backend.max_len is not None and length > self.backend.max_len:
@@ -181,8 +181,7 @@ class LookaheadServing:
         draft model has not taken in the tokens verified since it last drafted. Where they are
         CATCH_UP_MIN or more, idle passes feed them. Not for a seeded sampled session: how its
         prompt is split into forwards changes its drafts' last bits, and so its output."""
-        if (not self.backend.prefills or session.state is None
-                or (not session.params.greedy and session.params.seed is not None)):
+        if not self.backend.prefills or session.state is None or session.params.seeded:
             return
         held = self.backend.held(session.state, session.verified)  # the kept drafts of its last chain too
         if held is not None:

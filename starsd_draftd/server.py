@@ -487,7 +487,7 @@ class DraftServer:
         keep none."""
         state = self.backend.new_state(session.params)
         part = partition(self.config.suffix_share, self._text_principal(session.key[0]))
-        if part is not None and (session.params.greedy or session.params.seed is None):
+        if part is not None and not session.params.seeded:
             self.backend.bind_share(state, part)
         return state
 
@@ -542,7 +542,7 @@ class DraftServer:
             return
         text: SuffixText | None = session.suffix
         if text is None:
-            seeded = not session.params.greedy and session.params.seed is not None
+            seeded = session.params.seeded
             # a seeded sampled session's drafts must follow its own requests alone: no shared text
             text = session.suffix = index.open(self._text_principal(principal), session.verified[:before],
                                                shared=not seeded)
@@ -594,7 +594,7 @@ class DraftServer:
         tree = h.get("tree_tokens", 0)
         if self.backend.tree_topk <= 1 or tree <= h["depth"]:
             return 0
-        if self.q_in and (session.params.greedy or session.params.seed is None):
+        if self.q_in and not session.params.seeded:
             tree = max(h["depth"], tree // 2)
             self.stats.trees["shrunk"] += 1
         return tree if tree > h["depth"] else 0

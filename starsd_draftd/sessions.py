@@ -184,7 +184,7 @@ class SessionTable:
         """Whether the session ``key`` is a live seeded sampled one: its drafts must follow its own
         requests alone, never what else the daemon was doing."""
         session = self.sessions.get(key)
-        return session is not None and not session.params.greedy and session.params.seed is not None
+        return session is not None and session.params.seeded
 
     def disconnected(self, conns: list[Conn]) -> int:
         """These connections are gone (the socket monitor said so): forget those still known as

@@ -49,7 +49,7 @@ class RoundPlan:
 def keeps_cap(params: SamplingParams) -> bool:
     """A seeded sampled generation: its draft length stays the cap and it is never held back
     from drafting, so the same seed gives the same tokens."""
-    return not (params.greedy or params.seed is None)
+    return params.seeded
 
 
 def crowded_round(limit: int, max_batch: int, batchable: bool, params: SamplingParams,

@@ -573,7 +573,7 @@ class EagleBackend(DraftBackend):
         batch, trees = [], []
         for i, r in enumerate(requests):
             params = r.state.params  # type: ignore[attr-defined]
-            if not params.greedy and params.seed is not None:
+            if params.seeded:
                 out[i] = self.draft(r.state, r.verified, r.depth, r.new_features, r.tree_tokens, r.min_survival)
             elif params.greedy and self.drafts_tree(r.depth, r.tree_tokens):
                 st: EagleSession = r.state  # type: ignore[assignment]

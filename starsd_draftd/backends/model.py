@@ -427,7 +427,7 @@ class ModelBackend(DraftBackend):
             params = r.state.params  # type: ignore[attr-defined]
             if params.greedy and self.drafts_tree(r.depth, r.tree_tokens):
                 out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
-            elif not params.greedy and params.seed is not None:
+            elif params.seeded:
                 out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens,
                                     min_survival=r.min_survival)
             else:
