@@ -59,19 +59,25 @@ MADV_DONTNEED = 4  # Linux's values on every architecture PyTorch ships for
 MADV_POPULATE_READ = 22
 
 
-def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of weight files (Linux; else none): where a
-    checkpoint loaded in its own dtype keeps its tensors, read straight from the page cache."""
-    ranges = []
+def _weight_file_maps(suffix: str = ".safetensors") -> list[tuple[int, int, int, int, str]]:
+    """This process's mappings of weight files, as (start, end, file offset, inode, path), from
+    Linux's /proc/self/maps (elsewhere none)."""
+    maps = []
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].endswith(suffix):
                 lo, hi = parts[0].split("-")
-                ranges.append((int(lo, 16), int(hi, 16)))
+                maps.append((int(lo, 16), int(hi, 16), int(parts[2], 16), int(parts[4]), parts[5]))
     except OSError:
         return []
-    return ranges
+    return maps
+
+
+def weight_file_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of weight files (Linux; else none): where a
+    checkpoint loaded in its own dtype keeps its tensors, read straight from the page cache."""
+    return [(lo, hi) for lo, hi, *_ in _weight_file_maps(suffix)]
 
 
 def file_location(tensor) -> tuple[str, int, int] | None:
@@ -83,24 +89,13 @@ def file_location(tensor) -> tuple[str, int, int] | None:
 
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) != 6 or not parts[5].endswith(".safetensors"):
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if not lo <= start < end <= hi:
-            continue
-        path, inode = parts[5], int(parts[4])
-        try:
-            if os.stat(path).st_ino != inode:
+    for lo, hi, offset, inode, path in _weight_file_maps():
+        if lo <= start < end <= hi:
+            try:
+                same = os.stat(path).st_ino == inode
+            except OSError:
                 return None
-        except OSError:
-            return None
-        return path, int(parts[2], 16) + (start - lo), inode
+            return (path, offset + (start - lo), inode) if same else None
     return None
 
 
