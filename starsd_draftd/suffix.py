@@ -64,6 +64,7 @@ KEY_BYTES = 120
 TOKEN_BYTES = 4
 DOC_BYTES = 400
 SHARES = ("key", "all", "off")
+STAGE = 8  # match lengths are measured this many tokens at a time first (the longer ones further)
 MAX_SCAN = 512  # a session's own text: the latest occurrences of its last token whose matches are measured
 _OFFSET = 1 << 32  # an occurrence's code: serial * _OFFSET + position
 
@@ -316,16 +317,7 @@ class SuffixIndex:
         if length > 1:
             ps = np.flatnonzero(seq[: length - 1] == seq[length - 1])[-MAX_SCAN:] + 1  # continuations, before the end
             if ps.size:
-                lens = np.ones(ps.shape[0], dtype=np.int64)
-                live = np.arange(ps.shape[0])
-                k = 1
-                while live.size and k < MAX_MATCH and length - k - 1 >= 0:
-                    q = ps[live] - k - 1
-                    ok = q >= 0
-                    ok[ok] = seq[q[ok]] == seq[length - k - 1]
-                    live = live[ok]
-                    lens[live] += 1
-                    k += 1
+                lens = _match_lengths(seq, ps)
                 order = np.lexsort((ps, lens))[::-1][:MAX_OCCURRENCES]  # longest, then latest
                 for i in order.tolist():
                     p = int(ps[i])
@@ -354,10 +346,7 @@ class SuffixIndex:
                 toks = doc.tokens
                 if toks[p - n: p].tolist() != ctx:
                     continue  # a hash collision
-                m = n
-                while m < MAX_MATCH and p - m - 1 >= 0 and m < len(tail) and toks[p - m - 1] == tail[-m - 1]:
-                    m += 1
-                out.append((m, toks[p: p + read].tolist()))
+                out.append((_agree_before(toks, p, tail, n), toks[p: p + read].tolist()))
             if out:
                 return out
         return []
@@ -414,6 +403,49 @@ class SuffixIndex:
                 "update_us_per_token": 1e6 * c["update_s"] / max(c["tokens_indexed"], 1),
                 "queries": c["queries"], "query_us": 1e6 * c["query_s"] / max(c["queries"], 1),
                 "partitions": len(self._parts)}
+
+
+def _agree(seq: np.ndarray, ps: np.ndarray, cap: int) -> np.ndarray:
+    """For each continuation position p in ``ps``: how many of the tokens before p equal the
+    tokens before ``seq``'s end, counted back from both, at most ``cap``."""
+    back = np.arange(cap)
+    before = ps[:, None] - 1 - back  # [occurrences, cap]: the positions compared with the end's
+    same = (before >= 0) & (seq[np.maximum(before, 0)] == seq[seq.shape[0] - 1 - back])
+    same = np.concatenate([same, np.zeros((ps.shape[0], 1), dtype=bool)], axis=1)  # a stop at cap
+    return same.argmin(axis=1)  # the first difference
+
+
+def _agree_before(toks: array, p: int, tail: list[int], m: int) -> int:
+    """How far the tokens before ``toks[p]`` equal the last ones of ``tail``, at most MAX_MATCH,
+    given that the last ``m`` do: compared STAGE at a time (a quoted answer matches far)."""
+    limit = min(MAX_MATCH, p, len(tail))
+    end = len(tail)
+    while m < limit:
+        step = min(STAGE, limit - m)
+        mine, theirs = toks[p - m - step: p - m].tolist(), tail[end - m - step: end - m]
+        if mine == theirs:
+            m += step
+            continue
+        i = step - 1
+        while mine[i] == theirs[i]:
+            m += 1
+            i -= 1
+        break
+    return m
+
+
+def _match_lengths(seq: np.ndarray, ps: np.ndarray) -> np.ndarray:
+    """Match lengths (up to MAX_MATCH) of the occurrences whose continuations start at ``ps``, in
+    two passes: STAGE tokens back for all of them, all the way for those that matched so far.
+    (A copy matches long at many places; comparing one position at a time cost a copy's query
+    up to 64 rounds of array operations.)"""
+    cap = min(MAX_MATCH, int(seq.shape[0]))
+    lens = _agree(seq, ps, min(STAGE, cap))
+    if cap > STAGE:
+        far = np.flatnonzero(lens == STAGE)
+        if far.size:
+            lens[far] = _agree(seq, ps[far], cap)
+    return lens
 
 
 def _draft(conts: list[list[int]], cap: int, budget: int, floor: float, ratio: float,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from common.tree import ROOT, check_parents
-from starsd_draftd.suffix import KEY_SIZES, SuffixIndex
+from starsd_draftd.suffix import KEY_SIZES, MAX_MATCH, STAGE, SuffixIndex, _agree_before, _match_lengths
 
 A, B = b"key-a", b"key-b"
 # an output no session could guess: none of it is consecutive (the fake backend drafts last+1, +2...)
@@ -159,6 +159,62 @@ def test_what_the_index_charges_itself_bounds_what_it_holds():
         per_session = sum(t.buf.nbytes for t in texts)  # the sessions' own text, not the index's
         assert held - per_session <= index.bytes, (vocab, held, index.bytes)
         assert index.bytes / 10_000 < 700  # bytes per output token indexed
+
+
+def _match_lengths_one_at_a_time(seq: np.ndarray, ps: np.ndarray) -> list[int]:
+    """For each continuation position p: how far the tokens before p equal those before the end,
+    compared one position at a time, at most MAX_MATCH."""
+    out = []
+    for p in ps.tolist():
+        m = 0
+        while m < MAX_MATCH and p - 1 - m >= 0 and seq[p - 1 - m] == seq[len(seq) - 1 - m]:
+            m += 1
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["copy", "random", "runs", "short"])
+def test_match_lengths_measured_in_two_passes_equal_one_position_at_a_time(kind):
+    """A session's own text is scanned for its last token's earlier occurrences and each one's
+    match measured, STAGE tokens back for all and further for those that matched that far: the
+    lengths are those of comparing one position at a time, at and around STAGE and MAX_MATCH,
+    for occurrences near the start, and in a copy that matches far at many places."""
+    rng = np.random.default_rng(["copy", "random", "runs", "short"].index(kind))
+    for _ in range(200):
+        if kind == "copy":  # a text and the start of its copy: long matches everywhere it repeats
+            base = rng.integers(0, 6, int(rng.integers(20, 200)))
+            seq = np.concatenate([base, base, base[: int(rng.integers(1, len(base)))]])
+        elif kind == "random":
+            seq = rng.integers(0, 4, int(rng.integers(2, 400)))
+        elif kind == "runs":  # one token repeated: every occurrence matches as far as the start allows
+            seq = np.full(int(rng.integers(2, 3 * MAX_MATCH)), 7)
+        else:
+            seq = rng.integers(0, 2, int(rng.integers(2, STAGE + 3)))
+        seq = seq.astype(np.int32)
+        ps = np.flatnonzero(seq[:-1] == seq[-1]) + 1
+        if not ps.size:
+            continue
+        assert _match_lengths(seq, ps).tolist() == _match_lengths_one_at_a_time(seq, ps)
+
+
+def test_a_shared_occurrences_match_extended_a_stage_at_a_time_equals_one_position_at_a_time():
+    """An occurrence in another session's output, its key's tokens matched, is measured further
+    back STAGE tokens at a time: the same length as one position at a time, up to MAX_MATCH, the
+    occurrence's start and the query's."""
+    from array import array
+
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        toks = array("i", rng.integers(0, 3, int(rng.integers(2, 3 * MAX_MATCH))).tolist())
+        p = int(rng.integers(1, len(toks) + 1))
+        # the query's text ends as toks[:p] does for a random length, then anything before
+        agree = int(rng.integers(1, p + 1))
+        tail = rng.integers(0, 3, int(rng.integers(0, 2 * MAX_MATCH))).tolist() + toks[p - agree: p].tolist()
+        n = min(agree, int(rng.integers(1, 17)))
+        m = 0
+        while m < MAX_MATCH and p - 1 - m >= 0 and m < len(tail) and toks[p - 1 - m] == tail[-1 - m]:
+            m += 1
+        assert _agree_before(toks, p, tail, min(n, m)) == m
 
 
 def test_bad_settings_are_refused():
