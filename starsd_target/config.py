@@ -51,6 +51,10 @@ class TargetConfig:
     compile: bool = False  # compile the target's forward (common.runner), warmed up before serving
     lean: bool = True  # eager forwards through common.lean where the model allows
     adaptive_depth: bool = True  # each generation's draft length follows its measured rounds, up to depth
+    # with adaptive_depth: a generation runs rounds without drafts while its rounds with drafts run below
+    # the target alone's rate (starsd_target.depth). Off by default: it follows measured times, and on a
+    # small target beside a fast draft daemon it often finds the target alone faster
+    pause_unpaid_drafts: bool = False
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
     # rounds draft only while at most this many generations are active (0: always; None: auto,
     # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)

@@ -34,6 +34,17 @@ already seen (its suffix index) costs no drafting, so the same rule gives it the
 ``min_chance = R * v`` (sent beside min_survival once ``v`` is measured): copied runs go on while
 their chance pays for the verification alone.
 
+**When drafting does not pay** (``pause_unpaid``, the target's ``--pause-unpaid-drafts``): a
+draft the target rarely keeps, a daemon slow to answer, a target whose verification of a few rows
+costs far more than one. Once MIN_JUDGED_ROUNDS rounds with drafts are measured, a round is run
+without drafts (a plain round) while the rate the rounds with drafts reach is below PAY_SHARE of
+the target alone's, one token per plain round (measured on the plain rounds once there are any;
+before, the verification forward's cost at one row, from the regression below, plus the rest of
+a round). Plain rounds come in runs, PROBE_FIRST long and doubling up to PROBE_MAX while drafting
+still does not pay; after each run PROBE_ROUNDS rounds draft again (the first pays the daemon's
+catch-up and is not counted), so that drafting resumes where the text turns to what the draft
+knows.
+
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
 round: the target's random draws follow its rounds, so a length chosen from measured times would
@@ -55,6 +66,10 @@ SLOPE_DISCOUNT = 0.95  # weight of older rounds in the verification cost's regre
 # the least variance (tokens verified squared) of the rounds' lengths for a slope: below it they are
 # about all one length (a fixed depth, every draft kept) and the slope is noise
 SLOPE_MIN_VARIANCE = 0.05
+MIN_JUDGED_ROUNDS = 8  # rounds with drafts measured before drafting may be judged not to pay
+PAY_SHARE = 0.85  # drafting stops while its rate is below this share of the target alone's
+PROBE_FIRST, PROBE_MAX = 4, 64  # plain rounds in a run: the first run's, and the most (doubling)
+PROBE_ROUNDS = 2  # rounds with drafts after each run of plain ones (the first pays a catch-up)
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -66,7 +81,7 @@ class AdaptiveDepth:
     """One generation's draft-length controller: ``choose(cap)`` before a round asks for
     drafts, ``observe(...)`` once it has been verified."""
 
-    def __init__(self, prior: float = PRIOR_ACCEPTANCE):
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE, pause_unpaid: bool = False):
         self.kept = prior * PRIOR_ROUNDS  # discounted acceptances,
         self.trials = PRIOR_ROUNDS  # and discounted trials (acceptances plus rejections)
         self.per_token_s: float | None = None  # c
@@ -79,6 +94,12 @@ class AdaptiveDepth:
         # one carries the prompt's prefill there, one after plain rounds the tokens they added
         self.catching_up = True
         self.last = 0  # the length chosen last
+        self.pause_unpaid = pause_unpaid  # drafts_pay judges (False: every round drafts)
+        self.alone: tuple[float, float, int] | None = None  # (1, seconds, rounds) of its plain rounds
+        self._other_s: float | None = None  # a drafted round's time beside its draft wait and forward
+        self._plain_left = 0  # plain rounds still to run in the current run of them
+        self._probe_left = 0  # rounds with drafts still to run before drafting is judged again
+        self._run = PROBE_FIRST  # the next run's length of plain rounds
         # the verification forward's seconds against the tokens it verified, weighted sums of
         # (weight, n, t, n*n, n*t): its slope is the cost of one more token verified
         self._verify = [0.0] * 5
@@ -110,6 +131,7 @@ class AdaptiveDepth:
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
+        self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward, 0.0))
         self._drafted_round(kept + 1, times.wall)
 
     def observe_fallback(self, times: RoundTimes) -> None:
@@ -121,6 +143,48 @@ class AdaptiveDepth:
         if not self.catching_up:
             self.drafted = _ewma2(self.drafted, tokens, wall)
         self.catching_up = False
+
+    def observe_plain(self, times: RoundTimes) -> None:
+        """A round without drafts (by choice): one token for its time, the target alone's rate.
+        The next round with drafts pays the draft daemon's catch-up."""
+        self.alone = _ewma2(self.alone, 1, times.wall)
+        self.catching_up = True
+
+    def alone_rate(self) -> float | None:
+        """Tokens per second the target alone would reach: measured on its plain rounds; before
+        there are any, one token per a one-row verification forward (the regression's value at one
+        row; at the mean length verified where the lengths do not vary) and the rest of a round.
+        None: not measured yet."""
+        if self.alone is not None:
+            return _rate_of(self.alone)
+        w, n, t = self._verify[:3]
+        if w <= 0.0 or self._other_s is None:
+            return None
+        one_row = t / w - (self.verify_slope() or 0.0) * max(n / w - 1.0, 0.0)
+        return 1.0 / max(one_row + self._other_s, 1e-6)
+
+    def drafts_pay(self) -> bool:
+        """Whether the next round asks for drafts (the module's docstring: when drafting does
+        not pay); called once a round, it advances the runs of plain rounds and the probes.
+        Always True where the controller does not judge (``pause_unpaid`` False)."""
+        if not self.pause_unpaid:
+            return True
+        if self._plain_left > 0:
+            self._plain_left -= 1
+            if not self._plain_left:
+                self._probe_left = PROBE_ROUNDS
+            return False
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return True
+        rate, alone = self.drafted_rate(), self.alone_rate()
+        if rate is None or alone is None or self.drafted[2] < MIN_JUDGED_ROUNDS or rate >= PAY_SHARE * alone:
+            self._run = PROBE_FIRST
+            return True
+        self._plain_left, self._run = self._run - 1, min(2 * self._run, PROBE_MAX)
+        if not self._plain_left:
+            self._probe_left = PROBE_ROUNDS
+        return False
 
     def drafted_rate(self) -> float | None:
         """Measured tokens per second of its rounds with drafts (None: none yet)."""

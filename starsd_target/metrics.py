@@ -91,7 +91,8 @@ class TargetMetrics:
         self.fallback_rounds = Counter("starsd_spec_decode_fallback_rounds",
                                        "Rounds that wanted drafts and were verified without them", registry=r)
         self.plain_rounds = Counter("starsd_target_plain_rounds", "Rounds verified without drafts by choice: "
-                                    "more generations were active than --draft-max-active", registry=r)
+                                    "more generations were active than --draft-max-active, or drafts did not pay "
+                                    "(--pause-unpaid-drafts)", registry=r)
         self.crowded_rounds = Counter("starsd_target_crowded_rounds", "Of the plain rounds, those run without "
                                       "drafts because more generations were active than --draft-max-active",
                                       registry=r)

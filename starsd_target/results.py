@@ -15,7 +15,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     fallback_rounds: int = 0  # rounds that wanted drafts but verified without them
-    plain_rounds: int = 0  # rounds verified without drafts by choice (a crowded target)
+    plain_rounds: int = 0  # rounds verified without drafts by choice (a crowded target, drafting that did not pay)
     invalid_drafts: int = 0
     generated: int = 0
     prefill_s: float = 0.0

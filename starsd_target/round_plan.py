@@ -7,6 +7,7 @@ runner executes). The rules:
 
 * a generation with no draft session, or no room for a draft, asks for none (a round of its own);
 * a crowded target (``crowded_round``) runs the round without drafts, by choice (a plain round);
+  so does a generation whose controller finds that drafting does not pay (``drafts_pay``);
 * a tree where the generation's budget and the daemon allow one (its depth then stays: adaptive
   depth models chains);
 * else a chain: where the daemon stops greedy chains itself, the cap with the controller's
@@ -86,6 +87,8 @@ def plan_round(cap: int, *, session: bool, crowded: bool = False, trees: bool = 
     budget = budget if trees else 0
     survival = chance = 0.0
     if depth is not None and not budget:
+        if not depth.drafts_pay():  # the target alone is expected to be faster: a plain round
+            return RoundPlan(wanted=True)
         if stops_drafts and greedy_drafts:
             survival = depth.min_survival()  # the daemon ends the chain, within the cap
             chance = min(depth.min_chance(), survival)

@@ -114,6 +114,7 @@ class Scheduler:
                  max_active: int = TargetConfig.max_active, max_queue: int = TargetConfig.max_queue,
                  heartbeat_s: float = TargetConfig.heartbeat_s, stall_s: float = TargetConfig.stall_timeout_s,
                  adaptive_depth: bool = TargetConfig.adaptive_depth,
+                 pause_unpaid_drafts: bool = TargetConfig.pause_unpaid_drafts,
                  draft_max_active: int = 0,
                  admit_window_s: float = TargetConfig.admit_window_s):
         if admit_window_s < 0:
@@ -124,6 +125,7 @@ class Scheduler:
         self.draft_max_active = draft_max_active
         self.crowded_rounds = 0  # rounds run without drafts because more generations were active
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
+        self.pause_unpaid_drafts = pause_unpaid_drafts  # and it runs plain rounds while drafting does not pay
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -329,7 +331,8 @@ class Scheduler:
         # random draws follow its rounds, so a length that followed measured times would make the
         # same seed give other tokens at another speed. Greedy output does not depend on the length.
         adapt = self.adaptive_depth and drafts is not None and not keeps_cap(job.params)
-        self.active.append(_Active(job, gen, drafts, depth=AdaptiveDepth() if adapt else None))
+        depth = AdaptiveDepth(pause_unpaid=self.pause_unpaid_drafts) if adapt else None
+        self.active.append(_Active(job, gen, drafts, depth=depth))
 
     def _request_drafts(self) -> None:
         """Draft requests for the generations that want one. One whose drafter needs features
@@ -530,8 +533,8 @@ class Scheduler:
         if a.plain:
             s.plain_rounds += 1
             self.crowded_rounds += a.crowded
-            if a.depth is not None:  # the first drafted round after it pays a catch-up
-                a.depth.catching_up = True
+            if a.depth is not None:  # the target alone's rate; the next drafted round pays a catch-up
+                a.depth.observe_plain(times)
         elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too
         if self.on_round is not None:

@@ -143,12 +143,12 @@ class RawPeer:
 
 
 def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.0, draft_params=None,
-              on_round=None):
+              on_round=None, **scheduler_options):
     """One generation through the draft link, driven as the daemons drive it (the scheduler with
     one job): the same rounds, deadlines and link rules as ``starsd-target generate``."""
     from starsd_target.scheduler import Job, Scheduler
 
-    sched = Scheduler(engine, lambda: client, timeout_s)
+    sched = Scheduler(engine, lambda: client, timeout_s, **scheduler_options)
     sched.on_round = on_round
     return sched.run_one(Job(list(prompt), max_tokens, params, draft_params=draft_params))
 

@@ -7,7 +7,8 @@ from common.verify import SamplingParams
 from fakes import running_server, speculate
 from starsd_draftd.backends.base import Draft, DraftBackend
 from starsd_target.client import DraftClient
-from starsd_target.depth import AdaptiveDepth, expected_tokens
+from starsd_target.depth import (MIN_JUDGED_ROUNDS, PAY_SHARE, PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS, AdaptiveDepth,
+                                 expected_tokens)
 from starsd_target.engine import TargetEngine
 from starsd_target.profile import split_round
 
@@ -50,7 +51,8 @@ def _cost_model(per_token_s: float) -> type[AdaptiveDepth]:
     return Modelled
 
 
-def _oracle_generation(loaded_target, monkeypatch, depth: int, tokens: int, right: bool, per_token_s: float):
+def _oracle_generation(loaded_target, monkeypatch, depth: int, tokens: int, right: bool, per_token_s: float,
+                       **scheduler_options):
     """The target's greedy tokens for a code prompt, and the same generation through a draft
     daemon serving an oracle drafter whose drafts cost ``per_token_s`` each in the cost model."""
     import starsd_target.scheduler
@@ -63,7 +65,7 @@ def _oracle_generation(loaded_target, monkeypatch, depth: int, tokens: int, righ
     with running_server(backend, max_depth=depth) as (server, ctx):
         client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
         client.handshake(10)
-        r = speculate(engine, client, prompt, tokens, SamplingParams(), 30)
+        r = speculate(engine, client, prompt, tokens, SamplingParams(), 30, **scheduler_options)
         client.close()
     return ref, r
 
@@ -84,6 +86,18 @@ def test_drafts_get_longer_for_a_drafter_that_is_right_and_shorter_for_one_that_
     else:
         assert r.stats.accepted == 0 and r.stats.drafted > 0
         assert mean_asked < 2.0, (mean_asked, r.stats)  # one draft most rounds
+
+
+def test_a_drafter_that_costs_more_than_it_brings_gives_way_to_plain_rounds(loaded_target, monkeypatch):
+    """With --pause-unpaid-drafts, drafts never kept, each costing half the rest of a round in the
+    cost model: the generation runs most of its rounds on the target alone (plain, not fallback),
+    probing now and then, and its tokens are the target's own. Without it, every round drafts."""
+    ref, r = _oracle_generation(loaded_target, monkeypatch, 6, 96, False, per_token_s=0.005)
+    assert r.token_ids == ref and r.stats.plain_rounds == 0 and r.stats.rounds == r.stats.generated
+    ref, r = _oracle_generation(loaded_target, monkeypatch, 6, 96, False, per_token_s=0.005, pause_unpaid_drafts=True)
+    assert r.token_ids == ref and r.stats.fallback_rounds == 0 and r.stats.accepted == 0
+    assert r.stats.plain_rounds > r.stats.rounds / 2, r.stats
+    assert r.stats.rounds - r.stats.plain_rounds >= MIN_JUDGED_ROUNDS + 1  # the rounds it judged by, and probes
 
 
 def _times(wall, drafting, queued=0.0):
@@ -127,3 +141,109 @@ def test_rounds_whose_drafts_never_came_count_against_drafting():
     for _ in range(5):  # a saturated daemon: the drafts do not come in time, 1 token in 100 ms
         ctl.observe_fallback(split_round(0.100, 0.090, None, 0.010, 0.0, waited=True))
     assert ctl.drafted_rate() < 0.6 * before
+
+
+def _plain(wall):
+    return split_round(wall, 0.0, None, wall, 0.0)
+
+
+def _drafting_pattern(ctl: AdaptiveDepth, rounds: int, drafted, plain) -> str:
+    """``rounds`` rounds planned by ``ctl``: "d" for a round with drafts (observed with the
+    times ``drafted()`` gives: asked, proposed, kept, RoundTimes), "p" for a plain one."""
+    out = []
+    for _ in range(rounds):
+        if ctl.drafts_pay():
+            ctl.observe(*drafted())
+            out.append("d")
+        else:
+            ctl.observe_plain(plain())
+            out.append("p")
+    return "".join(out)
+
+
+def test_drafting_that_does_not_pay_gives_way_to_plain_rounds_in_doubling_runs_with_probes():
+    """A draft that is never kept, a round with it 30 ms, a plain round 20 ms: once
+    MIN_JUDGED_ROUNDS rounds with drafts are measured (the first is a catch-up), the rounds run
+    plain in runs of PROBE_FIRST, doubling up to PROBE_MAX, each followed by PROBE_ROUNDS probes."""
+    ctl = AdaptiveDepth(pause_unpaid=True)
+    seen = _drafting_pattern(ctl, 300, lambda: (4, 4, 0, _times(wall=0.030, drafting=0.010)), lambda: _plain(0.020))
+    judged = MIN_JUDGED_ROUNDS + 1  # the first round with drafts is the session's catch-up
+    assert seen[:judged] == "d" * judged
+    runs, probes, pos, run = [], "d" * PROBE_ROUNDS, judged, PROBE_FIRST
+    while pos + run + PROBE_ROUNDS <= len(seen):
+        assert seen[pos: pos + run] == "p" * run and seen[pos + run: pos + run + PROBE_ROUNDS] == probes, (pos, seen)
+        runs.append(run)
+        pos, run = pos + run + PROBE_ROUNDS, min(2 * run, PROBE_MAX)
+    assert runs[:4] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST] and runs[-1] == PROBE_MAX
+    assert ctl.alone_rate() == pytest.approx(1 / 0.020) and ctl.drafted_rate() == pytest.approx(1 / 0.030)
+
+
+def test_drafting_that_pays_never_stops_and_resumes_when_the_text_turns():
+    """Drafts mostly kept (four tokens in 30 ms against one in 20 ms alone): every round drafts.
+    A controller whose drafting stopped paying starts again once its probes keep drafts."""
+    keeps = AdaptiveDepth(pause_unpaid=True)
+    good = lambda: (4, 4, 3, _times(wall=0.030, drafting=0.010))  # noqa: E731
+    assert _drafting_pattern(keeps, 200, good, lambda: _plain(0.020)) == "d" * 200
+    ctl = AdaptiveDepth(pause_unpaid=True)
+    bad = lambda: (4, 4, 0, _times(wall=0.030, drafting=0.010))  # noqa: E731
+    assert "p" in _drafting_pattern(ctl, 40, bad, lambda: _plain(0.020))
+    after = _drafting_pattern(ctl, 400, good, lambda: _plain(0.020))
+    assert after.endswith("d" * 100)  # the probes' rounds raised the measured rate past the bar
+
+
+def test_before_any_plain_round_the_alone_rate_comes_from_a_one_row_forward():
+    """The verification forward costs 20 ms plus 5 ms a row verified; the rest of a round 2 ms:
+    the target alone's rate is one token per 27 ms until plain rounds measure it."""
+    ctl = AdaptiveDepth(pause_unpaid=True)
+    assert ctl.alone_rate() is None and ctl.drafts_pay()
+    for n in (1, 3, 5, 2, 4) * 4:  # rounds of n - 1 drafts, all kept
+        forward = 0.020 + 0.005 * n
+        ctl.observe(n - 1, n - 1, n - 1, split_round(forward + 0.010 + 0.002, 0.010, (0.0, 0.010), forward, 0.0))
+    assert ctl.verify_slope() == pytest.approx(0.005)
+    assert ctl.alone_rate() == pytest.approx(1 / 0.027)
+    ctl.observe_plain(_plain(0.040))
+    assert ctl.alone_rate() == pytest.approx(1 / 0.040)
+
+
+def test_a_daemon_that_never_answers_in_time_gives_way_to_plain_rounds():
+    """Rounds whose drafts never come count one token for their wait: below PAY_SHARE of the
+    target alone's rate, the generation stops asking (for runs of plain rounds)."""
+    ctl = AdaptiveDepth(pause_unpaid=True)
+    ctl.observe(4, 4, 4, _times(wall=0.030, drafting=0.010))  # the catch-up round
+    ctl.observe(4, 4, 4, _times(wall=0.030, drafting=0.010))
+    for _ in range(MIN_JUDGED_ROUNDS):
+        ctl.observe_fallback(split_round(0.100, 0.090, None, 0.010, 0.0, waited=True))
+    ctl.observe_plain(_plain(0.012))
+    assert ctl.drafted_rate() < PAY_SHARE * ctl.alone_rate() and not ctl.drafts_pay()
+
+
+def test_a_controller_that_does_not_pause_always_drafts():
+    """The default (no --pause-unpaid-drafts): the same unpaid rounds, every one drafts."""
+    ctl = AdaptiveDepth()
+    bad = lambda: (4, 4, 0, _times(wall=0.030, drafting=0.010))  # noqa: E731
+    assert _drafting_pattern(ctl, 100, bad, lambda: _plain(0.005)) == "d" * 100
+
+
+def test_serve_takes_pause_unpaid_drafts_to_each_generations_controller(tiny_target, loaded_target, monkeypatch,
+                                                                          tmp_path):
+    """`starsd-target serve --pause-unpaid-drafts`, through its command line: the daemon's
+    scheduler gives each adaptive generation a controller that judges whether drafts pay; without
+    the option (the default) it does not."""
+    from click.testing import CliRunner
+
+    from starsd_target import app
+    from starsd_target.cli import main
+    from starsd_target.daemon import TargetDaemon
+
+    seen = {}
+
+    def run(cfg):  # app.run, up to the daemon's scheduler
+        sched = TargetDaemon(cfg, loaded=loaded_target).scheduler()
+        seen[cfg.pause_unpaid_drafts] = sched.pause_unpaid_drafts
+
+    monkeypatch.setattr(app, "run", run)
+    base = ["serve", "--model", str(tiny_target), "--no-draft", "--listen", f"ipc://{tmp_path}/t.sock"]
+    for extra in ([], ["--pause-unpaid-drafts"]):
+        res = CliRunner().invoke(main, base + extra)
+        assert res.exit_code == 0, res.output
+    assert seen == {False: False, True: True}

@@ -63,6 +63,7 @@ def test_the_lower_layers_take_the_configurations_defaults():
     sched = inspect.signature(Scheduler).parameters
     for param, field in [("max_active", "max_active"), ("max_queue", "max_queue"), ("heartbeat_s", "heartbeat_s"),
                          ("stall_s", "stall_timeout_s"), ("adaptive_depth", "adaptive_depth"),
+                         ("pause_unpaid_drafts", "pause_unpaid_drafts"),
                          ("admit_window_s", "admit_window_s")]:
         assert sched[param].default == _field_default(TargetConfig, field), param
 

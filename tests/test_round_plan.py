@@ -82,6 +82,21 @@ def test_a_controller_that_observed_rounds_changes_the_plan():
     assert plan_round(8, session=True, depth=depth).depth < 8
 
 
+def test_a_controller_that_finds_drafting_does_not_pay_plans_plain_rounds():
+    """Drafts never kept, a round with them 30 ms against 10 ms alone: after the rounds it
+    judges by, the plan is a plain round (wanted, no request), whether the target or the daemon
+    would have chosen the chain's length."""
+    from starsd_target.depth import MIN_JUDGED_ROUNDS
+
+    for stops in (False, True):
+        depth = AdaptiveDepth(pause_unpaid=True)
+        for _ in range(MIN_JUDGED_ROUNDS + 1):
+            depth.observe(4, 4, 0, split_round(0.030, 0.010, (0.0, 0.010), 0.020, 0.0))
+        depth.observe_plain(split_round(0.010, 0.0, None, 0.010, 0.0))
+        plan = plan_round(4, session=True, stops_drafts=stops, greedy_drafts=True, depth=depth)
+        assert plan.wanted and plan.plain and not plan.drafts and not plan.crowded
+
+
 def test_seeded_sampled_generations_keep_the_cap_and_always_draft():
     assert keeps_cap(SEEDED) and not keeps_cap(SAMPLED) and not keeps_cap(GREEDY)
     assert not keeps_cap(SamplingParams(temperature=0.0, seed=7))  # greedy output does not follow the length
