@@ -79,7 +79,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                "batched": 2 * len(set(cfg.batch_ks) | {cfg.batch_max}) + 3,
                "verify": len(verify_streams(cfg)) + 1, "lookahead": len(lookahead_streams(cfg)) + 1,
                "trees": len(tree_backends(cfg)), "rows": len(row_formats()), "pool": len(pool_daemons(cfg)) + 1,
-               "suffix": 3}
+               "suffix": 4}
     bar = tqdm(total=sum(n_steps[s] for s in cfg.sections), desc="bench", unit="step", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
 

@@ -28,12 +28,14 @@ from starsd_draftd.suffix import SuffixIndex
 log = logging.getLogger("starsd.bench")
 
 BUDGET = 16  # draft tokens a round at most: the target's --depth and the replays' budget
-CONFIGS = ("alone", "model", "suffix")  # the target alone; the star with model drafts only; with suffix drafts
+# the target alone; the star with model drafts only, without and with --pause-unpaid-drafts; with suffix drafts
+CONFIGS = ("alone", "model", "model-paused", "suffix")
 
 
 def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config: str) -> str:
-    """Fresh daemons for one configuration ("model" or "suffix"): a draft daemon and a target
-    with its chat API; returns the API's base URL. "alone": a target with no draft daemon, on
+    """Fresh daemons for one configuration ("model", "model-paused" or "suffix"): a draft daemon
+    and a target with its chat API (for "model-paused", one that pauses drafting while it does
+    not pay); returns the API's base URL. "alone": a target with no draft daemon, on
     the same core as the star's target (a daemon of its own, so that each keeps the prompt
     prefixes of its own requests only)."""
     from starsd_draftd.demo.run import DemoConfig, topology
@@ -51,6 +53,8 @@ def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config
     port = free_tcp_port("127.0.0.1")
     link = ["--draft", draft, "--connect-timeout", str(cfg.startup_timeout_s), "--draft-timeout", "30"] if draft \
         else ["--no-draft"]
+    if config == "model-paused":
+        link.append("--pause-unpaid-drafts")
     pool.start(f"sfx-target-{config}", lambda ep: [
         "starsd_target", "serve", "--model", str(target_dir), *link, "--listen", ep,
         "--http", f"127.0.0.1:{port}", "--depth", str(BUDGET), "--threads", "1", "--dtype", dtype,
@@ -216,7 +220,7 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
     draftd: dict[str, dict] = {}
     texts_alone = None
     done_alone: list[dict] = []
-    for config in ("suffix", "model"):
+    for config in ("suffix", "model", "model-paused"):
         base = start_suffix(cfg, pool, models, config)
         chat_star = _chat(base, False, 600)
         chat_alone = _chat(start_suffix(cfg, pool, models, "alone"), True, 600) if config == "suffix" else None
@@ -273,8 +277,9 @@ def format_suffix(s: dict) -> list[str]:
              "| configuration | tok/s | x alone | tokens/round | rounds | rounds without drafts | same as alone |",
              "|---|---|---|---|---|---|---|"]
     for name, r in s["configs"].items():
+        plain = f" (+{r['plain_rounds']} by choice)" if r.get("plain_rounds") else ""
         lines.append(f"| {name} | {r['tps']:.1f} | {r['speedup']:.2f} | {r['tokens_per_round']:.2f} | {r['rounds']} | "
-                     f"{r['fallback_rounds']} | {'yes' if r['same_as_alone'] else 'NO'} |")
+                     f"{r['fallback_rounds']}{plain} | {'yes' if r['same_as_alone'] else 'NO'} |")
     sd = s["draftd"].get("suffix", {}).get("suffix") or {}
     if sd.get("requests") is not None:
         lines += ["", f"suffix drafts: {sd['requests']} requests, {sd['tokens']} tokens drafted, {sd['kept']} kept; "
