@@ -77,7 +77,7 @@ def model_options(f):
                     "second from its measured acceptance. Off: --depth every round. Seeded sampled generations "
                     "keep --depth, so that a seed gives the same tokens at any speed."),
         option("--pause-unpaid-drafts/--no-pause-unpaid-drafts", default=_d("pause_unpaid_drafts"),
-               help="With --adaptive-depth: once a generation's rounds with drafts run below 0.85 of the target "
+               help="With --adaptive-depth: once a generation's rounds with drafts run below 0.95 of the target "
                     "alone's rate (measured on its rounds: a draft rarely kept, a slow draft daemon, rows that cost "
                     "far more than one), it runs rounds without drafts, in runs of 4 doubling to 64, trying drafts "
                     "for two rounds after each run. Counted as plain_rounds. Seeded sampled generations always draft."),

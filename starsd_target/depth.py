@@ -67,7 +67,7 @@ SLOPE_DISCOUNT = 0.95  # weight of older rounds in the verification cost's regre
 # about all one length (a fixed depth, every draft kept) and the slope is noise
 SLOPE_MIN_VARIANCE = 0.05
 MIN_JUDGED_ROUNDS = 8  # rounds with drafts measured before drafting may be judged not to pay
-PAY_SHARE = 0.85  # drafting stops while its rate is below this share of the target alone's
+PAY_SHARE = 0.95  # drafting stops while its rate is below this share of the target alone's (a margin for noise)
 PROBE_FIRST, PROBE_MAX = 4, 64  # plain rounds in a run: the first run's, and the most (doubling)
 PROBE_ROUNDS = 2  # rounds with drafts after each run of plain ones (the first pays a catch-up)
 
