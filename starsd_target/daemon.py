@@ -45,6 +45,10 @@ class TargetDaemon:
     def __init__(self, config: TargetConfig, loaded: LoadedModel | None = None, ctx: zmq.Context | None = None):
         set_torch_threads(config.threads)
         check_listen(config)
+        if config.pause_unpaid_drafts and not config.adaptive_depth:
+            log.warning("--pause-unpaid-drafts does nothing with --no-adaptive-depth: every round drafts")
+        elif config.pause_unpaid_drafts and config.draft_tokens is not None and config.draft_tokens > config.depth:
+            log.warning("--pause-unpaid-drafts does not apply to tree rounds (--draft-tokens above --depth)")
         self.curve = optional_client_keys(config.curve_secret, config.curve_server_key)
         self.config = config
         self.ctx = ctx or zmq.Context.instance()

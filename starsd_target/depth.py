@@ -42,8 +42,9 @@ the target alone's, one token per plain round (measured on the plain rounds once
 before, the verification forward's cost at one row, from the regression below, plus the rest of
 a round). Plain rounds come in runs, PROBE_FIRST long and doubling up to PROBE_MAX while drafting
 still does not pay; after each run PROBE_ROUNDS rounds draft again (the first pays the daemon's
-catch-up and is not counted), so that drafting resumes where the text turns to what the draft
-knows.
+catch-up and is not counted), and drafting resumes if the last of them alone reaches the bar, so
+that it does where the text turns to what the draft knows. Crowded plain rounds, batched with
+other generations, say nothing of the target alone's rate and are not counted.
 
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
@@ -100,6 +101,8 @@ class AdaptiveDepth:
         self._plain_left = 0  # plain rounds still to run in the current run of them
         self._probe_left = 0  # rounds with drafts still to run before drafting is judged again
         self._run = PROBE_FIRST  # the next run's length of plain rounds
+        self._last: tuple[int, float] | None = None  # the last counted round with drafts: tokens, seconds
+        self._probed = False  # the rounds just run were a probe's
         # the verification forward's seconds against the tokens it verified, weighted sums of
         # (weight, n, t, n*n, n*t): its slope is the cost of one more token verified
         self._verify = [0.0] * 5
@@ -142,6 +145,7 @@ class AdaptiveDepth:
     def _drafted_round(self, tokens: int, wall: float) -> None:
         if not self.catching_up:
             self.drafted = _ewma2(self.drafted, tokens, wall)
+            self._last = (tokens, wall)
         self.catching_up = False
 
     def observe_plain(self, times: RoundTimes) -> None:
@@ -161,6 +165,8 @@ class AdaptiveDepth:
         if w <= 0.0 or self._other_s is None:
             return None
         one_row = t / w - (self.verify_slope() or 0.0) * max(n / w - 1.0, 0.0)
+        if one_row <= 0.0:  # a slope from noisy forwards: the mean forward instead, an upper bound
+            one_row = t / w
         return 1.0 / max(one_row + self._other_s, 1e-6)
 
     def drafts_pay(self) -> bool:
@@ -176,8 +182,18 @@ class AdaptiveDepth:
             return False
         if self._probe_left > 0:
             self._probe_left -= 1
+            self._probed = not self._probe_left
             return True
         rate, alone = self.drafted_rate(), self.alone_rate()
+        if self._probed and self._last is not None and alone is not None:
+            # judged on the probe's own round: the mean of the rounds counted so far (mostly
+            # from before the pause) would take many probes to follow a text the draft now knows
+            self._probed = False
+            tokens, wall = self._last
+            if tokens / max(wall, 1e-6) >= PAY_SHARE * alone:
+                self.drafted = (float(tokens), wall, self.drafted[2] if self.drafted else 1)
+                self._run = PROBE_FIRST
+                return True
         if rate is None or alone is None or self.drafted[2] < MIN_JUDGED_ROUNDS or rate >= PAY_SHARE * alone:
             self._run = PROBE_FIRST
             return True

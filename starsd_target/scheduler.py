@@ -533,7 +533,9 @@ class Scheduler:
         if a.plain:
             s.plain_rounds += 1
             self.crowded_rounds += a.crowded
-            if a.depth is not None:  # the target alone's rate; the next drafted round pays a catch-up
+            if a.depth is not None and a.crowded:  # batched: not the target alone's rate
+                a.depth.catching_up = True  # the next drafted round pays a catch-up
+            elif a.depth is not None:  # the target alone's rate, and a catch-up next
                 a.depth.observe_plain(times)
         elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too

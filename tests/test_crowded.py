@@ -71,10 +71,22 @@ def greedy_case(loaded_target):
 
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive-depth", "fixed-depth"])
 def test_a_crowded_target_runs_rounds_alone_then_drafts_again_as_generations_finish(loaded_target, greedy_case,
-                                                                                    adaptive):
+                                                                                    adaptive, monkeypatch):
+    import starsd_target.scheduler
+    from starsd_target.depth import AdaptiveDepth
+
+    alone = []  # plain rounds taken as the target alone's rate: none of these, batched as they are
+
+    class Recording(AdaptiveDepth):
+        def observe_plain(self, times):
+            alone.append(times)
+            super().observe_plain(times)
+
+    monkeypatch.setattr(starsd_target.scheduler, "AdaptiveDepth", Recording)
     engine, prompts, lengths, refs = greedy_case
     jobs = [Job(list(p), n, SamplingParams()) for p, n in zip(prompts, lengths)]
     results, sched = _run(engine, loaded_target, jobs, 2, [p + r for p, r in zip(prompts, refs)], adaptive)
+    assert alone == []
     for res, ref in zip(results, refs):
         assert res.token_ids == ref
         assert res.stats.fallback_rounds == 0
