@@ -64,7 +64,9 @@ def test_a_peer_that_cannot_build_is_reported_not_raised(monkeypatch):
 def test_the_section_table_and_its_config_checks():
     runs = {name: {"tps": tps, "speedup": tps / 10, "tokens_per_round": tpr, "rounds": 50, "fallback_rounds": 0,
                    "same_as_alone": True, "by_kind": {"edit": {"tokens_per_round": tpr}}}
-            for name, tps, tpr in (("alone", 10.0, 1.0), ("model", 14.0, 1.9), ("suffix", 25.0, 3.4))}
+            for name, tps, tpr in (("alone", 10.0, 1.0), ("model", 14.0, 1.9), ("model-paused", 9.8, 1.05),
+                                   ("suffix", 25.0, 3.4))}
+    runs["model-paused"]["plain_rounds"] = 30  # rounds on the target alone by choice (--pause-unpaid-drafts)
     s = {"budget": 16, "topology": "draft core 0, target core 1", "dtype": "fp16-weights", "configs": runs,
          "draftd": {"suffix": {"suffix": {"requests": 40, "tokens": 300, "kept": 250, "query_us": 30.0,
                                           "update_us_per_token": 4.0, "bytes": 48000, "tokens_indexed": 100}}},
@@ -74,6 +76,7 @@ def test_the_section_table_and_its_config_checks():
          "workload": {"edit": 3, "tool": 8, "turn": 6}}
     text = "\n".join(section.format_suffix(s))
     assert "| suffix | 25.0 | 2.50 | 3.40 | 50 | 0 | yes |" in text
+    assert "| model-paused | 9.8 | 0.98 | 1.05 | 50 | 0 (+30 by choice) | yes |" in text
     assert "| arcticinference | did not run: no compiler" in text and "| starsd | 3.10 |" in text
     assert "prefill" not in text  # a report from before the bench said where the time went
     runs["suffix"].update(wall_s=40.0, prefill_s=10.0, prompt_tokens=5000,
