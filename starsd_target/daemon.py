@@ -45,10 +45,6 @@ class TargetDaemon:
     def __init__(self, config: TargetConfig, loaded: LoadedModel | None = None, ctx: zmq.Context | None = None):
         set_torch_threads(config.threads)
         check_listen(config)
-        if config.pause_unpaid_drafts and not config.adaptive_depth:
-            log.warning("--pause-unpaid-drafts does nothing with --no-adaptive-depth: every round drafts")
-        elif config.pause_unpaid_drafts and config.draft_tokens is not None and config.draft_tokens > config.depth:
-            log.warning("--pause-unpaid-drafts does not apply to tree rounds (--draft-tokens above --depth)")
         self.curve = optional_client_keys(config.curve_secret, config.curve_server_key)
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
@@ -58,6 +54,10 @@ class TargetDaemon:
                                    max_batch=min(config.max_batch, config.max_active), rows=config.max_active,
                                    draft_tokens=config.draft_tokens,
                                    prefix_cache_bytes=config.prefix_cache_mib << 20)
+        if config.pause_unpaid_drafts and not config.adaptive_depth:
+            log.warning("--pause-unpaid-drafts does nothing with --no-adaptive-depth: every round drafts")
+        elif config.pause_unpaid_drafts and self.engine.tree_tokens > self.engine.depth:
+            log.warning("--pause-unpaid-drafts does not apply to tree rounds (--draft-tokens above --depth)")
         self.client: DraftPool | None = None  # the draft daemons' links
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)

@@ -191,7 +191,7 @@ class AdaptiveDepth:
             self._probed = False
             tokens, wall = self._last
             if tokens / max(wall, 1e-6) >= PAY_SHARE * alone:
-                self.drafted = (float(tokens), wall, self.drafted[2] if self.drafted else 1)
+                self.drafted = (float(tokens), wall, self.drafted[2])  # set wherever _last is
                 self._run = PROBE_FIRST
                 return True
         if rate is None or alone is None or self.drafted[2] < MIN_JUDGED_ROUNDS or rate >= PAY_SHARE * alone:

@@ -2,9 +2,10 @@
 stream, greedy, with a draft budget of BUDGET tokens a round: each request through the target
 alone and through the star with suffix drafts, back to back, the first of the two alternating
 (``Paired``: the ratio of the two holds out the machine's drift), then the star drafting with the
-model alone (``--no-suffix``); then the same greedy outputs replayed, in the same order, through
-StarSD's suffix index alone and through ArcticInference's suffix cache (``bench.suffix_peer``,
-built in an environment of its own), to compare tokens per step at the same budget.
+model alone (``--no-suffix``), without and with ``--pause-unpaid-drafts`` on its target; then
+the same greedy outputs replayed, in the same order, through StarSD's suffix index alone and
+through ArcticInference's suffix cache (``bench.suffix_peer``, built in an environment of its
+own), to compare tokens per step at the same budget.
 
 The draft daemons run on the draft core and the target on the target core (pinned with 2+ cores);
 each configuration gets fresh daemons, so no index holds an earlier run's text."""
@@ -28,8 +29,9 @@ from starsd_draftd.suffix import SuffixIndex
 log = logging.getLogger("starsd.bench")
 
 BUDGET = 16  # draft tokens a round at most: the target's --depth and the replays' budget
-# the target alone; the star with model drafts only, without and with --pause-unpaid-drafts; with suffix drafts
-CONFIGS = ("alone", "model", "model-paused", "suffix")
+# the star's configurations, run in this order (the first paired with the target alone): with suffix
+# drafts; with model drafts only; the same with --pause-unpaid-drafts
+STARS = ("suffix", "model", "model-paused")
 
 
 def start_suffix(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path], config: str) -> str:
@@ -220,7 +222,7 @@ def suffix_section(cfg: BenchConfig, pool: Pool, step, models: tuple[Path, Path]
     draftd: dict[str, dict] = {}
     texts_alone = None
     done_alone: list[dict] = []
-    for config in ("suffix", "model", "model-paused"):
+    for config in STARS:
         base = start_suffix(cfg, pool, models, config)
         chat_star = _chat(base, False, 600)
         chat_alone = _chat(start_suffix(cfg, pool, models, "alone"), True, 600) if config == "suffix" else None
