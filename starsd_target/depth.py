@@ -124,6 +124,8 @@ class AdaptiveDepth:
         n = proposed + 1  # tokens the verification forward ran over
         self._verify = [SLOPE_DISCOUNT * x + y for x, y in
                         zip(self._verify, (1.0, n, times.verify_forward, n * n, n * times.verify_forward))]
+        # the round beside its draft wait and forward, for the target alone's rate (alone_rate)
+        self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward, 0.0))
         if proposed < 1:
             self._drafted_round(1, times.wall)
             return
@@ -134,7 +136,6 @@ class AdaptiveDepth:
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
-        self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward, 0.0))
         self._drafted_round(kept + 1, times.wall)
 
     def observe_fallback(self, times: RoundTimes) -> None:

@@ -277,3 +277,13 @@ def test_pausing_without_adaptive_depth_or_on_trees_is_said_to_do_nothing(tiny_t
                                   pause_unpaid_drafts=True, **extra), loaded=loaded_target)
         warned = [r.getMessage() for r in caplog.records if "--pause-unpaid-drafts" in r.getMessage()]
         assert (said is None and not warned) or (said is not None and said in warned[0]), (extra, warned)
+
+
+def test_chains_the_daemon_stops_before_their_first_draft_are_judged_too():
+    """A draft daemon that ends every chain empty (nothing likely enough), each round 30 ms of
+    which the draft forward is 10 and the verification 20: the alone rate comes from those
+    rounds, one token per 20 ms, and the rounds with drafts (one token per 30 ms) give way."""
+    ctl = AdaptiveDepth(pause_unpaid=True)
+    empty = lambda: (4, 0, 0, _times(wall=0.030, drafting=0.010))  # noqa: E731
+    seen = _drafting_pattern(ctl, 20, empty, lambda: _plain(0.020))
+    assert seen.startswith("d" * (MIN_JUDGED_ROUNDS + 1) + "p" * PROBE_FIRST), seen
