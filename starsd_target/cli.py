@@ -81,6 +81,12 @@ def model_options(f):
                     "alone's rate (measured on its rounds: a draft rarely kept, a slow draft daemon, rows that cost "
                     "far more than one), it runs rounds without drafts, in runs of 4 doubling to 64, trying drafts "
                     "for two rounds after each run. Counted as plain_rounds. Seeded sampled generations always draft."),
+        option("--fill-steps/--no-fill-steps", default=_d("fill_steps"),
+               help="With --adaptive-depth: while a generation's drafts are on their way and the target has nothing "
+                    "else to run, it takes a one-token step of its own where its measured costs say that pays (a "
+                    "draft daemon that takes about as long as a target step); the drafts then count only if they "
+                    "begin with that token, and the rest are verified. Hides drafting behind the target's work. "
+                    "Counted as fill_steps. Chains only; seeded sampled generations never take them."),
         option("--draft-tokens", type=click.IntRange(1, 256), default=_d("draft_tokens"),
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "
@@ -175,14 +181,15 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, no_draft
             "finish_reason": result.finish_reason,
             "stats": {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
                       "mean_accepted_length": stats.mean_accepted_length, "tokens_per_s": stats.tokens_per_s,
-                      "fallback_rounds": stats.fallback_rounds, "plain_rounds": stats.plain_rounds},
+                      "fallback_rounds": stats.fallback_rounds, "plain_rounds": stats.plain_rounds,
+                      "fill_steps": stats.fill_steps},
         }))
     else:
         click.echo(prompt + result.text)
         s = result.stats
         click.echo(f"[{s.generated} tokens in {s.wall_s:.2f}s, {s.tokens_per_s:.1f} tok/s, {s.rounds} rounds, "
                    f"mean accepted length {s.mean_accepted_length:.2f}, {s.fallback_rounds} fallback rounds, "
-                   f"{s.plain_rounds} rounds on the target alone by choice]",
+                   f"{s.plain_rounds} rounds on the target alone by choice, {s.fill_steps} fill steps]",
                    err=True)
 
 

@@ -494,6 +494,12 @@ class DraftClient:
     def acked(self, key: Key) -> bool:
         return key in self._acks
 
+    def answer_due(self, key: Key) -> float | None:
+        """When (``time.monotonic``) the daemon's acknowledgement of ``key`` said it would be
+        answered; None before the acknowledgement."""
+        ack = self._acks.get(key)
+        return None if ack is None else ack[0] + ack[1]
+
     def give_up_at(self, key: Key, sent_at: float, cap_s: float) -> float:
         """When to stop waiting for the request ``key`` sent at ``sent_at``: unacknowledged, an
         acknowledgement's deadline after sending; acknowledged, the daemon's estimate (times
@@ -506,6 +512,10 @@ class DraftClient:
     def expired(self, key: Key, sent_at: float, cap_s: float) -> bool:
         """Whether to stop waiting for the request ``key`` (``give_up_at``)."""
         return time.monotonic() >= self.give_up_at(key, sent_at, cap_s)
+
+    def replied(self, session: int, seq: int) -> bool:
+        """Whether the reply to (session, seq) has come and waits to be taken."""
+        return (session, seq) in self._replies
 
     def take(self, session: int, seq: int) -> DraftReply | RemoteError | None:
         """The reply routed to (session, seq), if it has come."""

@@ -55,6 +55,9 @@ class TargetConfig:
     # the target alone's rate (starsd_target.depth). Off by default: it follows measured times, and on a
     # small target beside a fast draft daemon it often finds the target alone faster
     pause_unpaid_drafts: bool = False
+    # with adaptive_depth: while a generation's drafts are on their way and the target has nothing else
+    # to run, it takes a step of its own where its measured costs say that pays (starsd_target.depth)
+    fill_steps: bool = True
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
     # rounds draft only while at most this many generations are active (0: always; None: auto,
     # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)

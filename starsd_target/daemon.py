@@ -126,6 +126,7 @@ class TargetDaemon:
                                         heartbeat_s=self.config.heartbeat_s, stall_s=self.config.stall_timeout_s,
                                         adaptive_depth=self.config.adaptive_depth,
                                         pause_unpaid_drafts=self.config.pause_unpaid_drafts,
+                                        fill_steps=self.config.fill_steps,
                                         draft_max_active=self.draft_max_active,
                                         admit_window_s=self.config.admit_window_s)
             self._scheduler.metrics = self.metrics

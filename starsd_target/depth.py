@@ -46,6 +46,20 @@ catch-up and is not counted), and drafting resumes if the last of them alone rea
 that it does where the text turns to what the draft knows. Crowded plain rounds, batched with
 other generations, say nothing of the target alone's rate and are not counted.
 
+**Fill steps** (the target's ``--fill-steps``): while a generation's request is in flight and the
+target has nothing else to run, it may take one step of its own, a fill step, whose token the
+drafts then have to start with (the scheduler skips the drafts the fill steps confirmed and
+verifies the rest). With ``r`` the wait still expected, ``s`` a fill step's cost and ``V(k)`` a
+verification over ``k`` rows, waiting and verifying the ``d`` drafts left takes ``r + V(d + 1)``,
+while a fill step and then, if its token is the first draft's (chance ``a``), a verification of
+the other ``d - 1`` takes ``max(s, r) + a * V(d)``; both keep ``E(a, d)`` tokens on average. So a
+fill step is taken wherever the reply is still a step away (the target would idle through it), and
+otherwise where ``s + a * V(d)`` is at most ``1 - FILL_GAIN`` of ``r + V(d + 1)`` (``fill_pays``).
+``r`` is the sooner of what the last replies took (the daemon's reported queueing and drafting,
+and the wire's time) and what the daemon's acknowledgement of this request said; ``s`` comes from
+the fill steps measured, ``V`` from the regression below. Drafting hidden behind a fill step no
+longer shows in the round's wait, so the length chosen grows until the drafts take about a step.
+
 Greedy outputs do not depend on the length (every draft is verified), and a round without drafts
 samples from the target's own distribution. A seeded sampled generation keeps the cap every
 round: the target's random draws follow its rounds, so a length chosen from measured times would
@@ -71,6 +85,11 @@ MIN_JUDGED_ROUNDS = 8  # rounds with drafts measured before drafting may be judg
 PAY_SHARE = 0.95  # drafting stops while its rate is below this share of the target alone's (a margin for noise)
 PROBE_FIRST, PROBE_MAX = 4, 64  # plain rounds in a run: the first run's, and the most (doubling)
 PROBE_ROUNDS = 2  # rounds with drafts after each run of plain ones (the first pays a catch-up)
+# a fill step taken while the reply is less than a step away must be expected to shorten the round
+# by this share: the model leaves out what lookahead saves a round that waits, and beside a draft
+# daemon that answers in a few milliseconds (the demo's) steps it judged barely worth taking made
+# the star slower
+FILL_GAIN = 0.2
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -106,6 +125,11 @@ class AdaptiveDepth:
         # the verification forward's seconds against the tokens it verified, weighted sums of
         # (weight, n, t, n*n, n*t): its slope is the cost of one more token verified
         self._verify = [0.0] * 5
+        # what the wait for a reply will be (fill_pays): the daemon's reported queueing and drafting
+        # for a request, whole (not cut to the wait the target saw), and the wire's time
+        self.reply_s: float | None = None
+        self.wire_s: float | None = None
+        self.fill_step_s: float | None = None  # a fill step's wall time
 
     @property
     def acceptance(self) -> float:
@@ -121,11 +145,10 @@ class AdaptiveDepth:
         in a generation would never come down, and every later chain would stop empty."""
         if asked < 1 or not times.reported:
             return
-        n = proposed + 1  # tokens the verification forward ran over
-        self._verify = [SLOPE_DISCOUNT * x + y for x, y in
-                        zip(self._verify, (1.0, n, times.verify_forward, n * n, n * times.verify_forward))]
+        self._verified_forward(proposed + 1, times.verify_forward)
         # the round beside its draft wait and forward, for the target alone's rate (alone_rate)
         self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward, 0.0))
+        self.wire_s = _ewma(self.wire_s, times.wire)
         if proposed < 1:
             self._drafted_round(1, times.wall)
             return
@@ -137,6 +160,74 @@ class AdaptiveDepth:
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
         self._drafted_round(kept + 1, times.wall)
+
+    def observe_reply(self, reported: tuple[float, float] | None) -> None:
+        """What the daemon reported for a reply (queued, drafting), whole: for the wait the next
+        requests can expect (``expected_wait``)."""
+        if reported is not None:
+            self.reply_s = _ewma(self.reply_s, max(sum(reported), 0.0))
+
+    def observe_filled(self, asked: int, proposed: int, kept: int, tokens: int, times: RoundTimes,
+                       rows: int) -> None:
+        """A round during whose wait the target ran fill steps (``times.fill`` seconds of them):
+        ``kept`` of the ``proposed`` drafts were kept (those the fill steps confirmed and those
+        verified after them), ``tokens`` were added in all; ``rows``: the rows of the verification
+        forward (``times.verify_forward``) that ran over the drafts the fill steps did not reach,
+        0 where none ran. ``times``' draft wait is the target's idle wait alone, so ``c`` follows
+        the drafting the fill steps did not hide."""
+        if asked < 1 or not times.reported:
+            return
+        if rows:
+            self._verified_forward(rows, times.verify_forward)
+            self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward - times.fill,
+                                                     0.0))
+        if proposed < 1:
+            self._drafted_round(tokens, times.wall)
+            return
+        self.kept = DISCOUNT * self.kept + kept
+        self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
+        self.per_token_s = _ewma(self.per_token_s, (times.draft_forward + times.draft_queue) / min(asked, proposed))
+        self.fixed_s = _ewma(self.fixed_s, max(times.wall - times.draft_forward - times.draft_queue, 0.0))
+        self._drafted_round(tokens, times.wall)
+
+    def observe_fill_step(self, wall_s: float, forward_s: float) -> None:
+        """A fill step: its cost, and a one-row point of the verification's regression."""
+        self.fill_step_s = _ewma(self.fill_step_s, wall_s)
+        self._verified_forward(1, forward_s)
+
+    def _verified_forward(self, n: int, seconds: float) -> None:
+        self._verify = [SLOPE_DISCOUNT * x + y for x, y in zip(self._verify, (1.0, n, seconds, n * n, n * seconds))]
+
+    def expected_wait(self) -> float | None:
+        """Seconds a request is expected to wait for its reply, as the last ones did (None: not
+        measured yet). Per request, not per draft asked for: a daemon that stops chains itself
+        drafts as far as it judges, whatever the length asked."""
+        if self.reply_s is None or self.wire_s is None:
+            return None
+        return self.reply_s + self.wire_s
+
+    def verify_s(self, rows: int) -> float | None:
+        """A verification's forward over ``rows`` rows and the rest of its round, from the
+        regression (None: not measured yet)."""
+        w, n, t = self._verify[:3]
+        if w <= 0.0 or self._other_s is None:
+            return None
+        slope = self.verify_slope() or 0.0
+        return max(t / w + slope * (rows - n / w), 0.0) + self._other_s
+
+    def fill_pays(self, remaining_s: float, drafts_left: int) -> bool:
+        """Whether a fill step pays now (the module's docstring), with ``remaining_s`` of the
+        wait still expected and ``drafts_left`` drafts of the request not yet matched by fill
+        steps. Not before a fill step's cost can be told."""
+        step = self.fill_step_s
+        if step is None:
+            step = self.verify_s(1)
+            if step is None:
+                return False
+        if remaining_s >= step or drafts_left < 1:
+            return True  # the target would idle through the step, or the drafts are used up anyway
+        wait = max(remaining_s, 0.0) + self.verify_s(drafts_left + 1)
+        return step + self.acceptance * self.verify_s(drafts_left) <= (1.0 - FILL_GAIN) * wait
 
     def observe_fallback(self, times: RoundTimes) -> None:
         """A round that asked for drafts and verified without them (none came in time): one

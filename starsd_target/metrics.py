@@ -93,6 +93,9 @@ class TargetMetrics:
         self.plain_rounds = Counter("starsd_target_plain_rounds", "Rounds verified without drafts by choice: "
                                     "more generations were active than --draft-max-active, or drafts did not pay "
                                     "(--pause-unpaid-drafts)", registry=r)
+        self.fill_steps = Counter("starsd_target_fill_steps", "Steps the target took on its own while a "
+                                  "generation's drafts were on their way (--fill-steps); their tokens are counted "
+                                  "in the generated tokens", registry=r)
         self.crowded_rounds = Counter("starsd_target_crowded_rounds", "Of the plain rounds, those run without "
                                       "drafts because more generations were active than --draft-max-active",
                                       registry=r)
@@ -127,6 +130,14 @@ class TargetMetrics:
         """One verification forward (over one generation's round, or several batched)."""
         self.verify_batch.observe(generations)
         self.verify_seconds.observe(verify_s)
+
+    def on_fill_step(self, produced: int) -> None:
+        """A fill step: one forward of the target alone, ``produced`` tokens."""
+        self.fill_steps.inc()
+        self.generated_tokens.inc(produced)
+        self._rounds += 1
+        self._tokens += produced
+        self.mean_accepted_length.set(self._tokens / self._rounds)
 
     def on_round(self, drafted: int, accepted: int, produced: int, fallback: bool, tree_tokens: int = 0,
                  plain: bool = False, crowded: bool = False) -> None:

@@ -12,10 +12,12 @@ its verification. Its parts:
 * ``verify_forward``: the target model's forward over the round's tokens, logits to host included.
 * ``verify_math``: the rest of ``Generation.verify``: the drafts' validation, dense q, the
   acceptance test, the cache crop, features, token bookkeeping, the stop-string check.
+* ``fill``: the target's own steps taken while the drafts were on their way (``--fill-steps``),
+  whole; ``draft_wait`` is then only the time the target still waited for them.
 * ``rest``: the round's wall time less the three above: the scheduler's own work, encoding and
   sending the request, polling, and other generations' rounds and prefill chunks meanwhile.
 
-So ``draft_wait + verify_forward + verify_math + rest`` is the round's wall time, and
+So ``draft_wait + verify_forward + verify_math + fill + rest`` is the round's wall time, and
 ``draft_queue + draft_forward + wire`` is ``draft_wait``, by construction: nothing goes unmeasured.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROUND_PARTS = ("draft_wait", "verify_forward", "verify_math", "rest")  # add up to the round's wall time
+ROUND_PARTS = ("draft_wait", "verify_forward", "verify_math", "fill", "rest")  # add up to the round's wall time
 DRAFT_WAIT_PARTS = ("draft_queue", "draft_forward", "wire")  # add up to draft_wait
 PARTS = ROUND_PARTS + DRAFT_WAIT_PARTS
 
@@ -42,22 +44,23 @@ class RoundTimes:
     rest: float
     waited: bool  # a draft request was in flight during the round
     reported: bool  # the draft daemon said where the request's time went
+    fill: float = 0.0
 
 
 def split_round(wall: float, wait: float, reported: tuple[float, float] | None, forward: float,
-                math: float, waited: bool | None = None) -> RoundTimes:
+                math: float, waited: bool | None = None, fill: float = 0.0) -> RoundTimes:
     """A round's parts from what was measured: its wall time, the draft wait within it, what the
     draft daemon reported (queued, drafting; None: nothing), the verification's forward and math.
     ``waited``: a draft request was in flight for this round (default: ``wait > 0``; a reply that
-    came during the prefill leaves a wait of 0 within the round). The daemon's figures are trusted
-    only up to the wait the target saw."""
+    came during the prefill leaves a wait of 0 within the round); ``fill``: its fill steps'
+    seconds. The daemon's figures are trusted only up to the wait the target saw."""
     queue = draft = 0.0
     if reported is not None:
         draft = min(max(reported[1], 0.0), wait)
         queue = min(max(reported[0], 0.0), wait - draft)
     waited = wait > 0.0 if waited is None else waited
-    return RoundTimes(wall, wait, queue, draft, wait - queue - draft, forward, math, wall - wait - forward - math,
-                      waited or reported is not None, reported is not None)
+    return RoundTimes(wall, wait, queue, draft, wait - queue - draft, forward, math,
+                      wall - wait - forward - math - fill, waited or reported is not None, reported is not None, fill)
 
 
 @dataclass
@@ -77,6 +80,8 @@ class RoundProfile:
             s[part] += getattr(t, part)
         for part in ("verify_forward", "verify_math", "rest"):
             c[part] += 1
+        if t.fill:
+            c["fill"] += 1
         if t.waited:
             c["draft_wait"] += 1
             c["wire"] += 1
@@ -122,4 +127,4 @@ def describe(profile: dict) -> str:
     return (f"{ms['round']:.1f} ms per round over {profile['rounds']} rounds: draft wait {ms['draft_wait']:.1f} "
             f"(daemon queue {ms['draft_queue']:.1f}, draft forwards {ms['draft_forward']:.1f}, wire "
             f"{ms['wire']:.1f}), verify forward {ms['verify_forward']:.1f}, verify math {ms['verify_math']:.1f}, "
-            f"rest {ms['rest']:.1f}")
+            f"fill steps {ms.get('fill', 0.0):.1f}, rest {ms['rest']:.1f}")

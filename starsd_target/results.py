@@ -26,6 +26,8 @@ class GenerationStats:
     asked_tokens: int = 0  # drafts its rounds' requests asked for, in all (adaptive depth: at most the cap each)
     tree_rounds: int = 0  # rounds that verified a draft tree
     tree_tokens: int = 0  # the most tokens a round's tree holds (0: chains only)
+    fill_steps: int = 0  # steps the target took on its own while drafts were on their way (--fill-steps)
+    fill_confirmed: int = 0  # drafts that began with those steps' tokens (counted in drafted and accepted)
     profile: RoundProfile = field(default_factory=RoundProfile)  # where its rounds' time went (the scheduler's)
 
     @property

@@ -6,6 +6,11 @@ whose drafts are in (or whose deadline passed: that round runs without drafts). 
 generation waits for its drafts, another is verified: work conservation at the target, the
 mirror of the draft daemon's. Jobs are admitted first come, first served.
 
+A generation whose drafts are still on their way, on a target with nothing else to run, may take
+a step of its own meanwhile (a fill step, ``--fill-steps``, where its measured costs say it pays:
+``starsd_target.depth``); the drafts then count only if they begin with the fill steps' tokens,
+and those are not verified again.
+
 A long prompt is prefilled one chunk per pass, between the other generations' rounds, so it
 delays them by one chunk at most. Whatever one job brings (its parameters, its draft session,
 its streaming callback) can fail that job only; should the loop itself fail, its jobs fail at
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -101,6 +107,13 @@ class _Active:
     budget: int = 0  # the tree tokens it asked for (0: a chain)
     plain: bool = False  # this round runs without drafts by choice (the target alone is expected to be faster)
     crowded: bool = False  # ...because more generations are active than draft_max_active
+    # fill steps: tokens the target added on its own while the request in flight was drafted, the
+    # seconds they took, the drafts of the reply they confirmed (skipped in the verification), and
+    # the reply's drafts before that
+    filled: list[int] = field(default_factory=list)
+    fill_s: float = 0.0
+    confirmed: int = 0
+    chain: int = 0
     key: int = field(default_factory=itertools.count().__next__)  # unique for the daemon's life (ids are reused)
 
     @property
@@ -115,6 +128,7 @@ class Scheduler:
                  heartbeat_s: float = TargetConfig.heartbeat_s, stall_s: float = TargetConfig.stall_timeout_s,
                  adaptive_depth: bool = TargetConfig.adaptive_depth,
                  pause_unpaid_drafts: bool = TargetConfig.pause_unpaid_drafts,
+                 fill_steps: bool = TargetConfig.fill_steps,
                  draft_max_active: int = 0,
                  admit_window_s: float = TargetConfig.admit_window_s):
         if admit_window_s < 0:
@@ -126,6 +140,8 @@ class Scheduler:
         self.crowded_rounds = 0  # rounds run without drafts because more generations were active
         self.adaptive_depth = adaptive_depth  # each generation's draft length follows its measured rounds
         self.pause_unpaid_drafts = pause_unpaid_drafts  # and it runs plain rounds while drafting does not pay
+        self.fill_steps = fill_steps  # and steps on its own while its drafts are on their way, where that pays
+        self.fill_forwards = 0  # fill steps run
         self.stall_s = stall_s  # a pass this late means the loop is stuck (healthy() turns false)
         self.link = link  # the draft client, created lazily in the scheduler thread; None: no draft daemon
         self.draft_timeout_s = draft_timeout_s
@@ -191,7 +207,7 @@ class Scheduler:
         return {"active": len(self.active), "queued": self.jobs.qsize(), "completed": self.completed,
                 "failed": self.failed, "cancelled": self.cancelled, "verify_forwards": self.forwards,
                 "batched_rounds": self.batched_rounds, "prefill_forwards": self.prefill_forwards,
-                "batched_prefills": self.batched_prefills,
+                "batched_prefills": self.batched_prefills, "fill_steps": self.fill_forwards,
                 "draft_max_active": self.draft_max_active, "crowded_rounds": self.crowded_rounds}
 
     def _refusal(self) -> ShuttingDown:
@@ -362,6 +378,7 @@ class Scheduler:
                           greedy_drafts=d is not None and d.params.greedy, depth=a.depth)
         a.wanted = plan.wanted
         a.resolved_at, a.reported, a.plain, a.crowded = None, None, False, False
+        a.filled, a.fill_s, a.confirmed, a.chain = [], 0.0, 0, 0
         if plan.wanted:
             a.asked, a.budget = plan.depth, plan.budget
             if plan.plain:  # the target alone, batched, is faster; no request, and no fallback
@@ -407,8 +424,16 @@ class Scheduler:
         waiting = [a for a in self.active if a.seq is not None]
         if not waiting:
             return
+        busy = self._busy()
+        if not busy and self.fill_steps:
+            self.link().poll(0)  # a reply already here is verified, not stepped past
+        if not busy and self.fill_steps and self._fill(waiting):
+            busy = True  # a step's time has passed: take what came meanwhile, without waiting
+            waiting = [a for a in waiting if a in self.active]  # the step may have ended its generation
+            if not waiting:
+                return
         now = time.monotonic()
-        timeout = 0.0 if self._busy() else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
+        timeout = 0.0 if busy else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
         self.link().poll(timeout)  # every draft daemon's link: replies are routed to each request's
         left = []
         for a in waiting:
@@ -421,12 +446,112 @@ class Scheduler:
                     a.reported = reply.reported
                 if self.metrics is not None:
                     self.metrics.round_trip.observe(time.perf_counter() - a.sent_at)
-                self._ready(a, a.drafts.resolve(reply))
+                self._resolved(a, a.drafts.resolve(reply))
         idle = not self._busy()
         for a in left:
             with self._confined(a):
                 if not a.drafts.client.up or a.drafts.expired(idle):
-                    self._ready(a, a.drafts.resolve(None))  # link down, or no reply in time
+                    self._resolved(a, a.drafts.resolve(None))  # link down, or no reply in time
+
+    def _fill(self, waiting: list[_Active]) -> bool:
+        """Fill steps for the waiting generations whose controllers say one pays now
+        (``AdaptiveDepth.fill_pays``): one token each of the target's own, in one forward where
+        their caches are pool rows (up to the engine's ``max_batch``, longest waiting first), so
+        that one generation's step does not hold up another's. Only chains (a tree's drafts are
+        not a line a step can follow) and generations with a controller (seeded sampled ones have
+        none: their random draws must not follow timing). Whether any ran."""
+        now, clock = time.perf_counter(), time.monotonic()
+        due = []
+        for a in sorted(waiting, key=lambda w: w.sent_at):
+            d = a.depth
+            if d is None or a.budget or a.gen.prefilling or a.gen.done:
+                continue
+            client, key = a.drafts.client, (a.drafts.session, a.seq)
+            if client.replied(*key):
+                continue  # its drafts are here
+            expected, answer_due = d.expected_wait(), client.answer_due(key)
+            if expected is None or answer_due is None:
+                continue  # not measured yet, or not acknowledged yet (it comes within a round trip)
+            # the sooner of what the last replies took and what the daemon said of this one: a
+            # request served at once is not stepped past for a slow one earlier
+            left = min(expected - (now - a.sent_at), answer_due - clock)
+            if d.fill_pays(left, a.asked - len(a.filled)):
+                k = a.asked - len(a.filled)
+                log.debug("fill step: %.1f ms of the wait expected left (%.1f measured, %.1f acknowledged), a step "
+                          "%.1f ms, %d drafts left, acceptance %.2f, verifications %.1f / %.1f ms", 1e3 * left,
+                          1e3 * (expected - (now - a.sent_at)), 1e3 * (answer_due - clock),
+                          1e3 * (d.fill_step_s or 0.0), k, d.acceptance, 1e3 * (d.verify_s(k + 1) or 0.0),
+                          1e3 * (d.verify_s(k) or 0.0))
+                due.append(a)
+        if not due:
+            return False
+        batch = [a for a in due if a.gen.batchable][: self.engine.max_batch]
+        if len(batch) < 2 or batch[0] is not due[0]:
+            batch = due[:1]
+        before, t0 = [len(a.gen.tokens) for a in batch], time.perf_counter()
+        if len(batch) == 1:
+            with self._confined(batch[0]):
+                batch[0].gen.verify(None, wanted=False)
+        else:
+            try:
+                outcomes = self.engine.verify_batch([(a.gen, None, False) for a in batch])
+            except BatchFailed:  # every generation is as it was; the step is given up this once
+                log.warning("a batched fill step failed", exc_info=True)
+                return False
+            for a, outcome in zip(batch, outcomes):
+                if isinstance(outcome, BaseException):
+                    with self._confined(a):
+                        raise outcome  # its own outcome failed: that job alone
+        step_s = time.perf_counter() - t0
+        self.forwards += 1
+        self.fill_forwards += 1
+        if self.metrics is not None:
+            self.metrics.on_forward(len(batch), step_s)
+        for a, n in zip(batch, before):
+            if a not in self.active:
+                continue  # it failed, alone
+            added = a.gen.tokens[n:]
+            a.filled += added
+            a.fill_s += step_s
+            a.gen.stats.fill_steps += 1
+            a.depth.observe_fill_step(step_s, a.gen.last_forward_s)
+            if self.metrics is not None:
+                self.metrics.on_fill_step(len(added))
+            if a.job.on_progress is not None and added:
+                with self._confined(a):
+                    a.job.on_progress(a.gen)
+            if a in self.active and a.gen.done:
+                self._finish(a, None)  # its request in flight is abandoned with its session
+        return True
+
+    def _resolved(self, a: _Active, proposal: DraftReply | None) -> None:
+        """What came for ``a``'s request (None: nothing usable): after fill steps, the drafts
+        count only if they begin with the fill steps' tokens; those are skipped and the rest
+        verified. Drafts that part from them, or that the fill steps used up, end the round
+        without a verification: its tokens are the fill steps'."""
+        if a.depth is not None and proposal is not None:
+            a.depth.observe_reply(proposal.reported)
+        if not a.filled:
+            self._ready(a, proposal)
+            return
+        m, drafts = len(a.filled), list(proposal.tokens) if proposal is not None else []
+        j = 0
+        while j < min(m, len(drafts)) and drafts[j] == a.filled[j]:
+            j += 1
+        a.chain = len(drafts)
+        s = a.gen.stats
+        s.fill_confirmed += j
+        s.drafted += min(j + 1, len(drafts), m)  # drafts the fill steps checked
+        s.accepted += j
+        if j == m and len(drafts) > m:
+            a.confirmed = m
+            self._ready(a, _after_fills(proposal, m))
+            return
+        a.seq, a.resolved_at = None, time.perf_counter()
+        if proposal is not None:
+            a.drafts.kept(j)  # the next request says how many of these drafts stand
+        times = self._profile(a, a.resolved_at, verified=False)
+        a.depth.observe_filled(a.asked, len(drafts), j, m, times, 0)
 
     @staticmethod
     def _ready(a: _Active, proposal) -> None:
@@ -526,9 +651,12 @@ class Scheduler:
     def _after_round(self, a: _Active, n: int | None, counts: tuple, verify_s: float, end: float) -> None:
         s = a.gen.stats
         if a.proposal is not None and n is not None:
-            a.drafts.kept(n)
+            a.drafts.kept(a.confirmed + n)
         times = self._profile(a, end)
-        if a.depth is not None and a.proposal is not None and n is not None and not a.budget:
+        if a.depth is not None and a.proposal is not None and n is not None and a.confirmed:
+            a.depth.observe_filled(a.asked, a.chain, a.confirmed + n, a.confirmed + n + 1, times,
+                                   len(a.proposal.tokens) + 1)
+        elif a.depth is not None and a.proposal is not None and n is not None and not a.budget:
             a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
         if a.plain:
             s.plain_rounds += 1
@@ -552,15 +680,18 @@ class Scheduler:
         if a.gen.done:
             self._finish(a, None)
 
-    def _profile(self, a: _Active, end: float) -> RoundTimes:
+    def _profile(self, a: _Active, end: float, verified: bool = True) -> RoundTimes:
         """Split the round that just ended into its parts (starsd_target.profile), for the
         generation and daemon-wide. The draft wait counts from the request's send or the round's
-        start, whichever is later (a request sent during the prefill waited beside it)."""
+        start, whichever is later (a request sent during the prefill waited beside it), less the
+        fill steps taken meanwhile. ``verified``: the round ended in a verification (not so where
+        its fill steps made its tokens)."""
         wait = 0.0
         if a.resolved_at is not None:
-            wait = max(0.0, a.resolved_at - max(a.sent_at, a.round_start))
-        times = split_round(end - a.round_start, wait, a.reported, a.gen.last_forward_s, a.gen.last_math_s,
-                            waited=a.resolved_at is not None)
+            wait = max(0.0, a.resolved_at - max(a.sent_at, a.round_start) - a.fill_s)
+        forward, math = (a.gen.last_forward_s, a.gen.last_math_s) if verified else (0.0, 0.0)
+        times = split_round(end - a.round_start, wait, a.reported, forward, math,
+                            waited=a.resolved_at is not None, fill=a.fill_s)
         a.gen.stats.profile.add(times)
         self.profile.add(times)
         a.round_start, a.resolved_at, a.reported = end, None, None
@@ -613,3 +744,11 @@ class Scheduler:
             self.failed += 1
         if self.metrics is not None:
             self.metrics.requests.labels(outcome=outcome).inc()
+
+
+def _after_fills(reply: DraftReply, m: int) -> DraftReply:
+    """``reply``'s chain without its first ``m`` drafts (those fill steps confirmed): what the
+    verification checks after them, with their q rows."""
+    return dataclasses.replace(reply, tokens=list(reply.tokens[m:]),
+                               q_ids=None if reply.q_ids is None else reply.q_ids[m:],
+                               q_probs=None if reply.q_probs is None else reply.q_probs[m:])

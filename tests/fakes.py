@@ -145,9 +145,12 @@ class RawPeer:
 def speculate(engine, client, prompt, max_tokens, params, timeout_s: float = 30.0, draft_params=None,
               on_round=None, **scheduler_options):
     """One generation through the draft link, driven as the daemons drive it (the scheduler with
-    one job): the same rounds, deadlines and link rules as ``starsd-target generate``."""
+    one job): the same rounds, deadlines and link rules as ``starsd-target generate``. Without
+    fill steps unless asked (``fill_steps=True``): the tests' tiny target steps faster than a
+    round trip, so they would make most of its tokens, where these tests exercise the drafts."""
     from starsd_target.scheduler import Job, Scheduler
 
+    scheduler_options.setdefault("fill_steps", False)
     sched = Scheduler(engine, lambda: client, timeout_s, **scheduler_options)
     sched.on_round = on_round
     return sched.run_one(Job(list(prompt), max_tokens, params, draft_params=draft_params))

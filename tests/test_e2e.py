@@ -150,3 +150,27 @@ def test_stats_say_where_the_rounds_went(star4):
     with ControlClient(ep) as cc:
         mem = cc.stats()["memory"]  # the target's resident memory against its checkpoint's weight files
     assert mem["weights_bytes"] > 0 and 0 < mem["rss_bytes"] <= mem["peak_rss_bytes"]
+
+
+def test_a_target_with_fill_steps_steps_while_its_drafts_are_on_their_way(star4, tiny_target):
+    """The default `starsd-target serve` (fill steps on) beside the same draft daemon: the tiny
+    target steps faster than a round trip, so it takes fill steps while its drafts come, and
+    those drafts that begin with the steps' tokens still count. Output: the target's own."""
+    star, draft_ep, _ = star4
+    from common.models import load_causal_lm
+    from starsd_target.engine import TargetEngine
+
+    (ep,) = star.targets(tiny_target, draft_ep, 1, "--connect-timeout", "120", "--draft-timeout", "30",
+                         "--fill-steps", prefix="fill")
+    engine = TargetEngine(load_causal_lm(str(tiny_target)))
+    refs = [reference_greedy(tiny_target, engine.encode(p), MAX_TOKENS) for p in PROMPTS[:2]]
+    results = [run_concurrently([ep], [{"id": 40 + i, "prompt": p, "max_tokens": MAX_TOKENS}])[0]
+               for i, p in enumerate(PROMPTS[:2])]  # one at a time: two at once on a CPU run crowded, undrafted
+    for ref, res in zip(refs, results):
+        assert res["token_ids"] == ref
+    stats = [res["stats"] for res in results]
+    assert all(s["fallback_rounds"] == 0 for s in stats), stats
+    assert sum(s["fill_steps"] for s in stats) > 0, stats
+    assert sum(s["accepted"] for s in stats) > 0, stats  # drafts still counted: confirmed or verified
+    with ControlClient(ep) as cc:
+        assert cc.stats()["fill_steps"] >= sum(s["fill_steps"] for s in stats) > 0
