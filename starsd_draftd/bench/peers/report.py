@@ -42,7 +42,7 @@ def starsd_case(streams: int, phases: list[dict]) -> dict:
                 s = j["stats"]
                 outputs.append({"token_ids": list(j["token_ids"]), "finish_reason": s.get("finish_reason"),
                                 "rounds": s["rounds"], "fallback_rounds": s["fallback_rounds"],
-                                "plain_rounds": s.get("plain_rounds", 0),
+                                "plain_rounds": s.get("plain_rounds", 0), "fill_steps": s.get("fill_steps", 0),
                                 "drafted": s.get("drafted", 0), "accepted": s.get("accepted", 0)})
     return {"streams": streams, "wall_s": sum(ph["wall_s"] for ph in phases),
             "tokens": sum(len(o["token_ids"]) for o in outputs), "outputs": outputs}
@@ -66,13 +66,14 @@ def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max
     spec = block["mode"] == "spec"
     if system == "vllm":
         rounds = vllm_rounds(case, spec)
-        fallback = plain = None  # co-located: every step drafts
+        fallback = plain = fills = None  # co-located: every step drafts
         c = case["spec"]
         own = 1.0 + c["accepted_tokens"] / c["drafts"] if spec and c["drafts"] else None
     else:
         rounds = sum(o["rounds"] for o in case["outputs"])
         fallback = sum(o["fallback_rounds"] for o in case["outputs"]) if spec else None
         plain = sum(o.get("plain_rounds", 0) for o in case["outputs"]) if spec else None
+        fills = sum(o.get("fill_steps", 0) for o in case["outputs"]) if spec else None
         own = None
     tps = _tps(case)
     return {"system": system, "mode": block["mode"], "cores": block["cores"], "dtype": block["dtype"],
@@ -80,6 +81,7 @@ def _row(system: str, block: dict, case: dict, reference: list[dict] | None, max
             "total_tps": tps, "per_stream_tps": tps / case["streams"], "rounds": rounds,
             "kept_per_round": case["tokens"] / rounds if rounds else None,
             "vllm_mean_acceptance_length": own, "fallback_rounds": fallback, "plain_rounds": plain,
+            "fill_steps": fills,
             "stopped_early": sum(len(o["token_ids"]) < max_tokens for o in case["outputs"]),
             "vs_starsd_alone": compare_outputs(case["outputs"], reference)}
 
@@ -122,7 +124,8 @@ def summary(rows: list[dict]) -> dict:
     return {"starsd_spec_equals_starsd_alone": tally(lambda r: r["system"] == "starsd" and r["mode"] == "spec"),
             "vllm_equals_starsd_alone": tally(lambda r: r["system"] == "vllm"),
             "starsd_fallback_rounds": sum(r["fallback_rounds"] or 0 for r in rows if r["system"] == "starsd"),
-            "starsd_plain_rounds": sum(r.get("plain_rounds") or 0 for r in rows if r["system"] == "starsd")}
+            "starsd_plain_rounds": sum(r.get("plain_rounds") or 0 for r in rows if r["system"] == "starsd"),
+            "starsd_fill_steps": sum(r.get("fill_steps") or 0 for r in rows if r["system"] == "starsd")}
 
 
 def _cores(cores: list[int]) -> str:
@@ -249,7 +252,9 @@ def format_markdown(report: dict) -> str:
         out.append(f"StarSD's greedy outputs identical to its target alone: {sa['identical']}/{sa['of']}"
                    + ("" if sa["identical"] == sa["of"] else " (NOT all)")
                    + f"; StarSD fallback rounds (drafts wanted, none in time): {s['starsd_fallback_rounds']}; "
-                   f"rounds run on the target alone by choice (more generations active than --draft-max-active): {s.get('starsd_plain_rounds', 0)}.")
+                   f"rounds run on the target alone by choice (more generations active than --draft-max-active): "
+                   f"{s.get('starsd_plain_rounds', 0)}; fill steps (the target's own, while drafts were on their way, "
+                   f"counted in its rounds): {s.get('starsd_fill_steps', 0)}.")
     if va is not None:
         out.append(f"vLLM's greedy outputs identical to StarSD's target alone: {va['identical']}/{va['of']} "
                    "(reported, not required: other kernels, other dtypes).")
