@@ -85,8 +85,10 @@ def model_options(f):
                help="With --adaptive-depth: while a generation's drafts are on their way and the target has nothing "
                     "else to run, it takes a one-token step of its own where its measured costs say that pays (a "
                     "draft daemon that takes about as long as a target step); the drafts then count only if they "
-                    "begin with that token, and the rest are verified. Hides drafting behind the target's work. "
-                    "Counted as fill_steps. Chains only; seeded sampled generations never take them."),
+                    "begin with that token, and the rest are verified. Hides drafting behind the target's work "
+                    "where drafts come slowly or are rarely kept; off by default, as beside a draft daemon that "
+                    "answers in a few milliseconds the steps cost a few percent. Counted as fill_steps. Chains "
+                    "only; seeded sampled generations never take them."),
         option("--draft-tokens", type=click.IntRange(1, 256), default=_d("draft_tokens"),
                help="Most draft tokens verified in one forward (default: --depth, a chain). Above --depth, rounds "
                     "ask the draft daemon for a tree of up to this many tokens, --depth deep, verified in one "

@@ -56,8 +56,10 @@ class TargetConfig:
     # small target beside a fast draft daemon it often finds the target alone faster
     pause_unpaid_drafts: bool = False
     # with adaptive_depth: while a generation's drafts are on their way and the target has nothing else
-    # to run, it takes a step of its own where its measured costs say that pays (starsd_target.depth)
-    fill_steps: bool = True
+    # to run, it takes a step of its own where its measured costs say that pays (starsd_target.depth).
+    # Off by default: beside a draft daemon that answers in a few milliseconds (the demo's) the steps
+    # it takes cost a few percent; it pays where drafts come slowly or are rarely kept
+    fill_steps: bool = False
     draft_tokens: int | None = None  # the most draft tokens a round verifies (None: depth, a chain; more: trees)
     # rounds draft only while at most this many generations are active (0: always; None: auto,
     # CPU_DRAFT_MAX_ACTIVE on a CPU, where verifying a batch's drafts costs more than it adds, else 0)

@@ -58,6 +58,10 @@ class TargetDaemon:
             log.warning("--pause-unpaid-drafts does nothing with --no-adaptive-depth: every round drafts")
         elif config.pause_unpaid_drafts and self.engine.tree_tokens > self.engine.depth:
             log.warning("--pause-unpaid-drafts does not apply to tree rounds (--draft-tokens above --depth)")
+        if config.fill_steps and not config.adaptive_depth:
+            log.warning("--fill-steps does nothing with --no-adaptive-depth: the steps are judged by its measurements")
+        elif config.fill_steps and self.engine.tree_tokens > self.engine.depth:
+            log.warning("--fill-steps does not apply to tree rounds (--draft-tokens above --depth)")
         self.client: DraftPool | None = None  # the draft daemons' links
         self._scheduler: Scheduler | None = None
         self.metrics = TargetMetrics(config.depth)

@@ -52,7 +52,8 @@ drafts then have to start with (the scheduler skips the drafts the fill steps co
 verifies the rest). With ``r`` the wait still expected, ``s`` a fill step's cost and ``V(k)`` a
 verification over ``k`` rows, waiting and verifying the ``d`` drafts left takes ``r + V(d + 1)``,
 while a fill step and then, if its token is the first draft's (chance ``a``), a verification of
-the other ``d - 1`` takes ``max(s, r) + a * V(d)``; both keep ``E(a, d)`` tokens on average. So a
+the other ``d - 1`` takes ``max(s, r) + a * V(d)``; both keep ``E(a, d)`` tokens on average, ``d``
+the drafts the replies bring (fewer than asked where the daemon stops chains itself). So a
 fill step is taken wherever the reply is still a step away (the target would idle through it), and
 otherwise where ``s + a * V(d)`` is at most ``1 - FILL_GAIN`` of ``r + V(d + 1)`` (``fill_pays``).
 ``r`` is the sooner of what the last replies took (the daemon's reported queueing and drafting,
@@ -129,6 +130,7 @@ class AdaptiveDepth:
         # for a request, whole (not cut to the wait the target saw), and the wire's time
         self.reply_s: float | None = None
         self.wire_s: float | None = None
+        self.drafts_sent: float | None = None  # drafts a reply brings (a daemon that stops chains sends fewer)
         self.fill_step_s: float | None = None  # a fill step's wall time
 
     @property
@@ -161,11 +163,12 @@ class AdaptiveDepth:
         self.fixed_s = _ewma(self.fixed_s, f)
         self._drafted_round(kept + 1, times.wall)
 
-    def observe_reply(self, reported: tuple[float, float] | None) -> None:
-        """What the daemon reported for a reply (queued, drafting), whole: for the wait the next
-        requests can expect (``expected_wait``)."""
+    def observe_reply(self, reported: tuple[float, float] | None, drafts: int) -> None:
+        """What the daemon reported for a reply (queued, drafting), whole, and the drafts it
+        brought: for the wait the next requests can expect (``expected_wait``) and what they bring."""
         if reported is not None:
             self.reply_s = _ewma(self.reply_s, max(sum(reported), 0.0))
+        self.drafts_sent = _ewma(self.drafts_sent, float(drafts))
 
     def observe_filled(self, asked: int, proposed: int, kept: int, tokens: int, times: RoundTimes,
                        rows: int) -> None:
@@ -215,15 +218,19 @@ class AdaptiveDepth:
         slope = self.verify_slope() or 0.0
         return max(t / w + slope * (rows - n / w), 0.0) + self._other_s
 
-    def fill_pays(self, remaining_s: float, drafts_left: int) -> bool:
+    def fill_pays(self, remaining_s: float, asked: int, filled: int = 0) -> bool:
         """Whether a fill step pays now (the module's docstring), with ``remaining_s`` of the
-        wait still expected and ``drafts_left`` drafts of the request not yet matched by fill
-        steps. Not before a fill step's cost can be told."""
+        wait still expected for a request of ``asked`` drafts past which ``filled`` fill steps
+        have gone. ``d`` is what the replies bring (a daemon that stops chains itself often sends
+        fewer than asked, or none: then a step costs the round nothing). Not before a fill
+        step's cost can be told."""
         step = self.fill_step_s
         if step is None:
             step = self.verify_s(1)
             if step is None:
                 return False
+        expected = asked if self.drafts_sent is None else min(asked, round(self.drafts_sent))
+        drafts_left = expected - filled
         if remaining_s >= step or drafts_left < 1:
             return True  # the target would idle through the step, or the drafts are used up anyway
         wait = max(remaining_s, 0.0) + self.verify_s(drafts_left + 1)

@@ -475,13 +475,11 @@ class Scheduler:
             # the sooner of what the last replies took and what the daemon said of this one: a
             # request served at once is not stepped past for a slow one earlier
             left = min(expected - (now - a.sent_at), answer_due - clock)
-            if d.fill_pays(left, a.asked - len(a.filled)):
-                k = a.asked - len(a.filled)
+            if d.fill_pays(left, a.asked, len(a.filled)):
                 log.debug("fill step: %.1f ms of the wait expected left (%.1f measured, %.1f acknowledged), a step "
-                          "%.1f ms, %d drafts left, acceptance %.2f, verifications %.1f / %.1f ms", 1e3 * left,
-                          1e3 * (expected - (now - a.sent_at)), 1e3 * (answer_due - clock),
-                          1e3 * (d.fill_step_s or 0.0), k, d.acceptance, 1e3 * (d.verify_s(k + 1) or 0.0),
-                          1e3 * (d.verify_s(k) or 0.0))
+                          "%.1f ms, %d of %d drafts asked stepped past, %.1f drafts a reply, acceptance %.2f",
+                          1e3 * left, 1e3 * (expected - (now - a.sent_at)), 1e3 * (answer_due - clock),
+                          1e3 * (d.fill_step_s or 0.0), len(a.filled), a.asked, d.drafts_sent or 0.0, d.acceptance)
                 due.append(a)
         if not due:
             return False
@@ -530,7 +528,7 @@ class Scheduler:
         verified. Drafts that part from them, or that the fill steps used up, end the round
         without a verification: its tokens are the fill steps'."""
         if a.depth is not None and proposal is not None:
-            a.depth.observe_reply(proposal.reported)
+            a.depth.observe_reply(proposal.reported, len(proposal.tokens))
         if not a.filled:
             self._ready(a, proposal)
             return

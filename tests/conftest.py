@@ -106,8 +106,6 @@ class Star(ProcessSet):
         once they answer (and any draft daemon started without waiting, before them). ``patience``:
         their --draft-patience."""
         eps = [self.job_endpoint(f"{prefix}{i}") for i in range(n)]
-        if "--fill-steps" not in extra:  # a tiny target steps faster than a round trip: fill steps
-            extra = (*extra, "--no-fill-steps")  # would make most tokens, where these exercise the drafts
         for i, ep in enumerate(eps):
             self.start(f"{prefix}{i}", "starsd_target", "serve", "--model", str(model), "--draft", draft_ep,
                        "--listen", ep, "--depth", str(depth), "--name", f"{prefix}{i}",

@@ -277,6 +277,11 @@ def test_pausing_without_adaptive_depth_or_on_trees_is_said_to_do_nothing(tiny_t
                                   pause_unpaid_drafts=True, **extra), loaded=loaded_target)
         warned = [r.getMessage() for r in caplog.records if "--pause-unpaid-drafts" in r.getMessage()]
         assert (said is None and not warned) or (said is not None and said in warned[0]), (extra, warned)
+        caplog.clear()  # fill steps likewise
+        TargetDaemon(TargetConfig(model=str(tiny_target), draft=None, listen=f"ipc://{tmp_path}/t.sock", depth=4,
+                                  fill_steps=True, **extra), loaded=loaded_target)
+        warned = [r.getMessage() for r in caplog.records if "--fill-steps" in r.getMessage()]
+        assert (said is None and not warned) or (said is not None and said in warned[0]), (extra, warned)
 
 
 def test_chains_the_daemon_stops_before_their_first_draft_are_judged_too():

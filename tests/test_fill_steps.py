@@ -47,7 +47,7 @@ def _measured(drafting: float, one_row: float, per_row: float, acceptance_kept: 
     for d in (2, 4) * 6:
         forward = one_row + per_row * d
         ctl.observe(d, d, min(acceptance_kept, d), _round(forward + drafting * d + 0.001, forward, drafting * d))
-        ctl.observe_reply((0.0, drafting * 4))  # the daemon drafts 4 whatever is asked
+        ctl.observe_reply((0.0, drafting * 4), 4)  # the daemon drafts 4 whatever is asked
     ctl.observe_fill_step(one_row, one_row)
     return ctl
 
@@ -73,7 +73,10 @@ def test_a_fill_step_pays_while_the_reply_is_a_step_away_and_not_for_a_reply_abo
     assert not sure.fill_pays(0.029, 4) and sure.fill_pays(0.030, 4)
     wrong = _measured(drafting=0.010, one_row=0.030, per_row=0.002, acceptance_kept=0)
     assert wrong.fill_pays(0.005, 4)
-    assert ctl.fill_pays(0.0, 0)  # the fill steps used up the drafts asked for: stepping beats idling
+    assert ctl.fill_pays(0.0, 4, 4)  # the fill steps used up the drafts asked for: stepping beats idling
+    for _ in range(10):  # a daemon that ends its chains before their first draft: nothing to wait for
+        ctl.observe_reply((0.0, 0.002), 0)
+    assert ctl.fill_pays(0.005, 4)
 
 
 def test_rounds_with_fill_steps_follow_the_drafting_they_did_not_hide():

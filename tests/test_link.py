@@ -274,7 +274,7 @@ def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, e
     try:
         client = DraftClient(ep, engine.loaded.vocab_size, engine.loaded.fingerprint, ctx=ctx)
         client.handshake(60)
-        sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=4, fill_steps=False)
+        sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=4)
         sched.start()
         prompts = [engine.encode(p) for p in PROMPTS]
         futures = [sched.submit(Job(ids, 48, SamplingParams())) for ids in prompts]
@@ -323,7 +323,7 @@ def test_a_stopped_draft_daemon_costs_rounds_an_adaptive_deadline_and_speculatio
                 os.kill(proc.pid, signal.SIGCONT)
                 phase[0] = "resumed"
 
-        sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=1, fill_steps=False)
+        sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=1)
         sched.on_round = on_round
         prompt = engine.encode(PROMPTS[0])
         results = [sched.run_one(Job(prompt, 400, SamplingParams()))]
@@ -399,7 +399,7 @@ def test_reconnecting_never_blocks_a_round(tiny_target, near_draft, engine):
         time.sleep(0.003)
         rounds.append((phase[0], client.state, client.hellos, n))
 
-    sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=1, fill_steps=False)
+    sched = Scheduler(engine, lambda: client, draft_timeout_s=CAP_S, max_active=1)
     sched.on_round = on_round
     sched.start()
     prompt = engine.encode(PROMPTS[1])

@@ -91,8 +91,7 @@ def test_bad_timing_fields_are_refused(name, value):
 def _run(engine, server, ctx, prompts, max_tokens=24, max_active=1):
     client = DraftClient(server.endpoint, engine.loaded.vocab_size, engine.loaded.fingerprint, ctx=ctx)
     client.handshake(10)
-    sched = Scheduler(engine, lambda: client, draft_timeout_s=30, max_active=max_active,
-                      fill_steps=False)  # one forward a round: the profile's rounds are the generation's
+    sched = Scheduler(engine, lambda: client, draft_timeout_s=30, max_active=max_active)
     sched.start()
     try:
         futures = [sched.submit(Job(engine.encode(p), max_tokens, SamplingParams())) for p in prompts]

@@ -490,8 +490,7 @@ def http_server(tiny_target, loaded_target, tmp_path_factory):
             proc = subprocess.Popen([sys.executable, "-m", "starsd_target", "serve", "--model", str(tiny_target),
                                      "--draft", server.endpoint, "--connect-timeout", "60", "--listen",
                                      free_tcp_endpoint(), "--http", f"127.0.0.1:{port}",
-                                     "--metrics-port", str(metrics),
-                                     "--no-fill-steps"],  # rounds paced by the slow drafts, not the target's steps
+                                     "--metrics-port", str(metrics)],
                                     stdout=out, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:

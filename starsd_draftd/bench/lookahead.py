@@ -1,9 +1,9 @@
-"""The lookahead section: lookahead off/on x adaptive depth off/on, and the defaults (both, with
-fill steps), side by side, with 1 and 2 streams on one target, beside the same target alone.
+"""The lookahead section: lookahead off/on x adaptive depth off/on, and both with fill steps, side
+by side, with 1 and 2 streams on one target, beside the same target alone.
 
 Two draft daemons (``--lookahead`` and ``--no-lookahead``) share the draft core and five target
 daemons (each draft daemon x ``--adaptive-depth`` / ``--no-adaptive-depth`` without fill steps,
-and the defaults: lookahead, adaptive depth and ``--fill-steps``) the target core; one
+and lookahead, adaptive depth and ``--fill-steps``) the target core; one
 runs at a time, in turns, each configuration twice in opposite orders, so drift on a shared
 machine hits them alike. Each run reports its tok/s, the speedup over the target alone measured
 in the same turn, tokens kept per round, the drafts asked for per round, rounds without drafts,
@@ -23,7 +23,7 @@ from starsd_target.profile import merge, ms_per_round
 
 CONFIGS = (("fixed", False, False, False), ("adaptive", False, True, False), ("lookahead", True, False, False),
            ("lookahead+adaptive", True, True, False),
-           ("fill steps (defaults)", True, True, True))  # (name, lookahead, adaptive depth, fill steps)
+           ("lookahead+adaptive+fill", True, True, True))  # (name, lookahead, adaptive depth, fill steps)
 STREAMS = (1, 2)
 QUICK_STREAMS = (1,)
 
@@ -66,7 +66,7 @@ def start_lookahead(cfg: BenchConfig, pool: Pool, models: tuple[Path, Path]) -> 
 
 def _proc(name: str) -> str:
     """The target daemon's process name for a configuration."""
-    return "la-target-" + name.split(" ")[0].replace("+", "-")
+    return "la-target-" + name.replace("+", "-")
 
 
 def _run(ep: str, prompts: list[str], streams: int, max_tokens: int, no_draft: bool, pool: Pool,
