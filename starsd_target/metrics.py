@@ -21,8 +21,8 @@ class _ProfileCollector:
     def collect(self) -> Iterator[Metric]:
         p = (self.profile or RoundProfile()).to_dict()
         parts = CounterMetricFamily("starsd_target_round_seconds",
-                                    "Rounds' wall time by part: draft_wait + verify_forward + verify_math + rest is "
-                                    "the rounds' time; draft_queue + draft_forward + wire is draft_wait",
+                                    "Rounds' wall time by part: draft_wait + verify_forward + verify_math + fill + "
+                                    "rest is the rounds' time; draft_queue + draft_forward + wire is draft_wait",
                                     labels=["part"])
         for part, seconds in p["seconds"].items():
             parts.add_metric([part], seconds)

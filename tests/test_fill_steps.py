@@ -21,6 +21,14 @@ from tiny_models import make_near_copy
 SLOW_DRAFT_S = 0.04  # a draft daemon's reply takes this long: many tiny-target steps
 
 
+@pytest.fixture
+def one_step_a_request(monkeypatch):
+    """The scheduler's side of fill steps, apart from the rule that decides them (tested above
+    on its own): one step a request, once the request is measured and acknowledged, whatever
+    the machine's load makes of the timings."""
+    monkeypatch.setattr(AdaptiveDepth, "fill_pays", lambda self, remaining_s, asked, filled=0: filled < 1)
+
+
 class SlowOracle(OracleBackend):
     """The oracle drafter (always right, or always wrong) taking SLOW_DRAFT_S per request."""
 
@@ -31,7 +39,7 @@ class SlowOracle(OracleBackend):
 
 class SlowModel(ModelBackend):
     def draft_many(self, requests):
-        time.sleep(0.004)  # about two steps of the tiny target: a fill step or two, then the drafts
+        time.sleep(0.004)  # a few steps of the tiny target: a fill step, then the drafts
         return super().draft_many(requests)
 
 
@@ -104,7 +112,8 @@ def _slow_oracle_generation(loaded_target, right: bool, tokens: int = 64, **opti
 
 
 @pytest.mark.parametrize("right", [True, False], ids=["always-right", "always-wrong"])
-def test_a_slow_draft_daemon_is_hidden_behind_fill_steps_and_the_output_is_the_targets(loaded_target, right):
+def test_a_slow_draft_daemon_is_hidden_behind_fill_steps_and_the_output_is_the_targets(loaded_target, right,
+                                                                                       one_step_a_request):
     ref, r = _slow_oracle_generation(loaded_target, right)
     s = r.stats
     assert r.token_ids == ref and s.fallback_rounds == 0 and s.invalid_drafts == 0
@@ -118,7 +127,7 @@ def test_a_slow_draft_daemon_is_hidden_behind_fill_steps_and_the_output_is_the_t
     assert off.token_ids == ref and off.stats.fill_steps == 0 and off.stats.fallback_rounds == 0
 
 
-def test_with_fill_steps_the_target_waits_on_fewer_requests_to_a_slow_daemon(loaded_target):
+def test_with_fill_steps_the_target_waits_on_fewer_requests_to_a_slow_daemon(loaded_target, one_step_a_request):
     """Not a timing assertion: the forwards each way. Waiting, every token comes from a
     verification; with fill steps, some come from steps taken while the drafts were on their way,
     and the verifications still keep drafts."""
@@ -129,7 +138,7 @@ def test_with_fill_steps_the_target_waits_on_fewer_requests_to_a_slow_daemon(loa
     assert drafted_rounds_on < off.stats.rounds  # fewer requests the target waited on
 
 
-def test_seeded_generations_take_no_fill_steps(loaded_target):
+def test_seeded_generations_take_no_fill_steps(loaded_target, one_step_a_request):
     engine = TargetEngine(loaded_target, depth=4)
     prompt = engine.encode("def parse(line):\n    ")
     params = SamplingParams(temperature=1.0, seed=7)
@@ -143,7 +152,8 @@ def test_seeded_generations_take_no_fill_steps(loaded_target):
     assert r.stats.fill_steps == 0
 
 
-def test_sampled_output_with_fill_steps_follows_the_target(tiny_target, loaded_target, tmp_path):
+def test_sampled_output_with_fill_steps_follows_the_target(tiny_target, loaded_target, tmp_path,
+                                                           one_step_a_request):
     """Unseeded sampled generations beside a slow drafter: fill steps sample the target's own
     distribution, and drafts that begin with their tokens are a proposal for what follows them,
     so the first three tokens still follow the target's joint distribution."""
