@@ -153,9 +153,9 @@ def test_stats_say_where_the_rounds_went(star4):
 
 
 def test_a_target_with_fill_steps_steps_while_its_drafts_are_on_their_way(star4, tiny_target):
-    """The default `starsd-target serve` (fill steps on) beside the same draft daemon: the tiny
-    target steps faster than a round trip, so it takes fill steps while its drafts come, and
-    those drafts that begin with the steps' tokens still count. Output: the target's own."""
+    """`starsd-target serve --fill-steps` beside the same draft daemon: the tiny target steps
+    faster than a round trip, so it takes fill steps while its drafts come, and those drafts
+    that begin with the steps' tokens still count. Output: the target's own."""
     star, draft_ep, _ = star4
     from common.models import load_causal_lm
     from starsd_target.engine import TargetEngine
