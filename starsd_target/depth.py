@@ -137,22 +137,34 @@ class AdaptiveDepth:
     def acceptance(self) -> float:
         return min(self.kept / self.trials, 0.999) if self.trials > 0 else PRIOR_ACCEPTANCE
 
-    def observe(self, asked: int, proposed: int, kept: int, times: RoundTimes) -> None:
+    def observe(self, asked: int, proposed: int, kept: int, times: RoundTimes, tokens: int | None = None,
+                rows: int | None = None) -> None:
         """A round that asked for ``asked`` drafts, got ``proposed`` and kept ``kept``; ``times``
         its parts. A round without a reply from the daemon teaches nothing about drafting.
 
         A reply with no drafts (the daemon stopped the chain before its first: nothing was likely
         enough for the thresholds sent) still counts in the rate and the verification's cost: a
         round that brought one token. Left out, a threshold set high by a few fast rounds early
-        in a generation would never come down, and every later chain would stop empty."""
+        in a generation would never come down, and every later chain would stop empty.
+
+        A round with fill steps (``times.fill``): ``kept`` counts the drafts they confirmed and
+        those verified after them, ``tokens`` what the round added in all (default: ``kept`` + 1),
+        ``rows`` the rows of the verification that ran over the drafts the steps did not reach (0:
+        none ran; default: ``proposed`` + 1). Its draft wait is the target's idle wait alone, so
+        ``c`` follows the drafting the steps did not hide."""
         if asked < 1 or not times.reported:
             return
-        self._verified_forward(proposed + 1, times.verify_forward)
-        # the round beside its draft wait and forward, for the target alone's rate (alone_rate)
-        self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward, 0.0))
-        self.wire_s = _ewma(self.wire_s, times.wire)
+        rows = proposed + 1 if rows is None else rows
+        tokens = kept + 1 if tokens is None else tokens
+        if rows:
+            self._verified_forward(rows, times.verify_forward)
+            # the round beside its draft wait, forwards and steps, for the target alone's rate (alone_rate)
+            self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward - times.fill,
+                                                     0.0))
+        if not times.fill:  # the wire's time is seen whole only where no step stood in the wait
+            self.wire_s = _ewma(self.wire_s, times.wire)
         if proposed < 1:
-            self._drafted_round(1, times.wall)
+            self._drafted_round(tokens, times.wall)
             return
         self.kept = DISCOUNT * self.kept + kept
         self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
@@ -161,7 +173,7 @@ class AdaptiveDepth:
         f = max(times.wall - times.draft_forward - times.draft_queue, 0.0)
         self.per_token_s = _ewma(self.per_token_s, c)
         self.fixed_s = _ewma(self.fixed_s, f)
-        self._drafted_round(kept + 1, times.wall)
+        self._drafted_round(tokens, times.wall)
 
     def observe_reply(self, reported: tuple[float, float] | None, drafts: int) -> None:
         """What the daemon reported for a reply (queued, drafting), whole, and the drafts it
@@ -169,29 +181,6 @@ class AdaptiveDepth:
         if reported is not None:
             self.reply_s = _ewma(self.reply_s, max(sum(reported), 0.0))
         self.drafts_sent = _ewma(self.drafts_sent, float(drafts))
-
-    def observe_filled(self, asked: int, proposed: int, kept: int, tokens: int, times: RoundTimes,
-                       rows: int) -> None:
-        """A round during whose wait the target ran fill steps (``times.fill`` seconds of them):
-        ``kept`` of the ``proposed`` drafts were kept (those the fill steps confirmed and those
-        verified after them), ``tokens`` were added in all; ``rows``: the rows of the verification
-        forward (``times.verify_forward``) that ran over the drafts the fill steps did not reach,
-        0 where none ran. ``times``' draft wait is the target's idle wait alone, so ``c`` follows
-        the drafting the fill steps did not hide."""
-        if asked < 1 or not times.reported:
-            return
-        if rows:
-            self._verified_forward(rows, times.verify_forward)
-            self._other_s = _ewma(self._other_s, max(times.wall - times.draft_wait - times.verify_forward - times.fill,
-                                                     0.0))
-        if proposed < 1:
-            self._drafted_round(tokens, times.wall)
-            return
-        self.kept = DISCOUNT * self.kept + kept
-        self.trials = DISCOUNT * self.trials + kept + (1 if kept < proposed else 0)
-        self.per_token_s = _ewma(self.per_token_s, (times.draft_forward + times.draft_queue) / min(asked, proposed))
-        self.fixed_s = _ewma(self.fixed_s, max(times.wall - times.draft_forward - times.draft_queue, 0.0))
-        self._drafted_round(tokens, times.wall)
 
     def observe_fill_step(self, wall_s: float, forward_s: float) -> None:
         """A fill step: its cost, and a one-row point of the verification's regression."""

@@ -108,12 +108,10 @@ class _Active:
     plain: bool = False  # this round runs without drafts by choice (the target alone is expected to be faster)
     crowded: bool = False  # ...because more generations are active than draft_max_active
     # fill steps: tokens the target added on its own while the request in flight was drafted, the
-    # seconds they took, the drafts of the reply they confirmed (skipped in the verification), and
-    # the reply's drafts before that
+    # seconds they took, and the drafts of the reply they confirmed (skipped in the verification)
     filled: list[int] = field(default_factory=list)
     fill_s: float = 0.0
     confirmed: int = 0
-    chain: int = 0
     key: int = field(default_factory=itertools.count().__next__)  # unique for the daemon's life (ids are reused)
 
     @property
@@ -378,7 +376,7 @@ class Scheduler:
                           greedy_drafts=d is not None and d.params.greedy, depth=a.depth)
         a.wanted = plan.wanted
         a.resolved_at, a.reported, a.plain, a.crowded = None, None, False, False
-        a.filled, a.fill_s, a.confirmed, a.chain = [], 0.0, 0, 0
+        a.filled, a.fill_s, a.confirmed = [], 0.0, 0
         if plan.wanted:
             a.asked, a.budget = plan.depth, plan.budget
             if plan.plain:  # the target alone, batched, is faster; no request, and no fallback
@@ -483,9 +481,7 @@ class Scheduler:
                 due.append(a)
         if not due:
             return False
-        batch = [a for a in due if a.gen.batchable][: self.engine.max_batch]
-        if len(batch) < 2 or batch[0] is not due[0]:
-            batch = due[:1]
+        batch = self._sharing(due)
         before, t0 = [len(a.gen.tokens) for a in batch], time.perf_counter()
         if len(batch) == 1:
             with self._confined(batch[0]):
@@ -536,7 +532,6 @@ class Scheduler:
         j = 0
         while j < min(m, len(drafts)) and drafts[j] == a.filled[j]:
             j += 1
-        a.chain = len(drafts)
         s = a.gen.stats
         s.fill_confirmed += j
         s.drafted += min(j + 1, len(drafts), m)  # drafts the fill steps checked
@@ -549,7 +544,7 @@ class Scheduler:
         if proposal is not None:
             a.drafts.kept(j)  # the next request says how many of these drafts stand
         times = self._profile(a, a.resolved_at, verified=False)
-        a.depth.observe_filled(a.asked, len(drafts), j, m, times, 0)
+        a.depth.observe(a.asked, len(drafts), j, times, tokens=m, rows=0)
 
     @staticmethod
     def _ready(a: _Active, proposal) -> None:
@@ -611,10 +606,13 @@ class Scheduler:
         ready = sorted((a for a in self.active if a.verifiable), key=lambda r: r.ready_at)
         if not ready:
             return
-        batch = [a for a in ready if a.gen.batchable][: self.engine.max_batch]
-        if len(batch) < 2 or batch[0] is not ready[0]:
-            batch = ready[:1]
-        self._rounds(batch)
+        self._rounds(self._sharing(ready))
+
+    def _sharing(self, ordered: list[_Active]) -> list[_Active]:
+        """The first of ``ordered`` and, where its cache is a pool row, the next ones whose caches
+        are too, up to the engine's ``max_batch``: the generations that share its forward."""
+        batch = [a for a in ordered if a.gen.batchable][: self.engine.max_batch]
+        return batch if len(batch) > 1 and batch[0] is ordered[0] else ordered[:1]
 
     def _rounds(self, batch: list[_Active]) -> None:
         before = [(len(a.gen.out), a.gen.stats.drafted, a.gen.stats.accepted, a.gen.stats.fallback_rounds,
@@ -651,11 +649,10 @@ class Scheduler:
         if a.proposal is not None and n is not None:
             a.drafts.kept(a.confirmed + n)
         times = self._profile(a, end)
-        if a.depth is not None and a.proposal is not None and n is not None and a.confirmed:
-            a.depth.observe_filled(a.asked, a.chain, a.confirmed + n, a.confirmed + n + 1, times,
-                                   len(a.proposal.tokens) + 1)
-        elif a.depth is not None and a.proposal is not None and n is not None and not a.budget:
-            a.depth.observe(a.asked, len(a.proposal.tokens), n, times)
+        if a.depth is not None and a.proposal is not None and n is not None and not a.budget:
+            # the drafts the fill steps confirmed count as kept; the verification ran over the rest
+            a.depth.observe(a.asked, a.confirmed + len(a.proposal.tokens), a.confirmed + n, times,
+                            rows=len(a.proposal.tokens) + 1)
         if a.plain:
             s.plain_rounds += 1
             self.crowded_rounds += a.crowded

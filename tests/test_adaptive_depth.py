@@ -43,10 +43,10 @@ def _cost_model(per_token_s: float) -> type[AdaptiveDepth]:
     machine's load (the split of measured times is tested in test_profile)."""
 
     class Modelled(AdaptiveDepth):
-        def observe(self, asked, proposed, kept, times):
+        def observe(self, asked, proposed, kept, times, **parts):
             if times.reported:  # a round without the daemon's report teaches nothing, modelled or not
                 times = _times(wall=MODEL_FIXED_S + per_token_s * asked, drafting=per_token_s * asked)
-            super().observe(asked, proposed, kept, times)
+            super().observe(asked, proposed, kept, times, **parts)
 
         def observe_plain(self, times):  # a round without drafts: the rest of a round alone
             super().observe_plain(split_round(MODEL_FIXED_S, 0.0, None, MODEL_FIXED_S, 0.0))

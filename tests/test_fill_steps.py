@@ -94,7 +94,7 @@ def test_rounds_with_fill_steps_follow_the_drafting_they_did_not_hide():
     before = ctl.choose(8)
     for _ in range(20):  # the fill step (30 ms) hid 4 drafts' 40 ms but for 10 ms
         times = split_round(0.030 + 0.010 + 0.038, 0.010, (0.0, 0.040), 0.038, 0.0, fill=0.030)
-        ctl.observe_filled(4, 4, 3, 4, times, rows=4)
+        ctl.observe(4, 4, 3, times, tokens=4, rows=4)
     assert ctl.per_token_s < 0.004 and ctl.choose(8) > before
 
 
