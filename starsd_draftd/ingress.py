@@ -149,6 +149,7 @@ class Ingress:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://starsd-ingress-{id(self):x}-{time.monotonic_ns()}"
         self._wake_rx = self.ctx.socket(zmq.PULL)
+        self._wake_rx.setsockopt(zmq.CONFLATE, 1)  # one pending wake-up is as good as many: one read clears it
         self._wake_rx.bind(wake)
         self._wake_tx = self.ctx.socket(zmq.PUSH)
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is as good as many
@@ -200,10 +201,9 @@ class Ingress:
                 ready = dict(poller.poll(timeout_ms))
                 woken = wake in ready
                 if woken:
-                    while wake.getsockopt(_EVENTS) & _POLLIN:
-                        wake.recv(_NOBLOCK)
+                    wake.recv(_NOBLOCK)
                 if sock in ready or monitor in ready:
-                    self.read()
+                    self.read(monitor in ready)
                 if self.q_out:
                     self._send_out()
                 if woken:  # a flush waits for this (it wakes the thread once it has queued)
@@ -260,13 +260,13 @@ class Ingress:
         return gone
 
     # ------------------------------------------------------------ I/O
-    def read(self, budget: int = 1024) -> None:
+    def read(self, disconnects: bool = True, budget: int = 1024) -> None:
         """Read and handle what has arrived (the socket's thread). Disconnects the socket monitor
         reported before the reading take effect after it: the messages those connections sent
         before closing were queued before the event, so this drain reads them; and a connection
         registered during it (on a reused socket) is not among those dropped."""
         gone = []
-        if self.monitor.getsockopt(_EVENTS) & _POLLIN:
+        if disconnects and self.monitor.getsockopt(_EVENTS) & _POLLIN:
             with self.lock:
                 gone = self._drain_monitor()
         # ZMQ_EVENTS says whether a message is waiting; cheaper than a receive that raises Again
