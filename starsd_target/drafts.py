@@ -210,18 +210,25 @@ class RemoteDraftSession:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
         while the target is ``idle`` (with other rounds to verify, waiting costs nothing): at once
         while the link is suspect, else when the link says so (``DraftClient.expired``: no ACK
-        in a round trip, or no reply by the daemon's estimate)."""
+        in a round trip, or no reply by the daemon's estimate). A seeded sampled generation
+        waits for its reply up to the cap on a link that is not suspect: a round without drafts
+        draws other random numbers, so giving up on a late reply would make its seed give other
+        tokens on a busier host."""
         if time.monotonic() >= self.cap_at:
             return True
         if not idle:
             return False
         client = self.client
-        return (client.suspect and not client.acked((self.session, self.seq))) or client.expired(
-            (self.session, self.seq), self.sent_at, self.timeout_s)
+        key = (self.session, self.seq)
+        if client.suspect and not client.acked(key):
+            return True
+        return not self.params.seeded and client.expired(key, self.sent_at, self.timeout_s)
 
     @property
     def wake_at(self) -> float:
         """When ``expired()`` has something new to decide."""
+        if self.params.seeded:
+            return self.cap_at
         return self.client.give_up_at((self.session, self.seq), self.sent_at, self.timeout_s)
 
     def resolve(self, reply: DraftReply | RemoteError | None) -> DraftReply | None:

@@ -265,6 +265,34 @@ def test_no_ack_makes_the_link_suspect_until_the_daemon_is_heard(loaded_target):
         assert client.misses == 0  # a reply ended the run of misses
 
 
+
+def test_a_seeded_sampled_generation_waits_for_a_late_reply_up_to_the_cap(loaded_target):
+    """A round without drafts draws other random numbers than one with them: a seeded generation
+    that gave up on an acknowledged reply by the estimate would give other tokens on a busier
+    host, so it waits up to the cap; an unseeded one gives up by the estimate."""
+    with scripted(loaded_target, backoff=Backoff(10.0, 10.0)) as (daemon, client):
+        _greet(daemon, client, loaded_target)
+        seeded = RemoteDraftSession(client, client.next_session(), SamplingParams(0.8, seed=7), CAP_S)
+        unseeded = RemoteDraftSession(client, client.next_session(), SamplingParams(0.8), CAP_S)
+        for drafts in (seeded, unseeded):
+            assert drafts.send([1, 2, 3], 4) == 1
+            assert daemon.recv().type is MsgType.OPEN and daemon.recv().type is MsgType.DRAFT
+            daemon.send(Message(MsgType.ACK, {"session": drafts.session, "seq": 1, "ahead": 0, "eta_us": 1_000}))
+            assert _until(lambda: client.acked((drafts.session, 1)), client)
+        assert _until(lambda: unseeded.expired(), client)  # past the estimate and a round trip
+        assert client.expired((seeded.session, 1), seeded.sent_at, CAP_S)  # as late as the other by the link's rule
+        assert not seeded.expired() and seeded.wake_at == seeded.cap_at == pytest.approx(seeded.sent_at + CAP_S)
+        daemon.drafted(seeded.session, 1, [9, 9])
+        assert _until(lambda: client.replied(seeded.session, 1), client)
+        assert seeded.resolve(client.take(seeded.session, 1)).tokens == [9, 9]
+        # a link that is suspect (a request not acknowledged) is not waited for, seeded or not
+        unseeded.resolve(None)
+        client.miss(acked=False)
+        assert client.suspect
+        assert seeded.send([1, 2, 3, 9, 9, 4], 4) == 2
+        assert daemon.recv().type is MsgType.DRAFT
+        assert seeded.expired()
+
 # ---------------------------------------------------------------- many generations, a healthy daemon
 @pytest.mark.slow
 def test_concurrent_generations_keep_all_their_drafts(tiny_target, near_draft, engine, star):
