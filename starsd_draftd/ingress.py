@@ -149,7 +149,6 @@ class Ingress:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://starsd-ingress-{id(self):x}-{time.monotonic_ns()}"
         self._wake_rx = self.ctx.socket(zmq.PULL)
-        self._wake_rx.setsockopt(zmq.CONFLATE, 1)  # one pending wake-up is as good as many: one read clears it
         self._wake_rx.bind(wake)
         self._wake_tx = self.ctx.socket(zmq.PUSH)
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is as good as many
@@ -201,7 +200,8 @@ class Ingress:
                 ready = dict(poller.poll(timeout_ms))
                 woken = wake in ready
                 if woken:
-                    wake.recv(_NOBLOCK)
+                    while wake.getsockopt(_EVENTS) & _POLLIN:
+                        wake.recv(_NOBLOCK)
                 if sock in ready or monitor in ready:
                     self.read(monitor in ready)
                 if self.q_out:
