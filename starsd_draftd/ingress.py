@@ -203,7 +203,7 @@ class Ingress:
                     while wake.getsockopt(_EVENTS) & _POLLIN:
                         wake.recv(_NOBLOCK)
                 if sock in ready or monitor in ready:
-                    self.read(monitor in ready)
+                    self.read(disconnects=monitor in ready)
                 if self.q_out:
                     self._send_out()
                 if woken:  # a flush waits for this (it wakes the thread once it has queued)
@@ -260,8 +260,9 @@ class Ingress:
         return gone
 
     # ------------------------------------------------------------ I/O
-    def read(self, disconnects: bool = True, budget: int = 1024) -> None:
-        """Read and handle what has arrived (the socket's thread). Disconnects the socket monitor
+    def read(self, *, disconnects: bool = True, budget: int = 1024) -> None:
+        """Read and handle what has arrived (the socket's thread); ``disconnects``: the socket
+        monitor has events (the poll said so), read them first. Disconnects the socket monitor
         reported before the reading take effect after it: the messages those connections sent
         before closing were queued before the event, so this drain reads them; and a connection
         registered during it (on a reused socket) is not among those dropped."""

@@ -98,8 +98,9 @@ def model_options(f):
                help="Most seconds to wait for drafts before verifying a round with the target alone. "
                     "The wait is the daemon's own estimate, which it sends when it queues the request, plus "
                     "a margin; with no acknowledgement within a round trip the round does not wait. This "
-                    "caps a bad estimate. A seeded sampled generation waits for an acknowledged request's "
-                    "drafts up to this cap, so that a busy host does not change its tokens."),
+                    "caps a bad estimate. A seeded sampled generation waits for its drafts up to this cap "
+                    "while the daemon has been answering (a round without drafts would change the tokens its "
+                    "seed gives)."),
         option("--draft-patience", type=click.FloatRange(1.0), default=_d("draft_patience"),
                help="How long a round waits for drafts the daemon has acknowledged, in multiples of the "
                     "daemon's estimate (plus a round trip; --draft-timeout caps it). Past it the round runs "

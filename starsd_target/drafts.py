@@ -30,8 +30,9 @@ class RemoteDraftSession:
 
     ``send()`` puts a request in flight; ``expired()`` says when to stop waiting for it: an
     acknowledgement's round trip, then the daemon's estimate (``DraftClient.give_up_at``), capped
-    by ``timeout_s``. ``resolve()`` turns what came (None: nothing in time) into drafts, giving
-    the request up when nothing came."""
+    by ``timeout_s`` (a seeded sampled generation's, on a link that answers, only by the cap).
+    ``resolve()`` turns what came (None: nothing in time) into drafts, giving the request up when
+    nothing came."""
 
     def __init__(self, pool, session: int, params: SamplingParams, timeout_s: float):
         self.pool = pool
@@ -209,11 +210,9 @@ class RemoteDraftSession:
     def expired(self, idle: bool = True) -> bool:
         """Whether to give the request in flight up now. Past the cap, always; before it, only
         while the target is ``idle`` (with other rounds to verify, waiting costs nothing): at once
-        while the link is suspect, else when the link says so (``DraftClient.expired``: no ACK
-        in a round trip, or no reply by the daemon's estimate). A seeded sampled generation
-        waits for its reply up to the cap on a link that is not suspect: a round without drafts
-        draws other random numbers, so giving up on a late reply would make its seed give other
-        tokens on a busier host."""
+        while the link is suspect and the request unacknowledged, else when the link says so
+        (``DraftClient.expired``: no ACK in a round trip, or no reply by the daemon's estimate),
+        but for a seeded sampled request on a link that has been answering (``_waits_to_cap``)."""
         if time.monotonic() >= self.cap_at:
             return True
         if not idle:
@@ -222,12 +221,22 @@ class RemoteDraftSession:
         key = (self.session, self.seq)
         if client.suspect and not client.acked(key):
             return True
-        return not self.params.seeded and client.expired(key, self.sent_at, self.timeout_s)
+        return not self._waits_to_cap() and client.expired(key, self.sent_at, self.timeout_s)
+
+    def _waits_to_cap(self) -> bool:
+        """A seeded sampled generation's request is waited for up to the cap while its link is
+        neither suspect nor missing replies: a round without drafts draws other random numbers
+        than one with them, so a reply given up because a busy host answered late would change
+        the tokens its seed gives. Once a request has gone unanswered, such requests are given
+        up by the daemon's estimate as any other, so a daemon that stops answering costs them one
+        cap's wait, not one a round."""
+        client = self.client
+        return self.params.seeded and not client.suspect and not client.misses
 
     @property
     def wake_at(self) -> float:
         """When ``expired()`` has something new to decide."""
-        if self.params.seeded:
+        if self._waits_to_cap():
             return self.cap_at
         return self.client.give_up_at((self.session, self.seq), self.sent_at, self.timeout_s)
 

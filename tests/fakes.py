@@ -66,8 +66,7 @@ def startup_frozen():
     collection of that heap is not.)"""
     global _frozen_depth
     with _frozen_lock:
-        if not _frozen_depth:
-            gc.freeze()
+        gc.freeze()  # in a nested block too: what the outer one made since it began
         _frozen_depth += 1
     try:
         yield
@@ -87,15 +86,15 @@ def running_server(backend: DraftBackend | None = None, **cfg):
     server = DraftServer(backend, ServerConfig(bind="tcp://127.0.0.1:0", **cfg), ctx)
     server.bind()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with startup_frozen():
+    with startup_frozen():
+        thread.start()
+        try:
             yield server, ctx
-    finally:
-        server.stop()
-        thread.join(10)
-        assert not thread.is_alive(), "server loop did not stop"
-        ctx.destroy(linger=0)
+        finally:
+            server.stop()
+            thread.join(10)
+            assert not thread.is_alive(), "server loop did not stop"
+            ctx.destroy(linger=0)
 
 
 @contextlib.contextmanager
@@ -104,14 +103,14 @@ def serving(daemon, join_s: float = 30.0):
     asserted gone."""
     ready = threading.Event()
     thread = threading.Thread(target=daemon.serve_forever, kwargs={"ready": ready, "notify_ready": False}, daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(30), "the job socket did not come up"
-        with startup_frozen():
+    with startup_frozen():
+        thread.start()
+        try:
+            assert ready.wait(30), "the job socket did not come up"
             yield daemon
-    finally:
-        daemon.stop()
-        thread.join(join_s)
+        finally:
+            daemon.stop()
+            thread.join(join_s)
     assert not thread.is_alive(), "the job socket's thread did not stop"
 
 

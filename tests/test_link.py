@@ -265,11 +265,12 @@ def test_no_ack_makes_the_link_suspect_until_the_daemon_is_heard(loaded_target):
         assert client.misses == 0  # a reply ended the run of misses
 
 
-
-def test_a_seeded_sampled_generation_waits_for_a_late_reply_up_to_the_cap(loaded_target):
+def test_a_seeded_sampled_generation_waits_for_its_drafts_up_to_the_cap_while_the_daemon_answers(loaded_target):
     """A round without drafts draws other random numbers than one with them: a seeded generation
-    that gave up on an acknowledged reply by the estimate would give other tokens on a busier
-    host, so it waits up to the cap; an unseeded one gives up by the estimate."""
+    that gave its request up by the round trip or the estimate would give other tokens on a
+    busier host, so while the daemon has been answering it waits up to the cap, acknowledged or
+    not; an unseeded one gives up by them. Once a request has gone unanswered, a seeded one is
+    given up by the estimate too."""
     with scripted(loaded_target, backoff=Backoff(10.0, 10.0)) as (daemon, client):
         _greet(daemon, client, loaded_target)
         seeded = RemoteDraftSession(client, client.next_session(), SamplingParams(0.8, seed=7), CAP_S)
@@ -277,21 +278,24 @@ def test_a_seeded_sampled_generation_waits_for_a_late_reply_up_to_the_cap(loaded
         for drafts in (seeded, unseeded):
             assert drafts.send([1, 2, 3], 4) == 1
             assert daemon.recv().type is MsgType.OPEN and daemon.recv().type is MsgType.DRAFT
-            daemon.send(Message(MsgType.ACK, {"session": drafts.session, "seq": 1, "ahead": 0, "eta_us": 1_000}))
-            assert _until(lambda: client.acked((drafts.session, 1)), client)
+        daemon.send(Message(MsgType.ACK, {"session": unseeded.session, "seq": 1, "ahead": 0, "eta_us": 1_000}))
         assert _until(lambda: unseeded.expired(), client)  # past the estimate and a round trip
-        assert client.expired((seeded.session, 1), seeded.sent_at, CAP_S)  # as late as the other by the link's rule
+        # the seeded request, never acknowledged, is past the link's deadline too, and waits on
+        assert client.expired((seeded.session, 1), seeded.sent_at, CAP_S)
         assert not seeded.expired() and seeded.wake_at == seeded.cap_at == pytest.approx(seeded.sent_at + CAP_S)
+        daemon.send(Message(MsgType.ACK, {"session": seeded.session, "seq": 1, "ahead": 0, "eta_us": 1_000}))
         daemon.drafted(seeded.session, 1, [9, 9])
         assert _until(lambda: client.replied(seeded.session, 1), client)
         assert seeded.resolve(client.take(seeded.session, 1)).tokens == [9, 9]
-        # a link that is suspect (a request not acknowledged) is not waited for, seeded or not
-        unseeded.resolve(None)
-        client.miss(acked=False)
-        assert client.suspect
+        # a request that went unanswered: the next seeded one is given up by the estimate
+        assert unseeded.resolve(None) is None and client.misses == 1 and client.up
         assert seeded.send([1, 2, 3, 9, 9, 4], 4) == 2
         assert daemon.recv().type is MsgType.DRAFT
-        assert seeded.expired()
+        daemon.send(Message(MsgType.ACK, {"session": seeded.session, "seq": 2, "ahead": 0, "eta_us": 1_000}))
+        assert _until(lambda: client.acked((seeded.session, 2)), client)
+        assert seeded.wake_at == client.give_up_at((seeded.session, 2), seeded.sent_at, CAP_S) < seeded.cap_at
+        assert _until(lambda: seeded.expired(), client)
+
 
 # ---------------------------------------------------------------- many generations, a healthy daemon
 @pytest.mark.slow
