@@ -425,11 +425,11 @@ class Scheduler:
         busy = self._busy()
         if not busy and self.fill_steps:
             self.link().poll(0)  # a reply already here is verified, not stepped past
-        if not busy and self.fill_steps and self._fill(waiting):
-            busy = True  # a step's time has passed: take what came meanwhile, without waiting
-            waiting = [a for a in waiting if a in self.active]  # the step may have ended its generation
-            if not waiting:
-                return
+            if self._fill(waiting):
+                busy = True  # a step's time has passed: take what came meanwhile, without waiting
+                waiting = [a for a in waiting if a in self.active]  # the step may have ended its generation
+                if not waiting:
+                    return
         now = time.monotonic()
         timeout = 0.0 if busy else max(0.0, min(min(a.drafts.wake_at for a in waiting) - now, 0.05))
         self.link().poll(timeout)  # every draft daemon's link: replies are routed to each request's
