@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import bf16_packed
-from common.bf16_packed import Bf16Linear, pack_bf16, packed_bf16_available, unpack_bf16
+from common.bf16_packed import Bf16FbgemmLinear, Bf16Linear, pack_bf16, packed_bf16_available, unpack_bf16
 from common.models import load_causal_lm
 from common.runner import ModelRunner
 from common.verify import SamplingParams
@@ -257,3 +257,84 @@ def test_row_exact_verification_is_a_targets_and_stops_where_a_linear_differs(tm
 
     monkeypatch.setattr(Bf16Linear, "forward", off_at_seven)
     assert ModelRunner(loaded).lean.enable_row_exact() == 6
+
+
+# bfloat16 layers held for fbgemm, where the CPU has no bfloat16 units (``Bf16FbgemmLinear``)
+
+needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                                  reason="this PyTorch build has no fbgemm")
+
+
+def _held_weight(layer: Bf16FbgemmLinear) -> torch.Tensor:
+    """The weight ``layer`` multiplies by, in float32: its float16 values scaled back."""
+    scaled, _ = torch.ops.quantized.linear_unpack_fp16(layer._packed)
+    return scaled.float() * layer.unscale[:, None]
+
+
+@needs_fbgemm
+def test_a_layer_held_for_fbgemm_keeps_the_bfloat16_values_of_rows_of_any_scale():
+    """Rows whose values lie far outside float16's range (1e-9, 1e6) or span 2**30 within a row
+    are held exactly, a zero row too; only a value more than 2**32 below its row's largest is
+    rounded, and counted."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 64)
+    w[1] *= 1e-9
+    w[2] *= 1e6
+    w[3] = (torch.rand(64) + 1) * torch.sign(w[3])
+    w[3, :32] *= 2.0 ** -30  # [1, 2) and [2**-30, 2**-29) in one row
+    w[4] = 0
+    w = w.to(torch.bfloat16)
+    layer = Bf16FbgemmLinear(w)
+    assert layer.inexact == 0
+    assert torch.equal(_held_weight(layer), w.float())
+    w[5, 0] = w[5].float().abs().max() * 2.0 ** -40
+    assert Bf16FbgemmLinear(w).inexact == 1
+    with pytest.raises(ValueError, match="bfloat16"):
+        Bf16FbgemmLinear(torch.zeros(4, 4))
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layer_held_for_fbgemm_computes_a_bfloat16_linear(bias):
+    """bfloat16 in and out, any leading shape; each output is the float32 sum of the exact
+    products (plus the bias) rounded to bfloat16: equal to a float64 reference's rounding but for
+    a rare tie broken by the order of summation (then one bfloat16 step apart)."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(300, 40, bias=bias).to(torch.bfloat16)
+    layer = Bf16FbgemmLinear.from_linear(lin)
+    x = torch.randn(2, 7, 300).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 7, 40)
+    want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+    nearest = want.to(torch.bfloat16)
+    step = (nearest.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+    assert ((got.float() - nearest.float()).abs() <= step).all()
+    assert (got == nearest).float().mean() > 0.98
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_model_held_for_fbgemm_decodes_as_the_plain_model_up_to_rounding(tmp_path, monkeypatch, tied):
+    """On a CPU without bfloat16 units every linear, a tied output layer too, is held for
+    fbgemm; the serving path (the lean forward) runs it; its logits are the plain bfloat16
+    model's within bfloat16's rounding."""
+    from common import fp16_weights
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=3, hidden=48, layers=2, tied=tied)
+    monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: False)
+    loaded = load_causal_lm(str(ckpt), dtype="bfloat16")
+    kinds = {type(m) for m in loaded.model.modules() if isinstance(m, (torch.nn.Linear, Bf16FbgemmLinear))}
+    assert kinds == {Bf16FbgemmLinear}
+    monkeypatch.setenv(bf16_packed.BF16_FBGEMM_ENV, "0")
+    monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)
+    plain = load_causal_lm(str(ckpt), dtype="bfloat16").model
+    assert not any(type(m) is Bf16FbgemmLinear for m in plain.modules())
+    prompt = [5, 9, 200, 17]
+    runner = ModelRunner(loaded)
+    assert runner.forward_kind == "lean"
+    with torch.inference_mode():
+        got, _ = runner.forward(runner.new_cache(16), prompt, logits="last")
+        want = plain(torch.tensor([prompt])).logits[0, -1]
+    got, want = got.reshape(-1).float(), want.reshape(-1).float()
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))

@@ -274,20 +274,32 @@ def test_fp16_weights_keeps_of_the_checkpoint_file_only_the_embedding_rows_looke
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("units", [False, True])
-def test_bfloat16_without_bfloat16_units_is_loaded_with_a_warning_that_names_auto(tiny_target, caplog,
-                                                                                   monkeypatch, units):
-    """A user who asks for bfloat16 on a CPU that converts its products to float32 is told it is
-    slower there than fp16-weights, which auto picks; with the units, nothing is said."""
+@pytest.mark.parametrize("units, switch", [(False, ""), (False, "0"), (True, "")])
+def test_bfloat16_without_bfloat16_units_is_held_for_fbgemm_or_loaded_with_a_warning(tiny_target, caplog,
+                                                                                      monkeypatch, units, switch):
+    """On a CPU that would convert bfloat16 products to float32 as they go, bfloat16 layers are
+    held for fbgemm (``Bf16FbgemmLinear``) and the log says so; with that switched off the user
+    is warned; with bfloat16 units neither happens."""
     from common import fp16_weights
+    from common.bf16_packed import BF16_FBGEMM_ENV, Bf16FbgemmLinear
 
     monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: units)
-    with caplog.at_level(logging.WARNING, logger="starsd.models"):
+    monkeypatch.setenv(BF16_FBGEMM_ENV, switch)
+    with caplog.at_level(logging.INFO, logger="starsd.models"):
         loaded = load_causal_lm(str(tiny_target), dtype="bfloat16")
     assert loaded.dtype_name == "bfloat16"
-    said = [r.getMessage() for r in caplog.records if "matrix instructions" in r.getMessage()]
-    assert len(said) == (0 if units else 1)
-    assert units or "--dtype auto picks fp16-weights" in said[0]
+    said = [r.getMessage() for r in caplog.records]
+    warned = [m for m in said if "without bfloat16 matrix instructions" in m]
+    held = [m for m in said if "layers held for fbgemm" in m]
+    fbgemm_layers = [m for m in loaded.model.modules() if type(m) is Bf16FbgemmLinear]
+    if units or switch == "0":
+        assert not held and not fbgemm_layers
+        assert len(warned) == (0 if units else 1)
+    else:
+        assert not warned and len(held) == 1
+        assert fbgemm_layers and not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
+        assert f"{len(fbgemm_layers)} bfloat16 linear layers held for fbgemm" in held[0]
+        assert " 0 of " in held[0]  # a random-init checkpoint's weights all fit
 
 
 @needs_proc_maps
