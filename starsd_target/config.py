@@ -5,6 +5,7 @@ from it too, which is why it stands alone, importing nothing of the target's."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,8 @@ class TargetConfig:
     # delays each round of the others by. Measured on 2 CPU cores with the 135M demo target beside
     # an 8,000-token prompt: at 512 a chunk took 2-6 s and an 8-token request 24 s (0.7 s alone);
     # at 128, 1.6 s and 4.8 s, for a whole prefill 14% longer. On a GPU any of these is milliseconds.
-    prefill_chunk: int = 256
+    # 0: chosen per device at start-up (starsd_target.engine.auto_prefill_chunk): 64 or 256
+    prefill_chunk: int = 0
     # memory for recent prompts' whole prefill chunks, reused by later prompts that begin alike
     # (common.prefix_cache; 0: none); a 1.5B target's float32 keys and values take 57 KiB
     # a position, so the default holds about 2,300 positions
@@ -73,3 +75,30 @@ class TargetConfig:
     api_key: str | None = None  # the HTTP API takes only requests bearing this key (None: any)
     api_open_paths: str = ""  # paths the HTTP API serves without the key (commas or spaces), e.g. /health
     served_model_name: str | None = None  # the model's name in the HTTP API (None: its directory's name)
+
+
+# prompt tokens per prefill forward where the CPU's prefill multiplies in float32 arithmetic: a
+# chunk of 64 cost 4% more a token than one of 256 on one AVX2 core (demo target, 1,024 tokens:
+# 3.45 s against 3.3; Qwen2.5-1.5B shape, 512 tokens: 16.5 s against 15.9), keeps prompt prefixes
+# four times as finely (the agentic bench reused 3,072 of 5,403 prompt tokens against 1,792, its
+# prefill 7.7 s against 11.2) and delays other generations' rounds a quarter as long
+CPU_FLOAT32_PREFILL_CHUNK = 64
+LONG_PREFILL_CHUNK = 256  # a GPU's, and a CPU's that prefills in bfloat16 on its matrix units
+
+
+def prefill_chunk_for(chunk: int, device_type: str) -> int:
+    """The prefill chunk a ``--prefill-chunk`` of ``chunk`` means on a device of ``device_type``:
+    itself, or for 0 the device's default, logged with why (ValueError below 0)."""
+    from common.fp16_weights import bf16_matrix_units
+
+    if chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 1, or 0 for the device's default; got {chunk}")
+    if chunk:
+        return chunk
+    if device_type == "cpu" and not bf16_matrix_units():
+        chunk, why = CPU_FLOAT32_PREFILL_CHUNK, "a CPU without bfloat16 matrix units, whose prefill multiplies in float32"
+    else:
+        chunk, why = LONG_PREFILL_CHUNK, f"{device_type}{' with bfloat16 matrix units' if device_type == 'cpu' else ''}"
+    logging.getLogger("starsd.target.engine").info("prefill chunks of %d prompt tokens (--prefill-chunk 0: %s)",
+                                                   chunk, why)
+    return chunk

@@ -25,7 +25,7 @@ from common.tree import TreeError, check_parents, mask_refusal, tree_attention
 from common.verify import (SamplingParams, dense_q, logits_to_probs, make_generator, verify_greedy_host,
                            verify_greedy_tensor, verify_sampling_tensor, verify_tree_greedy, verify_tree_sampling)
 from starsd_target import warmup
-from starsd_target.config import TargetConfig
+from starsd_target.config import TargetConfig, prefill_chunk_for
 from starsd_target.detokenizer import IncrementalText
 from starsd_target.results import GenerationResult, GenerationStats, TokenLogprob
 
@@ -133,9 +133,8 @@ class TargetEngine:
         round verifies (None: ``depth``, a chain); above ``depth``, rounds ask for draft trees
         of that many tokens at most, ``depth`` deep. ``prefix_cache_bytes``: memory for recent
         prompts' whole prefill chunks, which later prompts that begin alike reuse
-        (``common.prefix_cache``; 0: none)."""
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        (``common.prefix_cache``; 0: none). ``prefill_chunk`` 0: ``config.prefill_chunk_for``."""
+        prefill_chunk = prefill_chunk_for(prefill_chunk, loaded.device.type)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         draft_tokens = depth if draft_tokens is None else draft_tokens

@@ -220,7 +220,8 @@ def test_the_scheduler_batches_concurrent_generations_exactly(loaded_target, bac
     forwards (batched_rounds > 0) and each output equals the same job run alone."""
     outs = {}
     for max_batch in (4, 1):
-        engine = TargetEngine(loaded_target, depth=4, max_batch=max_batch, rows=4)
+        # four prompts' padded chunks within one chunk's positions: a GPU's default chunk
+        engine = TargetEngine(loaded_target, depth=4, max_batch=max_batch, rows=4, prefill_chunk=256)
         with running_server(backend, batch_max=4) as (server, ctx):
             client = DraftClient(server.endpoint, loaded_target.vocab_size, loaded_target.fingerprint, ctx=ctx)
             client.handshake(10)
@@ -273,7 +274,7 @@ def test_an_idle_target_starts_a_burst_of_requests_together(loaded_target, windo
     window's gaps past it.)"""
     import time
 
-    engine = TargetEngine(loaded_target, depth=4, max_batch=4)
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4, prefill_chunk=256)
     sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4, admit_window_s=window_s)
     sched.start()
     futures = []
@@ -300,7 +301,7 @@ def test_a_failed_batched_prefill_in_the_scheduler_fails_no_other_job(loaded_tar
     """A batched prefill whose forward fails is retried one generation at a time (every output as
     it would have been); one whose failure is one generation's own (its features) fails that job
     alone, and the others go on exactly."""
-    engine = TargetEngine(loaded_target, depth=4, max_batch=4)
+    engine = TargetEngine(loaded_target, depth=4, max_batch=4, prefill_chunk=256)
     real = engine._forward_batch
     calls = []
 

@@ -173,7 +173,8 @@ def test_the_scheduler_runs_a_wide_chunk_alone_and_counts_its_forwards(tiny_targ
     forward of its own, the short ones together; outputs as the target alone gives them."""
     from starsd_target.scheduler import Job, Scheduler
 
-    engine = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4, max_batch=4)
+    engine = TargetEngine(load_causal_lm(str(tiny_target), dtype=FP16_WEIGHTS), depth=4, max_batch=4,
+                         prefill_chunk=256)
     prompts = [_prompt(WIDE_ROWS_CONVERTED + 5, 5), _prompt(WIDE_ROWS_CONVERTED + 9, 6), _prompt(5, 7), _prompt(6, 8)]
     sched = Scheduler(engine, lambda: None, draft_timeout_s=10, max_active=4, admit_window_s=0.5)
     futures = [sched.submit(Job(p, 6, SamplingParams(), no_draft=True)) for p in prompts]
