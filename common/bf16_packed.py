@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from common.fp16_weights import _KEYS, _PACKED, LINEAR_FP16, _fp16_linear_op, layer_slots
+from common.fp16_weights import _KEYS, _PACKED, LINEAR_FP16, _fp16_linear_op, in_order, layer_slots
 
 
 def packed_bf16_available() -> bool:
@@ -140,11 +140,11 @@ def pack_bf16_fbgemm(model: torch.nn.Module, done=None) -> tuple[int, int, int]:
     copy); returns (layers replaced, weights rounded, weights in them). ``done(weight)``: called
     with each plain weight once its layer is replaced (to give its pages back)."""
     n = inexact = total = 0
-    for parent, name in layer_slots(model, lambda m: type(m) is torch.nn.Linear):
+    slots = layer_slots(model, lambda m: (type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+                                          and m.weight.device.type == "cpu"))
+    # a few layers at once (fbgemm packs on one thread and lets go of the GIL), replaced in order
+    for (parent, name), new in in_order(lambda slot: Bf16FbgemmLinear.from_linear(getattr(*slot)), slots):
         child = getattr(parent, name)
-        if child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
-            continue
-        new = Bf16FbgemmLinear.from_linear(child)
         inexact, total = inexact + new.inexact, total + child.weight.numel()
         setattr(parent, name, new)
         if done is not None:  # (a tied table's pages too: the embedding reads its rows from the file again)
