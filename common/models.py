@@ -324,19 +324,24 @@ def _pack_bf16(model: torch.nn.Module) -> None:
     from common.switches import switched_off
 
     ranges = weight_file_ranges()
-    if not bf16_matrix_units() and fp16_weights_available() and not switched_off(BF16_FBGEMM_ENV):
+    units, packed = bf16_matrix_units(), packed_bf16_available()
+    why_not = ("" if units else "oneDNN's packed kernel is here, its rows exact" if packed
+               else "this build has no fbgemm" if not fp16_weights_available()
+               else f"{platform.machine()} is not x86" if platform.machine().lower() not in ("x86_64", "amd64")
+               else f"{BF16_FBGEMM_ENV}=0" if switched_off(BF16_FBGEMM_ENV) else None)
+    if why_not is None:  # an x86 CPU with neither bfloat16 units nor oneDNN's packed kernel (AVX2)
         n, inexact, total = pack_bf16_fbgemm(model, done=lambda weight: release_file_pages(weight, ranges))
         give_back_freed_memory()
         log.info("%d bfloat16 linear layers held for fbgemm (this CPU has no bfloat16 units: AMX or AVX-512 BF16); "
                  "%d of %d weights lie more than 2**32 below their row's largest and are rounded to float16's "
                  "resolution there", n, inexact, total)
         return
-    if not bf16_matrix_units():
+    if why_not:
         # the demo target on a 2-vCPU AVX2 server: 47 against 24 ms a step, 154 against 32 ms for five rows
         log.warning("--dtype bfloat16 on a CPU without bfloat16 matrix instructions (AMX or AVX-512 BF16), its "
                     "layers not held for fbgemm (%s): its products are converted to float32 as they go, "
                     "a step takes about twice as long as in fp16-weights and a verification of five rows "
-                    "about 5x", f"{BF16_FBGEMM_ENV}=0" if fp16_weights_available() else "this build has no fbgemm")
+                    "about 5x", why_not)
     if not packed_bf16_available():
         log.info("bfloat16 linear layers stay plain: this CPU or PyTorch build has no packed bfloat16 kernel")
         return

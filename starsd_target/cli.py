@@ -121,9 +121,9 @@ def model_options(f):
         option("--prefill-chunk", type=click.IntRange(0), default=_d("prefill_chunk"),
                help="Prompt tokens per prefill forward: a long prompt is prefilled in chunks between other "
                     "generations' rounds, so it delays them by one chunk at most; --prefix-cache-mib keeps "
-                    "whole chunks. 0: 64 on a CPU without bfloat16 matrix units (AMX, AVX-512 BF16), whose "
-                    "prefill multiplies in float32 at about the same cost a token in chunks of 64 as of "
-                    "256, 256 elsewhere (a GPU, or a CPU that prefills in bfloat16); the log says which."),
+                    "whole chunks. 0: 64 on a CPU whose prefill multiplies in float32, at about the same cost a "
+                    "token in chunks of 64 as of 256; 256 on a GPU or a CPU that prefills in bfloat16 on AMX "
+                    "or AVX-512 BF16; the log says which."),
         option("--prefix-cache-mib", type=click.IntRange(0), default=_d("prefix_cache_mib"),
                help="Memory for recent prompts' keys and values, in whole prefill chunks: a prompt that begins "
                     "as a recent one did (a conversation's next turn, an agent's next step, a shared system "

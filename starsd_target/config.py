@@ -41,7 +41,7 @@ class TargetConfig:
     # delays each round of the others by. Measured on 2 CPU cores with the 135M demo target beside
     # an 8,000-token prompt: at 512 a chunk took 2-6 s and an 8-token request 24 s (0.7 s alone);
     # at 128, 1.6 s and 4.8 s, for a whole prefill 14% longer. On a GPU any of these is milliseconds.
-    # 0: chosen per device at start-up (starsd_target.engine.auto_prefill_chunk): 64 or 256
+    # 0: chosen at start-up (prefill_chunk_for, below): 64 or 256
     prefill_chunk: int = 0
     # memory for recent prompts' whole prefill chunks, reused by later prompts that begin alike
     # (common.prefix_cache; 0: none); a 1.5B target's float32 keys and values take 57 KiB
@@ -83,22 +83,27 @@ class TargetConfig:
 # four times as finely (the agentic bench reused 3,072 of 5,403 prompt tokens against 1,792, its
 # prefill 7.7 s against 11.2) and delays other generations' rounds a quarter as long
 CPU_FLOAT32_PREFILL_CHUNK = 64
-LONG_PREFILL_CHUNK = 256  # a GPU's, and a CPU's that prefills in bfloat16 on its matrix units
+LONG_PREFILL_CHUNK = 256  # a GPU's, and a CPU's that prefills in bfloat16 on its matrix units (wide prefill)
 
 
-def prefill_chunk_for(chunk: int, device_type: str) -> int:
-    """The prefill chunk a ``--prefill-chunk`` of ``chunk`` means on a device of ``device_type``:
-    itself, or for 0 the device's default, logged with why (ValueError below 0)."""
+def prefill_chunk_for(chunk: int, runner) -> int:
+    """The prefill chunk a ``--prefill-chunk`` of ``chunk`` means for the model ``runner``
+    (a ``common.runner.ModelRunner``, its wide prefill settled) runs: itself, or for 0 the
+    default, logged with why (ValueError below 0)."""
+    import torch
+
     from common.fp16_weights import bf16_matrix_units
 
     if chunk < 0:
         raise ValueError(f"prefill_chunk must be >= 1, or 0 for the device's default; got {chunk}")
     if chunk:
         return chunk
-    if device_type == "cpu" and not bf16_matrix_units():
-        chunk, why = CPU_FLOAT32_PREFILL_CHUNK, "a CPU without bfloat16 matrix units, whose prefill multiplies in float32"
+    if runner.device.type != "cpu":
+        chunk, why = LONG_PREFILL_CHUNK, runner.device.type
+    elif runner.wide_prefill_rows or (runner.loaded.dtype == torch.bfloat16 and bf16_matrix_units()):
+        chunk, why = LONG_PREFILL_CHUNK, "a CPU that prefills in bfloat16 on its matrix units"
     else:
-        chunk, why = LONG_PREFILL_CHUNK, f"{device_type}{' with bfloat16 matrix units' if device_type == 'cpu' else ''}"
+        chunk, why = CPU_FLOAT32_PREFILL_CHUNK, "a CPU whose prefill multiplies in float32"
     logging.getLogger("starsd.target.engine").info("prefill chunks of %d prompt tokens (--prefill-chunk 0: %s)",
                                                    chunk, why)
     return chunk

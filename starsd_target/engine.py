@@ -134,7 +134,6 @@ class TargetEngine:
         of that many tokens at most, ``depth`` deep. ``prefix_cache_bytes``: memory for recent
         prompts' whole prefill chunks, which later prompts that begin alike reuse
         (``common.prefix_cache``; 0: none). ``prefill_chunk`` 0: ``config.prefill_chunk_for``."""
-        prefill_chunk = prefill_chunk_for(prefill_chunk, loaded.device.type)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         draft_tokens = depth if draft_tokens is None else draft_tokens
@@ -151,7 +150,7 @@ class TargetEngine:
             raise ValueError(f"draft trees (draft_tokens {draft_tokens} > depth {depth}) need a forward with a "
                              f"tree attention mask, which this model cannot take: {why}")
         self.round_tokens = max(depth, draft_tokens)  # the most positions a round feeds after the root
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk = prefill_chunk_for(prefill_chunk, self.runner)
         self.prefix = PrefixCache(prefix_cache_bytes, prefill_chunk)
         self.context = context_length(loaded.model)  # None: the model declares none
         self.max_batch, self.batch_off = 1, self._batch_refusal(max_batch)

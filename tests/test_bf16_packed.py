@@ -4,6 +4,8 @@ differs on the probe left unused, and a small bfloat16 model's greedy output unc
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -287,6 +289,8 @@ def test_a_layer_held_for_fbgemm_keeps_the_bfloat16_values_of_rows_of_any_scale(
     layer = Bf16FbgemmLinear(w)
     assert layer.inexact == 0
     assert torch.equal(_held_weight(layer), w.float())
+    w[5, 0] = w[5].float().abs().max() * 2.0 ** -31.5  # within 2**32 of its row's largest: exact
+    assert Bf16FbgemmLinear(w).inexact == 0 and torch.equal(_held_weight(Bf16FbgemmLinear(w)), w.float())
     w[5, 0] = w[5].float().abs().max() * 2.0 ** -40
     assert Bf16FbgemmLinear(w).inexact == 1
     with pytest.raises(ValueError, match="bfloat16"):
@@ -323,11 +327,12 @@ def test_a_bfloat16_model_held_for_fbgemm_decodes_as_the_plain_model_up_to_round
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=3, hidden=48, layers=2, tied=tied)
     monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: False)
+    monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)  # an AVX2 CPU's oneDNN
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     loaded = load_causal_lm(str(ckpt), dtype="bfloat16")
     kinds = {type(m) for m in loaded.model.modules() if isinstance(m, (torch.nn.Linear, Bf16FbgemmLinear))}
     assert kinds == {Bf16FbgemmLinear}
     monkeypatch.setenv(bf16_packed.BF16_FBGEMM_ENV, "0")
-    monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)
     plain = load_causal_lm(str(ckpt), dtype="bfloat16").model
     assert not any(type(m) is Bf16FbgemmLinear for m in plain.modules())
     prompt = [5, 9, 200, 17]

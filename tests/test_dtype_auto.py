@@ -283,7 +283,11 @@ def test_bfloat16_without_bfloat16_units_is_held_for_fbgemm_or_loaded_with_a_war
     from common import fp16_weights
     from common.bf16_packed import BF16_FBGEMM_ENV, Bf16FbgemmLinear
 
+    from common import bf16_packed
+
     monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: units)
+    monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)  # (AVX2: as on a Xeon without AMX)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setenv(BF16_FBGEMM_ENV, switch)
     with caplog.at_level(logging.INFO, logger="starsd.models"):
         loaded = load_causal_lm(str(tiny_target), dtype="bfloat16")

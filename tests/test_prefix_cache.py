@@ -184,25 +184,29 @@ def test_the_draft_daemon_binds_sessions_to_the_suffix_indexs_partitions(near_dr
     assert (partition("key", b"key-a"), partition("all", b"key-a"), partition("off", b"key-a")) == (b"key-a", b"", None)
 
 
-@pytest.mark.parametrize("units, chunk", [(False, 64), (True, 256)])
-def test_the_default_prefill_chunk_follows_the_cpus_prefill_arithmetic(loaded_target, monkeypatch, caplog, units, chunk):
-    """``--prefill-chunk 0`` (the default; ``config.prefill_chunk_for``): 64 on a CPU without bfloat16 matrix units, whose
-    prefill multiplies in float32 (as cheap a token in chunks of 64 as of 256, with prefixes kept
-    four times as finely), 256 on one that prefills on its bfloat16 units; the prefix cache keeps
-    chunks of that length, and the log says which and why. A negative chunk is refused."""
+@pytest.mark.parametrize("units, dtype, chunk", [(False, "float32", 64), (True, "float32", 64),
+                                                  (False, "bfloat16", 64), (True, "bfloat16", 256)])
+def test_the_default_prefill_chunk_follows_the_cpus_prefill_arithmetic(tiny_target, monkeypatch, caplog, units,
+                                                                       dtype, chunk):
+    """``--prefill-chunk 0`` (the default; ``config.prefill_chunk_for``): 64 on a CPU whose prefill
+    multiplies in float32 (as cheap a token in chunks of 64 as of 256, with prefixes kept four
+    times as finely), 256 on one that prefills in bfloat16 on its matrix units; the prefix cache
+    keeps chunks of that length, and the log says which and why. A negative chunk is refused."""
     import logging
 
     from common import fp16_weights
+    from common.models import load_causal_lm
     from starsd_target.config import TargetConfig
 
     assert TargetConfig.prefill_chunk == 0
     monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: units)
+    loaded = load_causal_lm(str(tiny_target), dtype=dtype)
     with caplog.at_level(logging.INFO, logger="starsd.target.engine"):
-        engine = TargetEngine(loaded_target, depth=3, prefix_cache_bytes=1 << 20)
+        engine = TargetEngine(loaded, depth=3, prefix_cache_bytes=1 << 20)
     assert engine.prefill_chunk == engine.prefix.chunk == chunk
     said = [r.getMessage() for r in caplog.records if "prefill chunks of" in r.getMessage()]
     assert said == [f"prefill chunks of {chunk} prompt tokens (--prefill-chunk 0: "
-                    + ("a CPU without bfloat16 matrix units, whose prefill multiplies in float32)" if not units
-                       else "cpu with bfloat16 matrix units)")]
+                    + ("a CPU whose prefill multiplies in float32)" if chunk == 64
+                       else "a CPU that prefills in bfloat16 on its matrix units)")]
     with pytest.raises(ValueError, match="prefill_chunk"):
-        TargetEngine(loaded_target, prefill_chunk=-1)
+        TargetEngine(loaded, prefill_chunk=-1)
