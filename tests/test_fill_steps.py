@@ -30,7 +30,7 @@ def one_step_a_request(monkeypatch):
 
 
 class SlowOracle(OracleBackend):
-    """The oracle drafter (always right, or always wrong) taking SLOW_DRAFT_S per request."""
+    """The oracle drafter (always right, or always wrong) taking ``delay_s`` per request."""
 
     delay_s = SLOW_DRAFT_S
 
