@@ -39,11 +39,9 @@ on x86 CPUs whose oneDNN has no packed bfloat16 kernel, where it was measured; e
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from common.fp16_weights import _KEYS, _PACKED, LINEAR_FP16, _fp16_linear_op, in_order, layer_slots
+from common.fp16_weights import Fp16Linear, in_order, layer_slots
 
 
 def packed_bf16_available() -> bool:
@@ -112,12 +110,8 @@ class Bf16FbgemmLinear(torch.nn.Module):
         scaled = w.float().mul_(torch.pow(2.0, shift.float())[:, None])
         self.inexact = sum(int(torch.count_nonzero(block.half().float() != block))  # a few rows at a time
                            for block in scaled.split(256))
-        self._packed = torch.ops.quantized.linear_prepack_fp16(scaled, None)
+        self.inner = Fp16Linear(scaled)  # fbgemm's GEMM of the scaled weight, float32 in and out
         del scaled
-        key = next(_KEYS)
-        _PACKED[key] = self._packed
-        weakref.finalize(self, _PACKED.pop, key, None)
-        self.register_buffer("_key", torch.tensor(key), persistent=False)
         self.register_buffer("unscale", torch.pow(2.0, -shift.float()), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
 
@@ -127,11 +121,7 @@ class Bf16FbgemmLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).float()
-        if torch.compiler.is_compiling():
-            y = _fp16_linear_op(rows, self._key, self.out_features)
-        else:
-            y = LINEAR_FP16(rows, self._packed)
+        y = self.inner(x.reshape(-1, self.in_features))
         # the scaling back is exact, so one op with the bias rounds as the sum alone would
         y = y.mul_(self.unscale) if self.bias is None else torch.addcmul(self.bias, y, self.unscale)
         return y.to(torch.bfloat16).reshape(*lead, self.out_features)

@@ -269,7 +269,7 @@ needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.suppo
 
 def _held_weight(layer: Bf16FbgemmLinear) -> torch.Tensor:
     """The weight ``layer`` multiplies by, in float32: its float16 values scaled back."""
-    scaled, _ = torch.ops.quantized.linear_unpack_fp16(layer._packed)
+    scaled, _ = torch.ops.quantized.linear_unpack_fp16(layer.inner._packed)
     return scaled.float() * layer.unscale[:, None]
 
 
