@@ -127,15 +127,22 @@ def test_a_slow_draft_daemon_is_hidden_behind_fill_steps_and_the_output_is_the_t
     assert off.token_ids == ref and off.stats.fill_steps == 0 and off.stats.fallback_rounds == 0
 
 
-def test_with_fill_steps_the_target_waits_on_fewer_requests_to_a_slow_daemon(loaded_target, one_step_a_request):
-    """Not a timing assertion: the forwards each way. Waiting, every token comes from a
-    verification; with fill steps, some come from steps taken while the drafts were on their way,
-    and the verifications still keep drafts."""
-    _, on = _slow_oracle_generation(loaded_target, True)
+def test_at_a_fixed_depth_a_fill_step_takes_the_first_drafts_place(loaded_target, one_step_a_request,
+                                                                    monkeypatch):
+    """Not a timing assertion: the work each way, at a pinned chain length (the controller's
+    choice follows the host's timings). A fill step's token is the one the first draft would
+    have confirmed, so the target asks the same requests and keeps the same tokens, and each
+    step ran while its request's drafts were on their way: its forward is the wait's, not the
+    round's."""
+    monkeypatch.setattr(AdaptiveDepth, "choose", lambda self, cap, *a, **k: min(3, cap))
+    ref, on = _slow_oracle_generation(loaded_target, True)
     _, off = _slow_oracle_generation(loaded_target, True, fill_steps=False)
-    assert on.stats.fill_steps > 0 and off.stats.fill_steps == 0
-    drafted_rounds_on = on.stats.rounds - on.stats.fill_steps
-    assert drafted_rounds_on < off.stats.rounds  # fewer requests the target waited on
+    assert on.token_ids == off.token_ids == ref
+    requests = [r.stats.profile.counts["draft_wait"] for r in (on, off)]
+    assert requests[0] == requests[1] == off.stats.rounds, requests  # every request waited on, each way
+    assert on.stats.accepted == off.stats.accepted and on.stats.fallback_rounds == off.stats.fallback_rounds == 0
+    assert 0 < on.stats.fill_steps < requests[0] and off.stats.fill_steps == 0
+    assert on.stats.fill_confirmed == on.stats.fill_steps  # every step's token was the first draft
 
 
 def test_seeded_generations_take_no_fill_steps(loaded_target, one_step_a_request):
