@@ -421,6 +421,24 @@ def test_quick_bench_writes_json_png_and_markdown(quick_report):
 
 
 @pytest.mark.slow
+def test_quick_bench_pool_fields(quick_report):
+    """The pool section: each daemon count's targets spread over every daemon and drafting, and
+    the failover run's targets all drafting again after one daemon is killed."""
+    from starsd_draftd.bench.draft_pool import QUICK_DAEMONS
+
+    _, r = quick_report
+    p = r["pool"]
+    assert p["n_full"] >= 1 and [row["daemons"] for row in p["sweep"]] == list(QUICK_DAEMONS)
+    for row in p["sweep"]:
+        assert row["targets"] == 2 * p["n_full"] * row["daemons"] and row["daemons_used"] == row["daemons"], row
+        assert row["rounds"] > 0 and _num(row["tok_s"]) and _num(row["x_one"]) and _num(row["per_target_tok_s"])
+    f = p["failover"]
+    assert f["daemons"] == 2 and len(f["fallback_rounds_per_target"]) == f["targets"] == 2 * p["n_full"]
+    assert _num(f["recovered_s"]) and f["recovered_s"] > 0  # every target drafted again after the kill
+    assert "A pool of draft daemons" in format_report(r)
+
+
+@pytest.mark.slow
 def test_quick_bench_machine_and_labels(quick_report):
     _, r = quick_report
     m = r["machine"]
