@@ -13,8 +13,10 @@ The target engine and the draft backends run their models only through a ``Model
   hidden states). Each consumer's ``warm_up`` drives the kinds it serves with before serving;
   after that, a call no graph covers runs eagerly (``serving_stance``) instead of compiling for
   minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
-  keeps the original weights too: about twice the weight memory). Compiled artifacts are cached
-  under StarSD's cache directory (``<cache>/inductor``); a restart still traces the model again.
+  keeps the original weights too: about twice the weight memory). Generated kernels are cached
+  under StarSD's cache directory (``<cache>/inductor``); a restart traces the model and, on a CPU,
+  compiles its graphs again (inductor's graph cache cannot hold prepacked oneDNN weights), so it
+  takes about two thirds of the first start.
   Eager is the default and the fallback: a warm-up that fails (no C++ compiler, an operator
   inductor cannot lower) logs a warning and leaves the runner eager.
 - eager forwards of Llama and Qwen2 models run through ``common.lean`` (the same arithmetic, bit
@@ -39,8 +41,10 @@ from common.models import LoadedModel, cache_root, new_cache
 log = logging.getLogger("starsd.runner")
 
 COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
-                "The daemon compiles before it serves (minutes on a CPU); compiled code is cached under "
-                "StarSD's cache directory, which shortens restarts (the model is traced again). Off by default: see docs/architecture.md, 'The model runner', for what "
+                "The daemon compiles before it serves (minutes on a CPU: the demo target takes about 12 on "
+                "one core). Generated kernels are cached under StarSD's cache directory; on a CPU a restart "
+                "still compiles the graphs again (their prepacked weights cannot be cached) and takes about "
+                "two thirds as long. Off by default: see docs/architecture.md, 'The model runner', for what "
                 "it costs and when it pays.")
 
 
