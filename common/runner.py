@@ -55,10 +55,22 @@ LEAN_HELP = ("Run eager forwards of Llama and Qwen2 models through StarSD's lean
 
 
 def inductor_cache_dir() -> Path:
-    """Where inductor keeps compiled artifacts: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
-    ``<StarSD cache>/inductor``."""
+    """Where inductor keeps compiled artifacts: ``$TORCHINDUCTOR_CACHE_DIR`` if the user set it,
+    else ``<StarSD cache>/inductor``. Importing ``torch._dynamo`` (loading a model does) sets the
+    variable to torch's default under the temporary directory, which a reboot, or systemd's
+    PrivateTmp at every restart, empties: that value counts as unset."""
     explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(explicit) if explicit else cache_root() / "inductor"
+    if explicit and not _torch_default_dir(explicit):
+        return Path(explicit)
+    return cache_root() / "inductor"
+
+
+def _torch_default_dir(path: str) -> bool:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: its default is not known, so the value is taken as set
+        return False
+    return os.path.abspath(path) == os.path.abspath(default_cache_dir())
 
 
 def _configure_inductor(device: torch.device) -> Path:

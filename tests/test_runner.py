@@ -1,6 +1,8 @@
 """The model runner: in-place slot caches equal transformers' own cache, and compiled forwards
 equal eager ones (logits within float tolerance, greedy tokens identical), rollback included."""
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -97,9 +99,18 @@ def one_layer_pair(tmp_path_factory):
 
 
 def test_inductor_cache_lives_under_starsd_cache(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("STARSD_CACHE_DIR", str(tmp_path))
     assert inductor_cache_dir() == tmp_path / "inductor"
+    # what importing torch._dynamo does when nothing set it, as loading a model does: the
+    # variable then names torch's default under /tmp, which is not the user's choice
+    cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
+    assert inductor_cache_dir() == tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    assert inductor_cache_dir() == tmp_path / "mine"
 
 
 def _assert_compiled_equals_eager_with_rollback(compiled: ModelRunner, eager: ModelRunner) -> None:
