@@ -93,6 +93,8 @@ def _configure_inductor(device: torch.device) -> Path:
 class ModelRunner:
     """Runs one loaded causal LM. ``compile``: compile the forward (see the module's docstring)."""
 
+    HEARTBEAT_S = 60.0  # while the warm-up compiles: a log line and more start-up time from systemd
+
     def __init__(self, loaded: LoadedModel, compile: bool = False, lean: bool = True):
         self.loaded = loaded
         self.model = loaded.model
@@ -202,15 +204,16 @@ class ModelRunner:
         eagerly rather than compile mid-serving."""
         if not self.compiled:
             return 0.0
-        log.info("compiling the %s's forwards (minutes on a CPU; compiled code is cached in %s)", what,
+        log.info("compiling the %s's forwards (minutes on a CPU; generated kernels are cached in %s)", what,
                  inductor_cache_dir())
-        from common.sdnotify import notify
+        from common.sdnotify import Heartbeat, notify
 
         notify(f"STATUS=compiling the {what}'s forwards")
         t0 = time.perf_counter()
         self.warm = False  # compile what the exercise needs (a second warm-up adds graphs)
         try:
-            with torch.inference_mode():
+            # a log line a minute, and more start-up time from systemd while it runs
+            with torch.inference_mode(), Heartbeat(f"compiling the {what}'s forwards", self.HEARTBEAT_S):
                 exercise()
         except Exception as exc:  # inductor failures are many and varied: eager always works
             log.warning("compiling the %s failed (%s: %s); it runs eagerly", what, type(exc).__name__, exc)

@@ -1,10 +1,13 @@
 """sd_notify: datagrams reach a real AF_UNIX socket (path and abstract), nothing happens without
-NOTIFY_SOCKET, nothing raises on a dead socket, and the watchdog's half-interval timing."""
+NOTIFY_SOCKET, nothing raises on a dead socket, the watchdog's half-interval timing, and the
+heartbeat that asks for more start-up time while a compiling warm-up runs."""
 
+import logging
 import os
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -175,3 +178,66 @@ def test_default_clock_is_monotonic(monkeypatch):
     assert not wd.due()
     clock.t += 0.1
     assert wd.due()
+
+
+def _drain(receiver: Receiver) -> list[list[str]]:
+    """The datagrams waiting at the receiver, without waiting for more."""
+    receiver.sock.settimeout(0.2)
+    out = []
+    try:
+        while True:
+            out.append(receiver.recv())
+    except (socket.timeout, BlockingIOError):
+        return out
+
+
+def _beats(hb: sdnotify.Heartbeat, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while hb.beats < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hb.beats >= n
+
+
+def test_a_heartbeat_extends_the_start_up_while_its_step_runs_and_stops_after(receiver, caplog):
+    caplog.set_level(logging.INFO, logger="starsd.sdnotify")
+    with sdnotify.Heartbeat("compiling the target model's forwards", interval_s=0.05, extend_s=2.5) as hb:
+        _beats(hb, 2)
+    got = _drain(receiver)
+    assert len(got) == hb.beats >= 2  # one datagram a beat, none after the step
+    for states in got:
+        assert states[0] == "EXTEND_TIMEOUT_USEC=2500000"
+        assert states[1].startswith("STATUS=compiling the target model's forwards (") and len(states) == 2
+    assert "still compiling the target model's forwards" in caplog.text
+    time.sleep(0.15)
+    assert _drain(receiver) == []
+
+
+def test_a_heartbeat_stops_extending_past_its_limit(receiver):
+    with sdnotify.Heartbeat("compiling", interval_s=0.05, limit_s=0.0) as hb:
+        _beats(hb, 1)
+    got = _drain(receiver)
+    assert got and all(len(states) == 1 and states[0].startswith("STATUS=compiling") for states in got)
+
+
+def test_a_heartbeat_without_notify_socket_only_logs(monkeypatch, caplog):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    caplog.set_level(logging.INFO, logger="starsd.sdnotify")
+    with sdnotify.Heartbeat("loading", interval_s=0.02) as hb:
+        _beats(hb, 1)
+    assert "still loading" in caplog.text
+
+
+def test_a_compiling_warm_up_beats(receiver, loaded_target, monkeypatch, caplog):
+    """The runner's warm-up runs its compilation inside a heartbeat (here a made-up slow one:
+    compiling for real takes minutes)."""
+    from common.runner import ModelRunner
+
+    caplog.set_level(logging.INFO, logger="starsd.sdnotify")
+    runner = ModelRunner(loaded_target)
+    runner.compiled = True  # what a compiled runner's warm-up does, around an exercise that only waits
+    monkeypatch.setattr(ModelRunner, "HEARTBEAT_S", 0.05)
+    assert runner.warm_up(lambda: time.sleep(0.3), "test model") >= 0.3 and runner.warm
+    sent = _drain(receiver)
+    assert ["STATUS=compiling the test model's forwards"] in sent
+    assert any(s[0].startswith("EXTEND_TIMEOUT_USEC=") for s in sent)
+    assert "still compiling the test model's forwards" in caplog.text
