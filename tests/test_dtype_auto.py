@@ -280,10 +280,8 @@ def test_bfloat16_without_bfloat16_units_is_held_for_fbgemm_or_loaded_with_a_war
     """On a CPU that would convert bfloat16 products to float32 as they go, bfloat16 layers are
     held for fbgemm (``Bf16FbgemmLinear``) and the log says so; with that switched off the user
     is warned; with bfloat16 units neither happens."""
-    from common import fp16_weights
+    from common import bf16_packed, fp16_weights
     from common.bf16_packed import BF16_FBGEMM_ENV, Bf16FbgemmLinear
-
-    from common import bf16_packed
 
     monkeypatch.setattr(fp16_weights, "bf16_matrix_units", lambda: units)
     monkeypatch.setattr(bf16_packed, "packed_bf16_available", lambda: False)  # (AVX2: as on a Xeon without AMX)
