@@ -10,7 +10,9 @@ The target engine and the draft backends run their models only through a ``Model
   lengths, so that a few graphs serve every step: dynamo specialises a length of 1 (decode, a
   one-token feed) apart from longer ones (verification, prefill chunks), a first feed apart from
   one after cached positions, and each kind of output asked for (all logits, the last only,
-  hidden states). Each consumer's ``warm_up`` drives the kinds it serves with before serving;
+  hidden states). A one-token feed always asks for its row as the last (the same logits), so a
+  decode step and a round without drafts share a graph: a target compiles four (a first prefill
+  chunk, a later one, one row, a verification's rows). Each consumer's ``warm_up`` drives the kinds it serves with before serving;
   after that, a call no graph covers runs eagerly (``serving_stance``) instead of compiling for
   minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
   keeps the original weights too: about twice the weight memory). Generated kernels are cached
@@ -41,7 +43,7 @@ from common.models import LoadedModel, cache_root, new_cache
 log = logging.getLogger("starsd.runner")
 
 COMPILE_HELP = ("Compile the model's forward with torch.compile (inductor; on CPUs with weight freezing). "
-                "The daemon compiles before it serves (minutes on a CPU: the demo target takes about 12 on "
+                "The daemon compiles before it serves (minutes on a CPU: the demo target takes about 10 on "
                 "one core). Generated kernels are cached under StarSD's cache directory; on a CPU a restart "
                 "still compiles the graphs again (their prepacked weights cannot be cached) and takes about "
                 "two thirds as long. Off by default: see docs/architecture.md, 'The model runner', for what "
@@ -190,6 +192,8 @@ class ModelRunner:
         if self.compiled and hasattr(cache, "reserve"):
             cache.reserve(cache.get_seq_length() + len(ids))  # any growth outside the graph
         keep = {"all": 0, "last": 1, "none": 1}[logits]
+        if self.compiled and len(ids) == 1:
+            keep = 1  # one row either way: a decode step and a one-row round run one graph
         out = self(input_ids=x, cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep)
         h = fused_features(out.hidden_states, layers)[0] if hidden else None
         if logits == "none":

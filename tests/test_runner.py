@@ -149,8 +149,15 @@ def test_compiled_star_parts_stay_exact_and_need_no_compile_after_warm_up(one_la
     draft = load_causal_lm(str(near_draft))
     engine = TargetEngine(target, depth=4, prefill_chunk=8, runner=ModelRunner(target, compile=True))
     backend = ModelBackend(draft, lookup=SuffixIndex(), runner=ModelRunner(draft, compile=True))
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.warm_up() > 0
+    # a first prefill chunk (no mask over cached positions), a later one, one row (a decode step
+    # and a round without drafts alike), and rows with every row's logits (a verification)
+    assert counters["stats"]["unique_graphs"] - graphs == 4
     # batch_max=1: the batched graphs (drafted the same way) would double this test's compile time
-    assert engine.warm_up() > 0 and backend.warm_up(batch_max=1) > 0
+    assert backend.warm_up(batch_max=1) > 0
     assert engine.runner.warm and backend.runner.warm
     engine.runner.serving_stance = backend.runner.serving_stance = "fail_on_recompile"
     assert compile_cache.exists() and any(compile_cache.iterdir())  # artifacts went to the configured cache
