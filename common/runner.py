@@ -12,9 +12,10 @@ The target engine and the draft backends run their models only through a ``Model
   one after cached positions, and each kind of output asked for (all logits, the last only,
   hidden states). A one-token feed always asks for its row as the last (the same logits), so a
   decode step and a round without drafts share a graph: a target compiles four (a first prefill
-  chunk, a later one, one row, a verification's rows). Each consumer's ``warm_up`` drives the kinds it serves with before serving;
-  after that, a call no graph covers runs eagerly (``serving_stance``) instead of compiling for
-  minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
+  chunk, a later one, one row, a verification's rows), and five more with hidden states where
+  an EAGLE head needs them. Each consumer's ``warm_up`` drives the kinds it serves with before
+  serving; after that, a call no graph covers runs eagerly (``serving_stance``) instead of
+  compiling for minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
   keeps the original weights too: about twice the weight memory). Generated kernels are cached
   under StarSD's cache directory (``<cache>/inductor``); a restart traces the model and, on a CPU,
   compiles its graphs again (inductor's graph cache cannot hold prepacked oneDNN weights), so it
