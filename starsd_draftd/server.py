@@ -482,9 +482,8 @@ class DraftServer:
 
     def _new_state(self, session: Session) -> object:
         """A session's backend state, bound to the partition of kept prompts its text may come
-        from: the suffix index's (its CURVE key's with --suffix-share key, everyone's with all); a
-        seeded sampled session, whose drafts follow its own requests alone, and --suffix-share off
-        keep none."""
+        from: the suffix index's (its CURVE key's with --suffix-share key, everyone's with all);
+        a seeded sampled session (its drafts follow its own requests alone) and --suffix-share off keep none."""
         state = self.backend.new_state(session.params)
         part = partition(self.config.suffix_share, self._text_principal(session.key[0]))
         if part is not None and not session.params.seeded:
@@ -532,7 +531,8 @@ class DraftServer:
             session.features += held
             session.pending_features = []
         self._note_text(session, principal, before, h)
-        return DraftRequest(session.state, session.verified, h["depth"], features, tree, h.get("min_survival", 0.0))
+        return DraftRequest(session.state, session.verified, h["depth"], features, tree, h.get("min_survival", 0.0),
+                            h.get("min_chance", 0.0))
 
     def _note_text(self, session: Session, principal: bytes, before: int, h: dict) -> None:
         """The session's text in the suffix index takes its newly verified tokens (from

@@ -9,7 +9,10 @@ runner executes). The rules:
 * a crowded target (``crowded_round``) runs the round without drafts, by choice (a plain round);
   so does a generation whose controller finds that drafting does not pay (``drafts_pay``);
 * a tree where the generation's budget and the daemon allow one (its depth then stays: adaptive
-  depth models chains);
+  depth models chains); where the daemon stops greedy drafts itself, with the controller's
+  ``min_survival`` and ``min_chance``, below which a node does not pay its verified row (the
+  daemon neither feeds nor sends it: on a CPU, where rows cost, the tree shrinks towards the
+  chain);
 * else a chain: where the daemon stops greedy chains itself, the cap with the controller's
   ``min_survival`` (and ``min_chance`` for drafts copied from text already seen); otherwise the
   controller's length within the cap (the cap without one).
@@ -94,4 +97,9 @@ def plan_round(cap: int, *, session: bool, crowded: bool = False, trees: bool = 
             chance = min(depth.min_chance(), survival)
         else:
             cap = depth.choose(cap)
+    elif depth is not None and stops_drafts and greedy_drafts:
+        # a greedy tree: the daemon feeds and keeps only the nodes that pay their row, by the
+        # chain's rule (a node's chance of being on the target's path against the threshold)
+        survival = depth.min_survival()
+        chance = min(depth.min_chance(), survival)
     return RoundPlan(wanted=True, depth=cap, budget=budget, min_survival=survival, min_chance=chance)

@@ -649,8 +649,9 @@ class Scheduler:
         if a.proposal is not None and n is not None:
             a.drafts.kept(a.confirmed + n)
         times = self._profile(a, end)
-        if a.depth is not None and a.proposal is not None and n is not None and not a.budget:
+        if a.depth is not None and a.proposal is not None and n is not None:
             # the drafts the fill steps confirmed count as kept; the verification ran over the rest
+            # (a tree's rows are its nodes: its rounds measure what a row costs for its floor)
             a.depth.observe(a.asked, a.confirmed + len(a.proposal.tokens), a.confirmed + n, times,
                             rows=len(a.proposal.tokens) + 1)
         if a.plain:
@@ -660,7 +661,7 @@ class Scheduler:
                 a.depth.catching_up = True  # the next drafted round pays a catch-up
             elif a.depth is not None:  # the target alone's rate, and a catch-up next
                 a.depth.observe_plain(times)
-        elif a.depth is not None and a.wanted and a.proposal is None and not a.budget:
+        elif a.depth is not None and a.wanted and a.proposal is None:
             a.depth.observe_fallback(times)  # drafts that did not come cost their round too
         if self.on_round is not None:
             self.on_round(a.gen, n, a.wanted, verify_s)

@@ -40,6 +40,19 @@ def test_the_tree_budget_is_asked_for_where_the_daemon_drafts_trees_and_keeps_th
     assert (chain.depth, chain.budget) == (5, 0)
 
 
+def test_greedy_trees_the_daemon_prunes_carry_the_thresholds():
+    """Where the daemon stops greedy drafts itself, a tree request carries the chain's
+    thresholds: the daemon drops the nodes that do not pay their verified row."""
+    depth = _measured(per_token_s=1.0, fixed_s=0.001, acceptance=0.1)
+    depth.drafted, depth._verify = (3.0, 0.1, 5), (1.0, 3.0, 0.06, 10.0, 0.19)  # v: 10 ms a token verified
+    plan = plan_round(5, session=True, trees=True, budget=16, stops_drafts=True, greedy_drafts=True, depth=depth)
+    assert (plan.depth, plan.budget) == (5, 16) and depth.last == 0
+    chain = plan_round(5, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)
+    assert (plan.min_survival, plan.min_chance) == (chain.min_survival, chain.min_chance) and plan.min_survival > 0
+    sampled = plan_round(5, session=True, trees=True, budget=16, stops_drafts=True, greedy_drafts=False, depth=depth)
+    assert (sampled.budget, sampled.min_survival, sampled.min_chance) == (16, 0.0, 0.0)
+
+
 def test_greedy_chains_the_daemon_stops_ask_for_the_cap_with_min_survival():
     depth = _measured(per_token_s=1.0, fixed_s=0.001, acceptance=0.1)
     plan = plan_round(6, session=True, stops_drafts=True, greedy_drafts=True, depth=depth)

@@ -183,6 +183,43 @@ def test_greedy_tree_keeps_the_best_scored_nodes(case):
             assert s <= worst_kept + 1e-4
 
 
+def test_a_greedy_tree_feeds_and_keeps_only_the_nodes_that_pay_their_row(draft_model):
+    """With the target's min_survival, a node whose chance of lying on the target's path (its
+    tokens' probabilities under a fresh session's calibration, which takes them at their word) is
+    below it is neither fed nor sent: a threshold near 0 leaves the whole tree, one no chance
+    reaches leaves an empty one, and the chain sent is what the calibration learns from."""
+    case = ModelCase(draft_model)
+    b, verified = case.backend, _prompt(5)
+    full = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40)
+    low = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=1e-9)
+    assert (low.tokens, low.parents) == (full.tokens, full.parents)
+
+    def chances(d):
+        out = {}
+        for i in range(len(d.tokens)):
+            path = [d.tokens[j] for j in path_to(d.parents, i)]
+            p = float(torch.softmax(case.logits(verified, path[:-1]), -1)[path[-1]])
+            out[tuple(path)] = out.get(tuple(path[:-1]), 1.0) * min(p, 0.99)
+        return out
+
+    every = chances(full)
+    floor = sorted(every.values())[len(every) // 2]  # about half the nodes pay
+    st = b.new_state(GREEDY)
+    pruned = b.draft(st, verified, DEPTH, tree_tokens=40, min_survival=floor)
+    kept = set(chances(pruned)) if pruned.tokens else set()
+    assert kept == {path for path, c in every.items() if c >= floor * (1 + 1e-5)} or \
+        kept == {path for path, c in every.items() if c >= floor * (1 - 1e-5)}
+    assert 0 < len(pruned.tokens) < len(full.tokens)
+    check_parents(pruned.parents, len(pruned.tokens), max_depth=DEPTH)
+    start, tokens, probs = st.calibration._last
+    assert start == len(verified) and tokens == _first_child_path(pruned) and all(p is not None for p in probs)
+    nothing = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=0.995)
+    assert nothing.tokens == [] and nothing.parents == []  # no chance reaches it (at most 0.99)
+    # the target's min_chance (a verified row's cost alone) is the floor where it is sent
+    cheap_rows = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=0.995, min_chance=1e-9)
+    assert (cheap_rows.tokens, cheap_rows.parents) == (full.tokens, full.parents)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
 def test_greedy_trees_of_other_architectures(tmp_path, arch):
     """The tree forwards' 4-D masks and position ids work beyond Llama."""

@@ -40,7 +40,9 @@ def arch_pair(request, tmp_path_factory):
 def test_targets_verify_trees_exactly(backend, arch_pair, star):
     """Targets verifying trees drafted by one daemon, concurrently: four targets on the first
     pair (llama, a draft model), two on the other three (the architectures and backends differ;
-    what four concurrent targets add, the first case shows, and each target is a process start)."""
+    what four concurrent targets add, the first case shows, and each target is a process start).
+    The draft model's trees keep only the nodes that pay their verified row by the targets'
+    measured costs (on a CPU core, tiny models: few); the EAGLE head's trees fill the budget."""
     arch, target, draft, head = arch_pair
     n = 4 if (arch, backend) == ("llama", "model") else 2
     if backend == "eagle":
@@ -62,7 +64,8 @@ def test_targets_verify_trees_exactly(backend, arch_pair, star):
     with ControlClient(draft_ep) as cc:
         st = cc.stats()
     assert st["peers"] == n and st["trees"]["requests"] > 0
-    assert st["trees"]["tokens"] > 4 * st["trees"]["requests"]  # trees, wider than the depth-4 chains
+    if backend == "eagle":
+        assert st["trees"]["tokens"] > 4 * st["trees"]["requests"]  # trees, wider than the depth-4 chains
     out = CliRunner().invoke(draftd_cli, ["status", "--connect", draft_ep])  # the command, in this process
     assert out.exit_code == 0 and f"trees: {st['trees']['requests']} requests answered with trees" in out.stdout
 

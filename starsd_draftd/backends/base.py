@@ -28,6 +28,9 @@ class DraftRequest:
     new_features: np.ndarray | torch.Tensor | None = None
     tree_tokens: int = 0
     min_survival: float = 0.0  # a greedy chain stops early below this chance of being kept whole (``Stopping``)
+    # a greedy tree's nodes are neither fed nor sent below this chance of lying on the target's
+    # path (0: min_survival's): the target's min_chance, what one more verified row costs
+    min_chance: float = 0.0
 
 
 @dataclass

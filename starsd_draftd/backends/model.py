@@ -174,11 +174,13 @@ class ModelBackend(DraftBackend):
 
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
-              min_survival: float = 0.0) -> Draft:
-        """``min_survival`` > 0 (greedy chains): stop before ``depth`` where ``Stopping`` says."""
+              min_survival: float = 0.0, min_chance: float = 0.0) -> Draft:
+        """``min_survival`` > 0 (greedy sessions): a chain stops before ``depth`` where
+        ``Stopping`` says; a tree feeds and keeps only the nodes that pay their row (whose chance
+        reaches ``min_chance``, or ``min_survival`` without it)."""
         st: ModelSession = state  # type: ignore[assignment]
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
-            return self._greedy_tree(st, verified, depth, tree_tokens)
+            return self._greedy_tree(st, verified, depth, tree_tokens, min_survival, min_chance)
         stop = self._stopping(st, verified, min_survival)
         keep = self._rewind(st, verified)
         chain = chain_drafter(self, st, len(verified), depth, tree_tokens)
@@ -212,7 +214,8 @@ class ModelBackend(DraftBackend):
         return stopped_sent(stop, st.calibration, len(request.verified), clip_draft(draft, request.depth, stop))
 
     @torch.inference_mode()
-    def _greedy_tree(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int) -> Draft:
+    def _greedy_tree(self, st: ModelSession, verified: list[int], depth: int, tree_tokens: int,
+                     min_survival: float = 0.0, min_chance: float = 0.0) -> Draft:
         """A greedy session's dynamic tree (``trees.GreedyTree``). Lookup stays: where the
         context gives the chain's next token, that copy is the chain node's first child, as it
         is the chain's token in ``draft``, so the tree's first-child path is the chain ``draft``
@@ -220,17 +223,25 @@ class ModelBackend(DraftBackend):
         lacks, then one per level below the first, feeding the level's chosen nodes after the
         cache with a 4-D mask (each sees the verified positions, its ancestors and itself) at its
         depth's position. The cache is then cropped back to the verified tokens, so that the next
-        request goes on from them as after a chain nothing of which was kept."""
+        request goes on from them as after a chain nothing of which was kept. With
+        ``min_survival`` a node must pay its row (``GreedyTree``'s floor: ``min_chance``, the
+        target's cost of a verified row, where sent, since a level's forward feeds many nodes;
+        the session's calibration): a level with no such node ends the tree, and the chain sent
+        is what the calibration learns from, as a chain's would be."""
+        stop = self._stopping(st, verified, min_survival)
         keep = self._rewind(st, verified)
         root = self._forward(st, verified[keep:])
         held = len(verified)
         seq = self._context(st.params, verified, depth)
-        tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens))
+        tree = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tree_tokens),
+                          *((st.calibration.chance, min_chance or stop.min_survival) if stop.active else ()))
         tree.grow(ROOT, root, self._look(st, seq, held))
         dtype = self.loaded.dtype
         try:
             for d in range(1, depth):
                 level = tree.frontier(d)
+                if not level:
+                    break
                 see = tree.feed(level)
                 allowed = torch.cat([torch.ones(len(level), held, dtype=torch.bool), see], dim=1)
                 mask = additive_mask(allowed, dtype)
@@ -249,7 +260,11 @@ class ModelBackend(DraftBackend):
                     tree.grow(n, logits[r], first)
         finally:
             crop_cache(st.cache, held)
-        return tree.draft(tree_tokens)
+        draft = tree.draft(tree_tokens)
+        if stop.active:
+            chain = [tree.nodes[i] for i in tree.sent_chain]
+            st.calibration.sent(len(verified), Draft([n.token for n in chain], top_probs=[n.prob for n in chain]))
+        return draft
 
     drafts_ahead = True
     MAX_ALTERNATIVE_ROWS = 3  # guesses of a rejection: at the first positions, where rejections are likeliest
@@ -426,7 +441,8 @@ class ModelBackend(DraftBackend):
         for i, r in enumerate(requests):
             params = r.state.params  # type: ignore[attr-defined]
             if params.greedy and self.drafts_tree(r.depth, r.tree_tokens):
-                out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens)
+                out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens,
+                                    min_survival=r.min_survival, min_chance=r.min_chance)
             elif params.seeded:
                 out[i] = self.draft(r.state, r.verified, r.depth, tree_tokens=r.tree_tokens,
                                     min_survival=r.min_survival)

@@ -12,6 +12,7 @@ node's number of children depends on those children's own values (or on nodes of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ class _Node:
     depth: int
     score: float  # the draft's log-probability of the path down to this node
     chain: bool  # on the greedy chain (the first child of every chain node)
+    prob: float | None = None  # the draft's probability of this token here (None: copied from the context)
+    chance: float = 1.0  # the calibrated chance that the target's path comes through this node
 
 
 class GreedyTree:
@@ -48,11 +51,23 @@ class GreedyTree:
     best token, or the token a backend's lookup copied from the context there) is always fed and
     always kept, even where other paths score higher. The tree's first-child path is then the
     chain the backend drafts for the same request, and a tree never gets fewer tokens accepted
-    than that chain would."""
+    than that chain would.
 
-    def __init__(self, topk: int, width: int | None = None):
+    **Nodes that must pay their row** (``chance`` and ``floor``: the session's ``Calibration``
+    and the request's threshold, its ``min_chance`` or else ``min_survival``): a node's chance is its parent's times the calibrated
+    chance of its own token (``chance(prob)``, ``prob`` None for a copy), the chance that the
+    target's greedy path runs through it. A node below ``floor`` is neither fed nor kept, the
+    chain's included: the marginal rule a chain stops by (``base.Stopping``), node by node, so
+    that where a verified row costs much (a CPU) the tree shrinks towards the chain, or to
+    nothing, and where rows are nearly free (a GPU: a low floor) it fills its budget. Chances
+    fall along a path, so what is kept stays ancestor-closed."""
+
+    def __init__(self, topk: int, width: int | None = None, chance=None, floor: float = 0.0):
         self.topk = topk
         self.width = topk if width is None else max(1, width)
+        self.chance_of = chance  # prob (None: copied) -> chance kept given the parent was; None: no floor
+        self.floor = floor if chance is not None else 0.0
+        self.sent_chain: list[int] = []  # the chain's nodes the last draft() kept
         self.nodes: list[_Node] = []
         self.fed: list[int] = []  # the nodes forwards have fed, in the order they entered the cache
         self.chain: list[int] = []  # the chain's node at each depth (index depth - 1)
@@ -75,18 +90,27 @@ class GreedyTree:
             # -inf, which would rank the chain's whole subtree below every other branch
             logp[0] = float(full.max())
         base, depth = (0.0, 1) if parent == ROOT else (self.nodes[parent].score, self.nodes[parent].depth + 1)
+        above = 1.0 if parent == ROOT else self.nodes[parent].chance
         for rank, (tok, lp) in enumerate(zip(top, logp)):
             if on_chain and rank == 0:
                 self.chain.append(len(self.nodes))
-            self.nodes.append(_Node(int(tok), parent, depth, base + lp, on_chain and rank == 0))
+            prob = None if first is not None and rank == 0 else math.exp(lp)
+            chance = above * self.chance_of(prob) if self.chance_of is not None else 1.0
+            self.nodes.append(_Node(int(tok), parent, depth, base + lp, on_chain and rank == 0, prob, chance))
+
+    def pays(self, node: int) -> bool:
+        """Whether ``node``'s chance reaches the floor (always, without one)."""
+        return self.nodes[node].chance >= self.floor
 
     def frontier(self, depth: int) -> list[int]:
         """The nodes at ``depth`` to feed next, in node order: the ``width`` best-scored, the
-        chain's node among them (in place of the last if it was not)."""
-        level = [i for i, n in enumerate(self.nodes) if n.depth == depth]
+        chain's node among them (in place of the last if it was not); only nodes that pay (none:
+        the tree stops growing)."""
+        level = [i for i, n in enumerate(self.nodes) if n.depth == depth and self.pays(i)]
         best = sorted(level, key=lambda i: (-self.nodes[i].score, i))[: self.width]
-        if self.chain[depth - 1] not in best:
-            best[-1] = self.chain[depth - 1]
+        chain = self.chain[depth - 1] if depth <= len(self.chain) else None
+        if best and chain is not None and self.pays(chain) and chain not in best:
+            best[-1] = chain
         return sorted(best)
 
     def token(self, node: int) -> int:
@@ -116,11 +140,15 @@ class GreedyTree:
         ancestors is missing, as long as all fit), up to ``budget`` nodes; renumbered by depth, and
         under each parent the chain's node first, then by score, so that parents precede
         children and the target tries the likelier children first."""
-        if len(self.chain) > budget:
-            raise ValueError(f"a tree of {budget} nodes cannot hold the {len(self.chain)}-token chain")
+        chain = [i for i in self.chain if self.pays(i)]
+        if len(chain) > budget:
+            raise ValueError(f"a tree of {budget} nodes cannot hold the {len(chain)}-token chain")
+        self.sent_chain = chain
         nodes = self.nodes
-        keep = set(self.chain)
+        keep = set(chain)
         for i in sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i)):
+            if not self.pays(i):
+                continue
             if len(keep) >= budget:
                 break
             path, node = [], i
@@ -129,6 +157,8 @@ class GreedyTree:
                 node = nodes[node].parent
             if len(keep) + len(path) <= budget:
                 keep.update(path)
+        if not keep:  # nothing pays its row: the round verifies the target's own token alone
+            return Draft([], parents=[])  # still a tree to the daemon (no work ahead for a chain)
         order = sorted(keep, key=lambda i: (nodes[i].depth, not nodes[i].chain, -nodes[i].score, i))
         index = {node: j for j, node in enumerate(order)}
         return Draft([nodes[i].token for i in order],
