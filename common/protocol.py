@@ -229,10 +229,11 @@ SCHEMA: dict[MsgType, dict[str, tuple[str, bool]]] = {
         "depth": ("uint", True),
         "tree_tokens": ("uint", False),  # > depth: a tree of at most this many tokens may answer
         # a greedy chain may stop before `depth` once the chance that all its drafts are kept
-        # falls below this (WELCOME.stops_drafts; absent or 0: `depth` drafts)
+        # falls below this (WELCOME.stops_drafts; absent or 0: `depth` drafts); a greedy tree
+        # keeps no node below its threshold (min_chance, else this)
         "min_survival": ("prob", False),
         # the same for a chain the daemon copies from text already seen (its suffix index), which
-        # costs it no drafting (absent: min_survival)
+        # costs it no drafting, and a greedy tree's threshold (absent: min_survival)
         "min_chance": ("prob", False),
     },
     MsgType.DRAFTED: {

@@ -570,8 +570,8 @@ def test_quick_bench_lookahead_fields(quick_report):
         ms = c["round_ms"]  # the target's round profile, per round
         assert ms["round"] >= ms["verify_forward"] + ms["fill"] > 0 and ms["draft_forward"] > 0, name
         assert _num(c["round_over_larger"]) and c["round_over_larger"] > 0 and c["drafting_ms"] > 0, name
-        if c["fill_steps"]:  # the tiny target steps faster than a round trip: it steps while drafts come
-            assert c["fills"] > 0 and ms["fill"] > 0, name
+        if c["fill_steps"]:  # whether a step pays follows the host's timing (tests/test_fill_steps.py pins it)
+            assert c["fills"] >= 0 and (c["fills"] > 0) == (ms["fill"] > 0), name
             continue
         assert c["fills"] == 0 and ms["fill"] == 0 and c["kept_per_round"] > 1.0, name
         assert 0 < c["drafted_per_round"] <= c["asked_per_round"], name

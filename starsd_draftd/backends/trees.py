@@ -49,9 +49,9 @@ class GreedyTree:
 
     One departure from EAGLE-2: the greedy chain (at each chain node its first child, the draft's
     best token, or the token a backend's lookup copied from the context there) is always fed and
-    always kept, even where other paths score higher. The tree's first-child path is then the
-    chain the backend drafts for the same request, and a tree never gets fewer tokens accepted
-    than that chain would.
+    always kept (where it pays, below), even where other paths score higher. The tree's
+    first-child path is then the chain the backend drafts for the same request, and a tree never
+    gets fewer tokens accepted than that chain would.
 
     **Nodes that must pay their row** (``chance`` and ``floor``: the session's ``Calibration``
     and the request's threshold, its ``min_chance`` or else ``min_survival``): a node's chance is its parent's times the calibrated
