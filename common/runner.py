@@ -15,8 +15,8 @@ The target engine and the draft backends run their models only through a ``Model
   chunk, a later one, one row, a verification's rows), and five more with hidden states where
   an EAGLE head needs them. Each consumer's ``warm_up`` drives the kinds it serves with before
   serving; after that, a call no graph covers runs eagerly (``serving_stance``) instead of
-  compiling for minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the weights (it
-  keeps the original weights too: about twice the weight memory). Generated kernels are cached
+  compiling for minutes mid-serving. On CPUs inductor's weight freezing folds and prepacks the
+  weights (it keeps the original weights too: about twice the weight memory). Generated kernels are cached
   under StarSD's cache directory (``<cache>/inductor``); a restart traces the model and, on a CPU,
   compiles its graphs again (inductor's graph cache cannot hold prepacked oneDNN weights), so it
   takes about two thirds of the first start.

@@ -89,17 +89,15 @@ def plan_round(cap: int, *, session: bool, crowded: bool = False, trees: bool = 
         return RoundPlan(wanted=True, crowded=True)
     budget = budget if trees else 0
     survival = chance = 0.0
+    stops = depth is not None and stops_drafts and greedy_drafts
     if depth is not None and not budget:
         if not depth.drafts_pay():  # the target alone is expected to be faster: a plain round
             return RoundPlan(wanted=True)
-        if stops_drafts and greedy_drafts:
-            survival = depth.min_survival()  # the daemon ends the chain, within the cap
-            chance = min(depth.min_chance(), survival)
-        else:
+        if not stops:
             cap = depth.choose(cap)
-    elif depth is not None and stops_drafts and greedy_drafts:
-        # a greedy tree: the daemon feeds and keeps only the nodes that pay their row, by the
-        # chain's rule (a node's chance of being on the target's path against the threshold)
+    if stops:
+        # the daemon ends a chain within the cap, and keeps a tree to the nodes that pay their
+        # row, by the same thresholds
         survival = depth.min_survival()
         chance = min(depth.min_chance(), survival)
     return RoundPlan(wanted=True, depth=cap, budget=budget, min_survival=survival, min_chance=chance)

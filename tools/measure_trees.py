@@ -8,12 +8,12 @@ daemons on core 1, one thread each, depth 4:
 - tree24-full: `--draft-tokens 24 --no-adaptive-depth`: every tree fills its budget.
 
 Four greedy prompts of 64 tokens per configuration, four passes in alternating order, the first
-a warm-up. Prints each configuration's tokens per second, rounds, tokens kept and drafts sent per
+a warm-up. Logs each configuration's tokens per second, rounds, tokens kept and drafts sent per
 round, tree rounds and rounds without drafts, and whether every output equals the chain's; writes
 trees.json to OUT.
 
 Usage, from a checkout: .venv/bin/python tools/measure_trees.py OUT"""
-import json, os, sys, time
+import json, logging, os, sys, time
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
 from common.control import ControlClient
@@ -25,6 +25,8 @@ from starsd_draftd.demo.prompts import DEMO_PROMPTS
 CONFIGS = {"chain": ["--draft-tokens", "4"], "tree24-pruned": ["--draft-tokens", "24"],
            "tree24-full": ["--draft-tokens", "24", "--no-adaptive-depth"]}
 PASSES = 4  # the first a warm-up
+log = logging.getLogger("measure_trees")
+logging.basicConfig(level=logging.INFO, format="%(message)s")
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 procs = ProcessSet(out)
@@ -67,9 +69,9 @@ finally:
 same = all(d["outputs"] == res["chain"]["outputs"] for d in res.values())
 for name, d in res.items():
     rounds = max(d["rounds"], 1)
-    print(f"{name:14s} {d['tokens'] / d['s']:6.2f} tok/s, {d['rounds']} rounds, "
-          f"{(d['accepted'] + d['rounds']) / rounds:.2f} tokens kept and {d['drafted'] / rounds:.2f} drafts a round, "
-          f"{d['tree_rounds']} tree rounds, {d['fallback_rounds']} fallback rounds")
-print("outputs equal the chain's:", same)
+    log.info("%-14s %6.2f tok/s, %d rounds, %.2f tokens kept and %.2f drafts a round, %d tree rounds, "
+             "%d fallback rounds", name, d["tokens"] / d["s"], d["rounds"], (d["accepted"] + d["rounds"]) / rounds,
+             d["drafted"] / rounds, d["tree_rounds"], d["fallback_rounds"])
+log.info("outputs equal the chain's: %s", same)
 (out / "trees.json").write_text(json.dumps({n: {k: v for k, v in d.items() if k != "outputs"} for n, d in res.items()}
                                            | {"outputs_equal": same}))

@@ -261,9 +261,7 @@ class ModelBackend(DraftBackend):
         finally:
             crop_cache(st.cache, held)
         draft = tree.draft(tree_tokens)
-        if stop.active:
-            chain = [tree.nodes[i] for i in tree.sent_chain]
-            st.calibration.sent(len(verified), Draft([n.token for n in chain], top_probs=[n.prob for n in chain]))
+        stopped_sent(stop, st.calibration, len(verified), tree.sent_chain)  # its chain, for the calibration
         return draft
 
     drafts_ahead = True

@@ -54,20 +54,20 @@ class GreedyTree:
     gets fewer tokens accepted than that chain would.
 
     **Nodes that must pay their row** (``chance`` and ``floor``: the session's ``Calibration``
-    and the request's threshold, its ``min_chance`` or else ``min_survival``): a node's chance is its parent's times the calibrated
-    chance of its own token (``chance(prob)``, ``prob`` None for a copy), the chance that the
-    target's greedy path runs through it. A node below ``floor`` is neither fed nor kept, the
-    chain's included: the marginal rule a chain stops by (``base.Stopping``), node by node, so
-    that where a verified row costs much (a CPU) the tree shrinks towards the chain, or to
-    nothing, and where rows are nearly free (a GPU: a low floor) it fills its budget. Chances
-    fall along a path, so what is kept stays ancestor-closed."""
+    and the request's threshold, its ``min_chance`` or else ``min_survival``): a node's chance
+    is its parent's times the calibrated chance of its own token (``chance(prob)``, ``prob``
+    None for a copy), the chance that the target's greedy path runs through it. A node below
+    ``floor`` is neither fed nor kept, the chain's included: the marginal rule a chain stops by
+    (``base.Stopping``), node by node, so that where a verified row costs much (a CPU) the tree
+    shrinks towards the chain, or to nothing, and where rows are nearly free (a GPU: a low
+    floor) it fills its budget. Chances fall along a path, so what is kept stays ancestor-closed."""
 
     def __init__(self, topk: int, width: int | None = None, chance=None, floor: float = 0.0):
         self.topk = topk
         self.width = topk if width is None else max(1, width)
         self.chance_of = chance  # prob (None: copied) -> chance kept given the parent was; None: no floor
         self.floor = floor if chance is not None else 0.0
-        self.sent_chain: list[int] = []  # the chain's nodes the last draft() kept
+        self.sent_chain = Draft([])  # the chain the last draft() kept, with its probabilities (Calibration.sent)
         self.nodes: list[_Node] = []
         self.fed: list[int] = []  # the nodes forwards have fed, in the order they entered the cache
         self.chain: list[int] = []  # the chain's node at each depth (index depth - 1)
@@ -143,8 +143,8 @@ class GreedyTree:
         chain = [i for i in self.chain if self.pays(i)]
         if len(chain) > budget:
             raise ValueError(f"a tree of {budget} nodes cannot hold the {len(chain)}-token chain")
-        self.sent_chain = chain
         nodes = self.nodes
+        self.sent_chain = Draft([nodes[i].token for i in chain], top_probs=[nodes[i].prob for i in chain])
         keep = set(chain)
         for i in sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i)):
             if not self.pays(i):
