@@ -28,7 +28,7 @@ ENDPOINTS = Unit(lambda values: ",".join(parse_endpoints(values)) or None,
                  lambda spec: tuple(parse_endpoints(spec)))
 # the options that set TargetConfig's fields, each showing its field's default
 CONFIG_OPTIONS = ConfigOptions(app.TargetConfig, {
-    "draft_timeout": "draft_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
+    "draft_timeout": "draft_timeout_s", "ack_timeout": "ack_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
     "compile_": "compile", "stall_timeout": "stall_timeout_s", "admit_window_ms": ("admit_window_s", MS),
     "draft_max_active": ("draft_max_active", AUTO), "draft": ("draft", ENDPOINTS),
     "draft_resolve_interval": "draft_resolve_interval_s"})
@@ -106,6 +106,11 @@ def model_options(f):
                     "daemon's estimate (plus a round trip; --draft-timeout caps it). Past it the round runs "
                     "with the target alone. Raise it where processes stall for tens of milliseconds (many "
                     "daemons sharing few cores); a hung daemon is still found in a round trip."),
+        option("--ack-timeout", type=click.FloatRange(0.001), default=_d("ack_timeout"),
+               help="Least seconds a draft request waits for the daemon's acknowledgement (longer when the "
+                    "measured round trip says so). With none by then the round runs without drafts and the "
+                    "link is suspect until the daemon is heard again: how fast a hung daemon is found. "
+                    "Raise it where processes stall (many daemons sharing few cores)."),
         option("--connect-timeout", type=click.FloatRange(0), default=_d("connect_timeout"),
                help="Seconds to wait for the draft daemon's WELCOME at start-up (serving never waits for one)."),
         option("--threads", type=click.IntRange(0), default=_d("threads"),

@@ -120,7 +120,8 @@ class DraftClient:
     def __init__(self, endpoint: str, vocab_size: int, fingerprint: str, name: str = "",
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
                  num_layers: int = 0,
-                 backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S, patience: float = ETA_SLACK):
+                 backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S, patience: float = ETA_SLACK,
+                 ack_floor_s: float | None = None):
         self.endpoint = endpoint
         self.patience = patience  # an acknowledged request waits this times the daemon's estimate
         self.vocab_size = vocab_size
@@ -141,7 +142,7 @@ class DraftClient:
         self._retry_at = 0.0  # the first HELLO goes at once
         # a request to its acknowledgement, and a HELLO to its WELCOME: the wire and the daemon's
         # socket thread, which answers while its model computes
-        self.ack_rtt = RttEstimator(max(rtt_floor_s, ACK_FLOOR_S))
+        self.ack_rtt = RttEstimator(max(rtt_floor_s, ACK_FLOOR_S if ack_floor_s is None else ack_floor_s))
         self._acks: dict[Key, tuple[float, float]] = {}  # acknowledged requests: when, and the estimate (s)
         self._hello_at: float | None = None
         self.suspect = False  # a request went unacknowledged and nothing was heard since

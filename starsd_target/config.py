@@ -25,6 +25,10 @@ class TargetConfig:
     # an acknowledged draft request is waited for this times the daemon's own estimate, plus an
     # acknowledgement's round trip (draft_timeout_s caps it); more on a host whose processes stall
     draft_patience: float = 1.5
+    # the least time a draft request waits for the daemon's acknowledgement (the measured round
+    # trip's deadline when that is longer): the daemon's socket thread answers at once, but a host
+    # whose cores are all busy stalls it for a scheduler slice or two
+    ack_timeout_s: float = 0.05
     connect_timeout_s: float = 10.0
     threads: int = 0  # torch CPU threads (0: one per core this process may run on)
     name: str = ""

@@ -75,7 +75,8 @@ class TargetDaemon:
                                     self.config.name, self.ctx, feature_size=self.loaded.feature_size,
                                     curve=self.curve, num_layers=self.loaded.num_layers,
                                     resolve_interval_s=self.config.draft_resolve_interval_s,
-                                    heartbeat_s=self.config.heartbeat_s, patience=self.config.draft_patience)
+                                    heartbeat_s=self.config.heartbeat_s, patience=self.config.draft_patience,
+                                    ack_floor_s=self.config.ack_timeout_s)
         return self.client
 
     def connect(self) -> bool:

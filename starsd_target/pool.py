@@ -108,13 +108,14 @@ class DraftPool:
                  ctx: zmq.Context | None = None, feature_size: int = 0, curve: CurveKeys | None = None,
                  num_layers: int = 0, backoff: Backoff = Backoff(), rtt_floor_s: float = RTT_FLOOR_S,
                  resolve_interval_s: float = RESOLVE_INTERVAL_S, rng: random.Random | None = None,
-                 resolver=resolve, heartbeat_s: float = 5.0, patience: float = DraftClient.ETA_SLACK):
+                 resolver=resolve, heartbeat_s: float = 5.0, patience: float = DraftClient.ETA_SLACK,
+                 ack_floor_s: float | None = None):
         self.specs = parse_endpoints(endpoints)
         if not self.specs:
             raise ValueError("no draft endpoint given")
         self._make = dict(vocab_size=vocab_size, fingerprint=fingerprint, name=name, ctx=ctx or zmq.Context.instance(),
                           feature_size=feature_size, curve=curve, num_layers=num_layers, backoff=backoff,
-                          rtt_floor_s=rtt_floor_s, patience=patience)
+                          rtt_floor_s=rtt_floor_s, patience=patience, ack_floor_s=ack_floor_s)
         self.backoff = backoff
         self.resolve_interval_s = resolve_interval_s
         self._resolver = resolver

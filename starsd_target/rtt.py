@@ -5,7 +5,7 @@ from __future__ import annotations
 
 RTT_FLOOR_S = 0.03  # an oversubscribed host (targets and draft daemon sharing cores) stalls a process
 # for tens of milliseconds: with a 10 ms floor, a busy but healthy daemon missed deadlines there
-ACK_FLOOR_S = 0.05  # an acknowledgement is waited for at least this long: the daemon's socket thread
+ACK_FLOOR_S = 0.05  # --ack-timeout: an acknowledgement is waited for at least this long: the socket thread
 # answers at once, but on a host whose cores are all busy it may wait a scheduler slice or two
 
 

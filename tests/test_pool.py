@@ -260,3 +260,26 @@ def test_the_draft_daemon_answers_health_and_readiness_on_its_metrics_port():
         code, body = get("/health")
         assert code == 200 and json.loads(body)["status"] == "draining"
         peer.send(Message(MsgType.CLOSE, {"session": 1}))  # its last session gone, it leaves
+
+
+def test_every_link_waits_the_pools_ack_timeout_at_least():
+    """``--ack-timeout`` reaches each daemon's link: a fast measured round trip still waits the floor."""
+    from starsd_target.config import TargetConfig
+    from starsd_target.rtt import ACK_FLOOR_S
+
+    assert TargetConfig().ack_timeout_s == ACK_FLOOR_S  # the default is the link's own floor
+    pool = _pool(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], ack_floor_s=0.3)
+    try:
+        assert len(pool.links) == 2
+        for link in pool.links.values():
+            link.ack_rtt.observe(0.001)
+            assert link.ack_deadline_s(2.0) == pytest.approx(0.3)
+    finally:
+        pool.close()
+    default = _pool(["tcp://127.0.0.1:1"])
+    try:
+        link = next(iter(default.links.values()))
+        link.ack_rtt.observe(0.001)
+        assert link.ack_deadline_s(2.0) == pytest.approx(ACK_FLOOR_S)
+    finally:
+        default.close()

@@ -21,7 +21,7 @@ from common.models import load_causal_lm
 from common.protocol import ErrorCode, Message, MsgType, RemoteError
 from common.token_bytes import token_bytes
 from common.verify import SamplingParams
-from fakes import LocalDrafts, running_server, serving
+from fakes import IN_PROCESS_ACK_FLOOR_S, LocalDrafts, running_server, serving
 from starsd_draftd.backends.model import ModelBackend
 from starsd_target.daemon import TargetConfig, TargetDaemon
 from starsd_target.engine import MAX_LOGPROBS, InvalidRequest, TargetEngine
@@ -201,7 +201,7 @@ def served(tiny_target, loaded_target, near_draft, tmp_path_factory):
     with running_server(backend) as (server, ctx):
         cfg = TargetConfig(model=str(tiny_target), draft=server.endpoint,
                            listen=f"ipc://{tmp_path_factory.mktemp('jobs')}/t.sock", depth=DEPTH,
-                           draft_timeout_s=10)
+                           draft_timeout_s=10, ack_timeout_s=IN_PROCESS_ACK_FLOOR_S)
         d = TargetDaemon(cfg, loaded=loaded_target, ctx=ctx)
         assert d.connect()
         with serving(d), TestClient(create_app(d, "tiny")) as http:
