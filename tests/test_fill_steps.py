@@ -187,3 +187,16 @@ def test_sampled_output_with_fill_steps_follows_the_target(tiny_target, loaded_t
         client.close()
     assert fills > samples and confirmed > 0 and accepted > confirmed, (fills, confirmed, accepted)
     assert_follows(counts, exact, samples)
+
+
+@pytest.mark.parametrize("tokens", [7, 8])
+def test_fill_steps_that_end_a_generation_are_in_its_round_profile(loaded_target, monkeypatch, tokens):
+    """Up to three steps a request, drafts always right but slow: the last tokens come from
+    fill steps, and the round they end is profiled with their time (it was lost: a generation
+    ended by its fill steps reported steps taken and no time in them)."""
+    monkeypatch.setattr(AdaptiveDepth, "fill_pays", lambda self, remaining_s, asked, filled=0: filled < 3)
+    ref, r = _slow_oracle_generation(loaded_target, True, tokens=tokens)
+    s = r.stats
+    assert r.token_ids == ref and s.fill_steps > 0, s
+    assert s.profile.seconds["fill"] > 0 and s.profile.counts["fill"] > 0, s.profile
+    assert s.profile.rounds >= s.profile.counts["fill"]
