@@ -1,3 +1,4 @@
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,26 @@ torch.set_num_threads(1)
 from common.sockets import free_tcp_endpoint  # noqa: E402
 from starsd_draftd.bench.procs import ProcessSet  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+# Daemons started through ProcessSet (the Star below, the bench's and the demo's) are forked from a
+# server that imported torch and the daemons' modules once (tests/forkserver.py): a new
+# interpreter spends 2-3 s of CPU on those imports, and the suite starts a few hundred daemons on
+# two cores. STARSD_TEST_FORK_SERVER=0 starts each as a new interpreter, as the product does.
+_fork_server = None
+
+
+def _fork_launch(args, env, log, cpus):
+    global _fork_server
+    if _fork_server is None:
+        from forkserver import ForkServer
+
+        _fork_server = ForkServer()
+        atexit.register(_fork_server.close)
+    return _fork_server.spawn(args, env, log, cpus)
+
+
+if os.environ.get("STARSD_TEST_FORK_SERVER", "1") != "0":
+    ProcessSet.launcher = staticmethod(_fork_launch)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,12 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
 class ProcessSet:
     """Named children that are always terminated, whatever happens to the parent."""
 
+    # How a child starts: None, as a new interpreter (``python -m``). Else a callable
+    # ``(args, env, log_path, cpus)`` returning what ``subprocess.Popen`` would (``pid``, ``poll``,
+    # ``wait``, ``terminate``, ``kill``, ``returncode``): the test suite forks its daemons from a
+    # process that imported torch once (tests/forkserver.py).
+    launcher = None
+
     def __init__(self, logdir: Path, ctx: zmq.Context | None = None):
         self.logdir = Path(logdir)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -52,8 +58,12 @@ class ProcessSet:
     def start(self, name: str, *args: str, env: dict | None = None,
               cpus: Iterable[int] | None = None) -> subprocess.Popen:
         """Start ``python -m *args`` as ``name``; ``cpus`` pins it (and its torch threads' cores)."""
-        log = open(self.logdir / f"{name}.log", "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        if self.launcher is not None:
+            proc = self.launcher(list(args), full_env, self.logdir / f"{name}.log", cpus)
+            self.procs[name] = proc
+            return proc
+        log = open(self.logdir / f"{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
         log.close()
         if cpus is not None:  # before the child has imported anything (a fork-time hook is unsafe with threads)
