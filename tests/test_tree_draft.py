@@ -46,11 +46,11 @@ class ModelCase:
         self.backend = ModelBackend(loaded, q_topk=16, lookup=lookup, tree_topk=tree_topk)
         self.model = loaded.model
 
-    def draft(self, st, verified, depth=DEPTH, tree_tokens=0):
-        return self.backend.draft(st, verified, depth, tree_tokens=tree_tokens)
+    def draft(self, st, verified, depth=DEPTH, tree_tokens=0, **floors):
+        return self.backend.draft(st, verified, depth, tree_tokens=tree_tokens, **floors)
 
-    def request(self, st, verified, depth=DEPTH, tree_tokens=0):
-        return DraftRequest(st, list(verified), depth, None, tree_tokens)
+    def request(self, st, verified, depth=DEPTH, tree_tokens=0, min_survival=0.0):
+        return DraftRequest(st, list(verified), depth, None, tree_tokens, min_survival)
 
     def logits(self, verified, path):
         """The draft's logits after ``verified`` + ``path``: one plain forward, no cache."""
@@ -73,11 +73,11 @@ class EagleCase:
     def _new(self, st, verified):
         return self.features(verified[:-1])[st.features:]
 
-    def draft(self, st, verified, depth=DEPTH, tree_tokens=0):
-        return self.backend.draft(st, verified, depth, self._new(st, verified), tree_tokens=tree_tokens)
+    def draft(self, st, verified, depth=DEPTH, tree_tokens=0, **floors):
+        return self.backend.draft(st, verified, depth, self._new(st, verified), tree_tokens=tree_tokens, **floors)
 
-    def request(self, st, verified, depth=DEPTH, tree_tokens=0):
-        return DraftRequest(st, list(verified), depth, self._new(st, verified), tree_tokens)
+    def request(self, st, verified, depth=DEPTH, tree_tokens=0, min_survival=0.0):
+        return DraftRequest(st, list(verified), depth, self._new(st, verified), tree_tokens, min_survival)
 
     def logits(self, verified, path):
         b = self.backend
@@ -183,15 +183,15 @@ def test_greedy_tree_keeps_the_best_scored_nodes(case):
             assert s <= worst_kept + 1e-4
 
 
-def test_a_greedy_tree_feeds_and_keeps_only_the_nodes_that_pay_their_row(draft_model):
+def test_a_greedy_tree_feeds_and_keeps_only_the_nodes_that_pay_their_row(case):
     """With the target's min_survival, a node whose chance of lying on the target's path (its
     tokens' probabilities under a fresh session's calibration, which takes them at their word) is
     below it is neither fed nor sent: a threshold near 0 leaves the whole tree, one no chance
-    reaches leaves an empty one, and the chain sent is what the calibration learns from."""
-    case = ModelCase(draft_model)
+    reaches leaves an empty one, and the chain sent is what the calibration learns from. Both
+    backends: a draft model's trees and an EAGLE head's."""
     b, verified = case.backend, _prompt(5)
-    full = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40)
-    low = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=1e-9)
+    full = case.draft(b.new_state(GREEDY), verified, tree_tokens=40)
+    low = case.draft(b.new_state(GREEDY), verified, tree_tokens=40, min_survival=1e-9)
     assert (low.tokens, low.parents) == (full.tokens, full.parents)
 
     def chances(d):
@@ -205,7 +205,7 @@ def test_a_greedy_tree_feeds_and_keeps_only_the_nodes_that_pay_their_row(draft_m
     every = chances(full)
     floor = sorted(every.values())[len(every) // 2]  # about half the nodes pay
     st = b.new_state(GREEDY)
-    pruned = b.draft(st, verified, DEPTH, tree_tokens=40, min_survival=floor)
+    pruned = case.draft(st, verified, tree_tokens=40, min_survival=floor)
     kept = set(chances(pruned)) if pruned.tokens else set()
     assert kept == {path for path, c in every.items() if c >= floor * (1 + 1e-5)} or \
         kept == {path for path, c in every.items() if c >= floor * (1 - 1e-5)}
@@ -213,10 +213,18 @@ def test_a_greedy_tree_feeds_and_keeps_only_the_nodes_that_pay_their_row(draft_m
     check_parents(pruned.parents, len(pruned.tokens), max_depth=DEPTH)
     start, tokens, probs = st.calibration._last
     assert start == len(verified) and tokens == _first_child_path(pruned) and all(p is not None for p in probs)
-    nothing = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=0.995)
+    # in a batch (two sessions drafting together), a floor between two nodes' chances (a batch's
+    # last bits differ from a lone forward's) keeps the same nodes as alone
+    ranked = sorted(every.values())
+    between = (ranked[len(ranked) // 2 - 1] * ranked[len(ranked) // 2]) ** 0.5
+    alone = case.draft(b.new_state(GREEDY), verified, tree_tokens=40, min_survival=between)
+    pair = [b.new_state(GREEDY), b.new_state(GREEDY)]
+    for d in b.draft_many([case.request(s, verified, tree_tokens=40, min_survival=between) for s in pair]):
+        assert (d.tokens, d.parents) == (alone.tokens, alone.parents) and 0 < len(d.tokens) < len(full.tokens)
+    nothing = case.draft(b.new_state(GREEDY), verified, tree_tokens=40, min_survival=0.995)
     assert nothing.tokens == [] and nothing.parents == []  # no chance reaches it (at most 0.99)
     # the target's min_chance (a verified row's cost alone) is the floor where it is sent
-    cheap_rows = b.draft(b.new_state(GREEDY), verified, DEPTH, tree_tokens=40, min_survival=0.995, min_chance=1e-9)
+    cheap_rows = case.draft(b.new_state(GREEDY), verified, tree_tokens=40, min_survival=0.995, min_chance=1e-9)
     assert (cheap_rows.tokens, cheap_rows.parents) == (full.tokens, full.parents)
 
 

@@ -41,7 +41,7 @@ def test_targets_verify_trees_exactly(backend, arch_pair, star):
     """Targets verifying trees drafted by one daemon, concurrently: four targets on the first
     pair (llama, a draft model), two on the other three (the architectures and backends differ;
     what four concurrent targets add, the first case shows, and each target is a process start).
-    With a draft model, trees of the nodes that pay their row beside full ones."""
+    Trees of the nodes that pay their row beside full ones."""
     arch, target, draft, head = arch_pair
     n = 4 if (arch, backend) == ("llama", "model") else 2
     if backend == "eagle":
@@ -50,12 +50,11 @@ def test_targets_verify_trees_exactly(backend, arch_pair, star):
         drafter = ["--backend", "model", "--model", str(draft)]
     draft_ep = star.serve_drafts([*drafter, "--depth", "4", "--tree-topk", "3"], ready=False)
     args = ("--draft-tokens", "16", "--draft-timeout", "30", "--connect-timeout", "120")
-    # with a draft model, half the targets (t*) take trees of the nodes that pay their row, which
-    # the targets' measured costs decide (on a CPU core: few, often none); the other half (f*) full
-    # trees. An EAGLE head's trees fill their budget either way.
-    full = n // 2 if backend == "model" else n
-    eps = star.targets(target, draft_ep, n - full, *args) if full < n else []
-    eps += star.targets(target, draft_ep, full, *args, *(["--no-adaptive-depth"] if full < n else []), prefix="f")
+    # half the targets (t*) take trees of the nodes that pay their row, which the targets'
+    # measured costs decide (on a CPU core: few, often none); the other half (f*) full trees
+    full = n // 2
+    eps = star.targets(target, draft_ep, n - full, *args)
+    eps += star.targets(target, draft_ep, full, *args, "--no-adaptive-depth", prefix="f")
     engine = TargetEngine(load_causal_lm(str(target)))
     results = run_concurrently(eps, [{"id": i + 1, "prompt": p, "max_tokens": MAX_TOKENS}
                                      for i, p in enumerate(PROMPTS[:n])])

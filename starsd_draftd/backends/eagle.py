@@ -419,10 +419,15 @@ class EagleBackend(DraftBackend):
                 hidden = self._step(st, hidden, [chain.tokens[-1]])
         return stopped_sent(stop, st.calibration, start, chain.result())
 
-    def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]]) -> list[Draft]:
+    def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]],
+                      floors: list[tuple[Stopping, float]] | None = None) -> list[Draft]:
         """Greedy sessions' dynamic trees (``trees.GreedyTree``; ``jobs``: session, its head
         output at the last real pair, depth, tree tokens): one head forward per level below the
-        first, for all of them, as a chain takes one per token. A node is fed as a chain token
+        first, for all of them, as a chain takes one per token. ``floors``, per job, its request's
+        ``Stopping`` and ``min_chance``: where the stopping is active, a node must pay its row
+        (``GreedyTree``'s floor, as the draft model's trees do: ``min_chance`` where sent, else
+        ``min_survival``, by the session's calibration), and the chain the tree sends is what the
+        calibration learns from. A node is fed as a chain token
         would be: the pair (its parent's predicted feature, its token), at its depth's position.
         Several sessions' caches are merged left-padded (as ``_batched`` does) and each level
         appends W columns, W the widest frontier: session i's nodes in its first w_i of them.
@@ -432,8 +437,10 @@ class EagleBackend(DraftBackend):
         pairs, and a session drafts the same tree alone as in a batch."""
         dev, width = self.device, self.predicted_size
         trees, predicted, cols = [], [], []
-        for st, hidden, depth, tokens in jobs:
-            t = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tokens))
+        floors = floors or [(Stopping(None, 0.0), 0.0)] * len(jobs)
+        for (st, hidden, depth, tokens), (stop, min_chance) in zip(jobs, floors):
+            t = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tokens),
+                           *((st.calibration.chance, min_chance or stop.min_survival) if stop.active else ()))
             t.grow(ROOT, self._logits(hidden))
             trees.append(t)
             predicted.append({ROOT: hidden[0, -1]})
@@ -474,7 +481,10 @@ class EagleBackend(DraftBackend):
                         t.grow(n, logits[i, r])
         finally:
             self.module.tree_mask = None
-        return [t.draft(tokens) for t, (_, _, _, tokens) in zip(trees, jobs)]
+        drafts = [t.draft(tokens) for t, (_, _, _, tokens) in zip(trees, jobs)]
+        for t, (st, *_), (stop, _) in zip(trees, jobs, floors):
+            stopped_sent(stop, st.calibration, len(st.pairs) + 1, t.sent_chain)  # its chain, for the calibration
+        return drafts
 
     def _batched(self, jobs: list[tuple[EagleSession, list[int], torch.Tensor | None, int]],
                  tree_tokens: list[int], stops: list[Stopping]) -> list[Draft]:
@@ -550,16 +560,18 @@ class EagleBackend(DraftBackend):
     @torch.inference_mode()
     def draft(self, state: object, verified: list[int], depth: int,
               new_features: np.ndarray | torch.Tensor | None = None, tree_tokens: int = 0,
-              min_survival: float = 0.0) -> Draft:
-        """``min_survival`` > 0 (greedy chains): stop before ``depth`` where ``Stopping`` says."""
+              min_survival: float = 0.0, min_chance: float = 0.0) -> Draft:
+        """``min_survival`` > 0 (greedy sessions): a chain stops before ``depth`` where
+        ``Stopping`` says; a tree keeps the nodes whose chance reaches ``min_chance`` (else
+        ``min_survival``)."""
         st: EagleSession = state  # type: ignore[assignment]
         hidden = self._absorb(st, verified, None if new_features is None else as_torch(new_features))
         if hidden is None or depth < 1:
             return Draft([])  # no target feature yet (a one-token prompt): nothing to draft from
+        stop = request_stopping(st.params, st.calibration, verified, min_survival)
         if st.params.greedy and self.drafts_tree(depth, tree_tokens):
-            return self._greedy_trees([(st, hidden, depth, tree_tokens)])[0]
-        return self._chain(st, hidden, depth, tree_tokens,
-                           request_stopping(st.params, st.calibration, verified, min_survival))
+            return self._greedy_trees([(st, hidden, depth, tree_tokens)], [(stop, min_chance)])[0]
+        return self._chain(st, hidden, depth, tree_tokens, stop)
 
     @torch.inference_mode()
     def draft_many(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -570,7 +582,7 @@ class EagleBackend(DraftBackend):
         q differs from a single one's in its last bits, and a seeded output must not follow
         which sessions shared a batch."""
         out: list[Draft | None] = [None] * len(requests)
-        batch, trees = [], []
+        batch, trees, floors = [], [], []
         for i, r in enumerate(requests):
             params = r.state.params  # type: ignore[attr-defined]
             if params.seeded:
@@ -582,10 +594,11 @@ class EagleBackend(DraftBackend):
                     out[i] = Draft([])  # no target feature yet (a one-token prompt)
                 else:
                     trees.append((i, (st, hidden, r.depth, r.tree_tokens)))
+                    floors.append((request_stopping(params, st.calibration, r.verified, r.min_survival), r.min_chance))
             else:
                 batch.append(i)
         if trees:
-            for (i, _), d in zip(trees, self._greedy_trees([job for _, job in trees])):
+            for (i, _), d in zip(trees, self._greedy_trees([job for _, job in trees], floors)):
                 out[i] = d
         if len(batch) == 1:
             r = requests[batch[0]]
