@@ -1,6 +1,6 @@
 """A 24-token draft tree against the chain, the demo pair in its default format: the draft daemon
-(`--backend model`, `--tree-topk 8`, no suffix drafts, no lookahead) on core 0 and three target
-daemons on core 1, one thread each, depth 4:
+(`--backend model` unless BACKEND says, `--tree-topk 8`, no suffix drafts, no lookahead) on
+core 0 and three target daemons on core 1, one thread each, depth 4:
 
 - chain: `--draft-tokens 4`;
 - tree24-pruned: `--draft-tokens 24` with adaptive depth (the default): the tree keeps the nodes
@@ -12,7 +12,11 @@ a warm-up. Logs each configuration's tokens per second, rounds, tokens kept and 
 round, tree rounds and rounds without drafts, and whether every output equals the chain's; writes
 trees.json to OUT.
 
-Usage, from a checkout: .venv/bin/python tools/measure_trees.py OUT"""
+BACKEND (default model): eagle or eagle3 serves the demo target's EAGLE head instead of the
+draft model (`--eagle-head demo-eagle`, trained once and cached by `starsd-draftd demo --backend
+eagle`).
+
+Usage, from a checkout: .venv/bin/python tools/measure_trees.py OUT [BACKEND]"""
 import json, logging, os, sys, time
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
@@ -28,11 +32,14 @@ PASSES = 4  # the first a warm-up
 log = logging.getLogger("measure_trees")
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 out = Path(sys.argv[1])
+backend = sys.argv[2] if len(sys.argv) > 2 else "model"
+drafter = (["--model", "demo-draft"] if backend == "model" else
+           ["--backend", backend, "--eagle-head", f"demo-{backend}", "--base-model", "demo"])
 out.mkdir(parents=True, exist_ok=True)
 procs = ProcessSet(out)
 try:
     draft_ep = free_tcp_endpoint()
-    procs.start("draftd", "starsd_draftd", "serve", "--model", "demo-draft", "--bind", draft_ep, "--depth", "4",
+    procs.start("draftd", "starsd_draftd", "serve", *drafter, "--bind", draft_ep, "--depth", "4",
                 "--threads", "1", "--tree-topk", "8", "--max-tree-tokens", "24", "--no-suffix", "--no-lookahead",
                 "--log-level", "warning", cpus=[0])
     procs.wait_ready("draftd", draft_ep, 300)
