@@ -1,6 +1,7 @@
 import atexit
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,16 +36,19 @@ from tiny_models import make_tiny_checkpoint  # noqa: E402
 # interpreter spends 2-3 s of CPU on those imports, and the suite starts a few hundred daemons on
 # two cores. STARSD_TEST_FORK_SERVER=0 starts each as a new interpreter, as the product does.
 _fork_server = None
+_fork_lock = threading.Lock()
 
 
 def _fork_launch(args, env, log, cpus):
     global _fork_server
-    if _fork_server is None:
-        from forkserver import ForkServer
+    with _fork_lock:
+        if _fork_server is None or not _fork_server.alive():  # the first daemon, or the server died: a new one
+            from forkserver import ForkServer
 
-        _fork_server = ForkServer()
-        atexit.register(_fork_server.close)
-    return _fork_server.spawn(args, env, log, cpus)
+            _fork_server = ForkServer()
+            atexit.register(_fork_server.close)
+        server = _fork_server
+    return server.spawn(args, env, log, cpus)
 
 
 if os.environ.get("STARSD_TEST_FORK_SERVER", "1") != "0":

@@ -18,9 +18,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,12 +44,14 @@ class ForkedChild:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        with self._lock:  # one waitpid at a time: a second one for a reaped child would fail
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -63,44 +67,65 @@ class ForkedChild:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 
 class ForkServer:
     """The server process and the socket to it; ``spawn`` has the signature of
-    ``ProcessSet.launcher``. Not thread-safe beyond its own lock."""
+    ``ProcessSet.launcher``; threads may share it (a spawn holds its lock)."""
 
-    def __init__(self):
+    def __init__(self, log: Path | None = None):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=env, cwd=os.getcwd())
+        # its own failures (an import that fails, a crash) go to this log
+        self.log = log or Path(tempfile.mkstemp(prefix="starsd-forkserver-", suffix=".log")[1])
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=err,
+                                         stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
         theirs.close()
         self.sock = ours
         self.file = ours.makefile("rwb")
         self.lock = threading.Lock()
+        self._next_id = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def spawn(self, args: list[str], env: dict, log: Path, cpus) -> ForkedChild:
-        req = {"args": list(args), "env": dict(env), "log": str(log), "cwd": os.getcwd(),
-               "cpus": sorted(cpus) if cpus is not None else None}
+        """Fork ``python -m *args``. Each request carries an id that its reply echoes: a reply
+        left unread by a spawn that was interrupted (a test's timeout) is its daemon, killed,
+        not taken for the next one's."""
         with self.lock:
-            self.file.write(json.dumps(req).encode() + b"\n")
-            self.file.flush()
-            line = self.file.readline()
+            self._next_id += 1
+            req = {"id": self._next_id, "args": list(args), "env": dict(env), "log": str(log), "cwd": os.getcwd(),
+                   "cpus": sorted(cpus) if cpus is not None else None}
+            try:
+                self.file.write(json.dumps(req).encode() + b"\n")
+                self.file.flush()
+                while True:
+                    line = self.file.readline()
+                    if not line:
+                        break
+                    reply = json.loads(line)
+                    if reply.get("id") == req["id"]:
+                        break
+                    if "pid" in reply:  # an interrupted spawn's daemon: nobody holds it
+                        _reap(reply["pid"])
+            except OSError as exc:
+                line = b""
+                err = exc
+            else:
+                err = None
         if not line:
-            raise RuntimeError(f"the fork server exited (status {self.proc.poll()})")
-        reply = json.loads(line)
+            raise RuntimeError(f"the fork server is gone (status {self.proc.poll()}, {err}); its log "
+                               f"{self.log} ends: {self.log.read_text(errors='replace')[-2000:]}")
         if "error" in reply:
             raise RuntimeError(f"the fork server could not start {args}: {reply['error']}")
         return ForkedChild(reply["pid"], [sys.executable, "-m", *args])
@@ -113,6 +138,14 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 # ---------------------------------------------------------------- in the server process
@@ -136,10 +169,10 @@ def _become(req: dict, server_fd: int) -> None:
             os.sched_setaffinity(0, req["cpus"])
         import runpy
 
-        import torch
-
-        torch.seed()  # a fresh interpreter's generator, not the server's
         sys.argv = list(req["args"])
+        # what the interpreter was started with, as `python -m` gives it: a daemon that re-executes
+        # itself (common.hugepages) must start itself again, not this server
+        sys.orig_argv = [sys.executable, "-m", *req["args"]]
         sys.path[0] = req["cwd"]  # as `python -m` has it (the server's is this file's folder)
         try:
             runpy.run_module(req["args"][0], run_name="__main__", alter_sys=True)
@@ -191,7 +224,7 @@ def serve(fd: int) -> None:
         with os.fdopen(r, "rb") as got:
             said = got.read()
         os.waitpid(middle, 0)  # the daemon is the subreaper's now
-        reply = {"pid": int(said)} if said else {"error": "the middle process forked nothing"}
+        reply = {"id": req["id"], **({"pid": int(said)} if said else {"error": "the middle process forked nothing"})}
         sock.sendall(json.dumps(reply).encode() + b"\n")
 
 

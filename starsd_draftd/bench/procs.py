@@ -60,6 +60,7 @@ class ProcessSet:
         """Start ``python -m *args`` as ``name``; ``cpus`` pins it (and its torch threads' cores)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         if self.launcher is not None:
+            open(self.logdir / f"{name}.log", "wb").close()  # there, and empty, once this returns
             proc = self.launcher(list(args), full_env, self.logdir / f"{name}.log", cpus)
             self.procs[name] = proc
             return proc
