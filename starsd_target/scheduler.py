@@ -514,8 +514,9 @@ class Scheduler:
             if a.job.on_progress is not None and added:
                 with self._confined(a):
                     a.job.on_progress(a.gen)
-            if a in self.active and a.gen.done:  # the steps made its last tokens: their round ends here
-                self._profile(a, time.perf_counter(), verified=False)
+            if a in self.active and a.gen.done:  # the steps made its last tokens: their round ends here,
+                a.resolved_at = time.perf_counter()  # its request given up, waited for until now
+                self._profile(a, a.resolved_at, verified=False)
                 self._finish(a, None)  # its request in flight is abandoned with its session
         return True
 
