@@ -106,7 +106,7 @@ def model_options(f):
                     "daemon's estimate (plus a round trip; --draft-timeout caps it). Past it the round runs "
                     "with the target alone. Raise it where processes stall for tens of milliseconds (many "
                     "daemons sharing few cores); a hung daemon is still found in a round trip."),
-        option("--ack-timeout", type=click.FloatRange(0.001), default=_d("ack_timeout"),
+        option("--ack-timeout", type=click.FloatRange(0.03), default=_d("ack_timeout"),
                help="Least seconds a draft request waits for the daemon's acknowledgement (longer when the "
                     "measured round trip says so). With none by then the round runs without drafts and the "
                     "link is suspect until the daemon is heard again: how fast a hung daemon is found. "

@@ -87,7 +87,9 @@ IN_PROCESS_ACK_FLOOR_S = 0.25
 
 @contextlib.contextmanager
 def patient_acks():
-    """``IN_PROCESS_ACK_FLOOR_S`` as the acknowledgement floor of draft clients built in the block."""
+    """``IN_PROCESS_ACK_FLOOR_S`` as the acknowledgement floor of draft clients and pools built in
+    the block without a floor of their own; a TargetDaemon passes its config's ``ack_timeout_s``
+    (give it ``IN_PROCESS_ACK_FLOOR_S`` there)."""
     from starsd_target import client
 
     before, client.ACK_FLOOR_S = client.ACK_FLOOR_S, max(client.ACK_FLOOR_S, IN_PROCESS_ACK_FLOOR_S)
