@@ -199,5 +199,6 @@ def test_fill_steps_that_end_a_generation_are_in_its_round_profile(loaded_target
     s = r.stats
     assert r.token_ids == ref and s.fill_steps > 0, s
     assert s.profile.seconds["fill"] > 0 and s.profile.counts["fill"] > 0, s.profile
-    # every round waited for its request, the last one too (given up when the steps finished it)
-    assert s.profile.counts["draft_wait"] == s.profile.rounds >= s.profile.counts["fill"], s.profile
+    # a round with fill steps waited for a request, the last one too (given up when its steps
+    # finished the generation)
+    assert s.profile.counts["draft_wait"] >= s.profile.counts["fill"], s.profile
