@@ -72,9 +72,14 @@ def serve_http(daemon: TargetDaemon, addr: str, model_name: str) -> None:
     config = uvicorn.Config(create_app(daemon, model_name), host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=30)
     freeze_startup_objects("target daemon")  # before any job can come
-    control = threading.Thread(target=daemon.serve_forever, kwargs={"notify_ready": False}, name="starsd-control",
-                               daemon=True)
+    ready = threading.Event()
+    control = threading.Thread(target=daemon.serve_forever, kwargs={"ready": ready, "notify_ready": False},
+                               name="starsd-control", daemon=True)
     control.start()
+    # READY=1 goes out once uvicorn listens, and must mean /health answers 200: the job socket is
+    # bound and the scheduler runs before uvicorn starts (on a loaded host the thread came later)
+    while not ready.wait(0.1) and control.is_alive():
+        pass
     # uvicorn takes SIGTERM/SIGINT while it runs, drains HTTP, then re-raises the signal: our
     # handler then stops the job socket and the scheduler instead of the default kill.
     daemon.install_signal_handlers()
