@@ -33,8 +33,8 @@ from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 # Daemons started through ProcessSet (the Star below, the bench's and the demo's) are forked from a
 # server that imported torch and the daemons' modules once (tests/forkserver.py): a new
-# interpreter spends 2-3 s of CPU on those imports, and the suite starts a few hundred daemons on
-# two cores. STARSD_TEST_FORK_SERVER=0 starts each as a new interpreter, as the product does.
+# interpreter spends 2-3 s of CPU on those imports, and the suite starts about 110 daemons on two
+# cores. STARSD_TEST_FORK_SERVER=0 starts each as a new interpreter, as the product does.
 _fork_server = None
 _fork_lock = threading.Lock()
 
