@@ -28,8 +28,9 @@ ENDPOINTS = Unit(lambda values: ",".join(parse_endpoints(values)) or None,
                  lambda spec: tuple(parse_endpoints(spec)))
 # the options that set TargetConfig's fields, each showing its field's default
 CONFIG_OPTIONS = ConfigOptions(app.TargetConfig, {
-    "draft_timeout": "draft_timeout_s", "ack_timeout": "ack_timeout_s", "connect_timeout": "connect_timeout_s", "heartbeat": "heartbeat_s",
-    "compile_": "compile", "stall_timeout": "stall_timeout_s", "admit_window_ms": ("admit_window_s", MS),
+    "draft_timeout": "draft_timeout_s", "ack_timeout": "ack_timeout_s", "connect_timeout": "connect_timeout_s",
+    "heartbeat": "heartbeat_s", "compile_": "compile", "stall_timeout": "stall_timeout_s",
+    "admit_window_ms": ("admit_window_s", MS),
     "draft_max_active": ("draft_max_active", AUTO), "draft": ("draft", ENDPOINTS),
     "draft_resolve_interval": "draft_resolve_interval_s"})
 _d = CONFIG_OPTIONS.default
