@@ -183,7 +183,7 @@ def _become(req: dict, server_fd: int) -> None:
             if exc.code is None or isinstance(exc.code, int):
                 code = exc.code or 0
             else:
-                print(exc.code, file=sys.stderr)
+                sys.stderr.write(f"{exc.code}\n")  # as the interpreter reports a message exit
                 code = 1
     except BaseException:  # noqa: BLE001 - a daemon's crash, as a new interpreter would print it
         import traceback
