@@ -117,7 +117,9 @@ class ForkServer:
                     if reply.get("id") == req["id"]:
                         break
                     if "pid" in reply:  # an interrupted spawn's daemon: nobody holds it
-                        _reap(reply["pid"])
+                        orphan = ForkedChild(reply["pid"], args)
+                        orphan.kill()
+                        orphan.wait()
             except OSError as exc:
                 line = b""
                 err = exc
@@ -140,14 +142,6 @@ class ForkServer:
             self.proc.wait()
         if self.proc.returncode == 0 and not self.log.stat().st_size:  # nothing to tell: no file left behind
             self.log.unlink()
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 # ---------------------------------------------------------------- in the server process

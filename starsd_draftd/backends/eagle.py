@@ -420,7 +420,7 @@ class EagleBackend(DraftBackend):
         return stopped_sent(stop, st.calibration, start, chain.result())
 
     def _greedy_trees(self, jobs: list[tuple[EagleSession, torch.Tensor, int, int]],
-                      floors: list[tuple[Stopping, float]] | None = None) -> list[Draft]:
+                      floors: list[tuple[Stopping, float]]) -> list[Draft]:
         """Greedy sessions' dynamic trees (``trees.GreedyTree``; ``jobs``: session, its head
         output at the last real pair, depth, tree tokens): one head forward per level below the
         first, for all of them, as a chain takes one per token. ``floors``, per job, its request's
@@ -437,7 +437,6 @@ class EagleBackend(DraftBackend):
         pairs, and a session drafts the same tree alone as in a batch."""
         dev, width = self.device, self.predicted_size
         trees, predicted, cols = [], [], []
-        floors = floors or [(Stopping(None, 0.0), 0.0)] * len(jobs)
         for (st, hidden, depth, tokens), (stop, min_chance) in zip(jobs, floors):
             t = GreedyTree(self.tree_topk, frontier_width(self.tree_topk, depth, tokens),
                            *((st.calibration.chance, min_chance or stop.min_survival) if stop.active else ()))

@@ -59,16 +59,16 @@ class ProcessSet:
               cpus: Iterable[int] | None = None) -> subprocess.Popen:
         """Start ``python -m *args`` as ``name``; ``cpus`` pins it (and its torch threads' cores)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        log_path = self.logdir / f"{name}.log"
         if self.launcher is not None:
-            open(self.logdir / f"{name}.log", "wb").close()  # there, and empty, once this returns
-            proc = self.launcher(list(args), full_env, self.logdir / f"{name}.log", cpus)
-            self.procs[name] = proc
-            return proc
-        log = open(self.logdir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        log.close()
-        if cpus is not None:  # before the child has imported anything (a fork-time hook is unsafe with threads)
-            os.sched_setaffinity(proc.pid, frozenset(cpus))
+            open(log_path, "wb").close()  # there, and empty, once this returns; the launcher pins the child
+            proc = self.launcher(list(args), full_env, log_path, cpus)
+        else:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                                        env=full_env)
+            if cpus is not None:  # before the child has imported anything (a fork-time hook is unsafe with threads)
+                os.sched_setaffinity(proc.pid, frozenset(cpus))
         self.procs[name] = proc
         return proc
 
